@@ -1,0 +1,166 @@
+"""The `specchat` command: the app (default), `generate` and `chat`.
+
+Public contract: `generate --json` prints exactly one JSON object (text, token_ids,
+prompt_tokens, new_tokens, mode, finish_reason, stats); bad input prints one line to stderr and
+exits with code 2. Extend it, never break it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+
+from ..core.errors import InputError, SpecchatError
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line and exit code 2, without the usage dump."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specchat", description="Long-context chat with lossless speculative decoding.")
+    _add_server_options(parser)
+    commands = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+
+    ui = commands.add_parser("ui", help="launch the chat app in a browser tab (the default)")
+    _add_server_options(ui)
+
+    generate = commands.add_parser("generate", help="answer one prompt and exit")
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the question or instruction")
+    source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file")
+    generate.add_argument("--document", metavar="FILE", help="a text file put ahead of the prompt")
+    generate.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
+    _add_generation_options(generate)
+
+    chat = commands.add_parser("chat", help="a conversation in the terminal")
+    _add_generation_options(chat)
+    return parser
+
+
+def _add_server_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=argparse.SUPPRESS,
+                        help="address to bind (default 127.0.0.1: this computer only)")
+    parser.add_argument("--port", type=int, default=argparse.SUPPRESS, help="port (default 7860)")
+    parser.add_argument("--no-browser", action="store_true", default=argparse.SUPPRESS,
+                        help="do not open a browser tab")
+    parser.add_argument("--model", default=argparse.SUPPRESS,
+                        help="`embedded` (default) or a local transformers model directory")
+
+
+def _add_generation_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="embedded",
+                        help="`embedded` (default) or a local transformers model directory")
+    parser.add_argument("--system", help="system prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 (default): no top-k filter")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--mode", choices=("plain", "chain", "auto"), default="auto",
+                        help="plain decoding, chain speculation, or auto (the plan's choice)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "chat":
+            from .terminal import run_chat
+            return run_chat(_load(args.model), args)
+        from .ui import launch
+        launch(host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
+               open_browser=not getattr(args, "no_browser", False),
+               model_id=getattr(args, "model", "embedded"))
+        return 0
+    except SpecchatError as error:
+        print(f"specchat: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("specchat: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as error:  # the last line of defence: one line, never a traceback
+        if os.environ.get("SPECCHAT_DEBUG"):
+            raise
+        print(f"specchat: unexpected error: {type(error).__name__}: {error} "
+              "(set SPECCHAT_DEBUG=1 for details)", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def sampling_params(args):
+    from ..core.sampling import SamplingParams
+
+    try:
+        return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+
+
+def _load(model_id: str):
+    _quiet_transformers()
+    from ..core.engine import load_engine
+
+    return load_engine(model_id, progress=lambda message: print(message, file=sys.stderr))
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _generate(args) -> int:
+    from .documents import read_text_file, user_turn
+
+    # Check everything the user typed before the model loads: bad input fails in a second.
+    params = sampling_params(args)
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    question = args.prompt if args.prompt is not None else read_text_file(args.prompt_file)
+    document = read_text_file(args.document) if args.document else None
+    content = user_turn(question, document)
+    if not question.strip():
+        raise InputError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file")
+
+    from ..core.engine import Finished, TextDelta
+
+    engine = _load(args.model)
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": content})
+    cancel = threading.Event()
+    result = None
+    try:
+        for event in engine.generate(engine.chat_ids(messages), args.max_new_tokens, params, args.mode, cancel):
+            if isinstance(event, TextDelta) and not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, Finished):
+                result = event.result
+    except KeyboardInterrupt:
+        cancel.set()
+        raise
+    if args.json:
+        print(json.dumps(result.to_json(), ensure_ascii=False))
+    else:
+        stats = result.stats
+        print(file=sys.stdout)
+        print(f"[{result.new_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
+              f"{stats.mean_accepted_per_forward:.2f} tokens per target forward, mode {result.mode}]",
+              file=sys.stderr)
+    return 0
+
+
+def entry_point() -> None:
+    sys.exit(main())

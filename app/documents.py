@@ -1,0 +1,37 @@
+"""Text that people hand to specchat: prompt and document files, and how a document joins a turn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..core.errors import InputError
+
+TEXT_SUFFIXES = (".txt", ".md")
+
+
+def read_text_file(path: str | Path) -> str:
+    """The UTF-8 text of a file, or an `InputError` that says what is wrong with it."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"cannot read {path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"cannot read {path}: it is a folder, not a file") from None
+    except OSError as error:
+        raise InputError(f"cannot read {path}: {error.strerror or error}") from None
+    if b"\x00" in data:
+        raise InputError(f"{path} looks like a binary file: give a plain-text file (.txt or .md)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise InputError(f"{path} is not UTF-8 text (bad byte at offset {error.start}): "
+                         "save it as UTF-8 and try again") from None
+
+
+def user_turn(question: str, document: str | None) -> str:
+    """The user message: the document first, then the question about it."""
+    question = question.strip()
+    if document and document.strip():
+        return f"{document.strip()}\n\n{question}" if question else document.strip()
+    return question

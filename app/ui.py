@@ -1,0 +1,146 @@
+"""The Gradio chat: streaming answers, a document box, a stop button, live speed figures.
+
+It consumes the engine's event stream and never touches models or tensors. The model loads in
+the background, so the page is up at once, even during the one-time conversion.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+
+from ..core.errors import SpecchatError  # noqa: E402
+from .documents import TEXT_SUFFIXES, read_text_file, user_turn  # noqa: E402
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+class EngineHandle:
+    """The engine, loading in a background thread; `get()` waits for it or raises its error."""
+
+    def __init__(self, model_id: str):
+        self._ready = threading.Event()
+        self._engine = None
+        self._error: Exception | None = None
+        threading.Thread(target=self._load, args=(model_id,), daemon=True).start()
+
+    def _load(self, model_id: str) -> None:
+        from .cli import _load
+
+        try:
+            self._engine = _load(model_id)
+        except Exception as error:  # shown in the chat instead of killing the server
+            self._error = error
+        finally:
+            self._ready.set()
+
+    def get(self):
+        self._ready.wait()
+        if self._error is not None:
+            raise SpecchatError(f"the model could not be loaded: {self._error}")
+        return self._engine
+
+
+FINISH_REASONS = {"stop": "done", "length": "reached the token limit", "cancelled": "stopped"}
+
+
+def _stats_line(stats, mode: str) -> str:
+    return (f"**{stats.tokens_per_second:.1f} tok/s** · "
+            f"**{stats.mean_accepted_per_forward:.2f}** tokens per target forward · "
+            f"{stats.target_forwards} target forwards · mode `{mode}`")
+
+
+def build_ui(handle: EngineHandle) -> gr.Blocks:
+    from ..core.engine import Finished, PrefillProgress, TextDelta
+    from ..core.sampling import SamplingParams
+
+    unchanged = (gr.update(), gr.update(), gr.update())  # message, document, upload
+
+    def respond(message, document, upload, max_new_tokens, temperature, mode, conversation, shown):
+        """Stream one answer. `conversation` holds what the model sees (documents in full);
+        `shown` is the chat as displayed (documents as a one-line attachment)."""
+        question = (message or "").strip()
+        try:
+            attached = document or ""
+            if upload:
+                attached = "\n\n".join(part for part in (attached, read_text_file(upload)) if part.strip())
+            content = user_turn(question, attached)
+            if not content:
+                yield conversation, shown, *unchanged, "Type a question or attach a document."
+                return
+            label = question or "(document)"
+            if attached.strip():
+                label = f"*[document attached: {len(attached):,} characters]*\n\n{label}"
+            turn = conversation + [{"role": "user", "content": content}]
+            shown = shown + [{"role": "user", "content": label}, {"role": "assistant", "content": ""}]
+            # The document is now part of the conversation: clear the boxes so it is not sent twice.
+            yield conversation, shown, "", "", None, "Loading the model…"
+            engine = handle.get()
+            params = SamplingParams(temperature=float(temperature))
+            answer = ""
+            for event in engine.generate(engine.chat_ids(turn), int(max_new_tokens), params, mode):
+                if isinstance(event, PrefillProgress):
+                    status = f"Reading the prompt: {event.done:,} / {event.total:,} tokens"
+                    yield conversation, shown, *unchanged, status
+                elif isinstance(event, TextDelta):
+                    answer += event.text
+                    shown[-1] = {"role": "assistant", "content": answer}
+                    yield (turn + [{"role": "assistant", "content": answer}], shown, *unchanged,
+                           _stats_line(event.stats, engine_mode(mode)))
+                elif isinstance(event, Finished):
+                    result = event.result
+                    yield (turn + [{"role": "assistant", "content": result.text}], shown, *unchanged,
+                           f"{_stats_line(result.stats, result.mode)} · {result.new_tokens} tokens, "
+                           f"{FINISH_REASONS[result.finish_reason]}")
+        except SpecchatError as error:
+            shown = shown + [{"role": "assistant", "content": f"⚠️ {error}"}]
+            yield conversation, shown, *unchanged, f"⚠️ {error}"
+
+    def engine_mode(mode: str) -> str:
+        from ..core.engine import resolve_mode
+
+        return resolve_mode(mode)
+
+    with gr.Blocks(title="specchat") as demo:
+        gr.Markdown("## specchat\nLong-document chat, sped up by lossless speculative decoding.")
+        conversation = gr.State([])
+        chatbot = gr.Chatbot(label="Chat", height=460, elem_id="chat")
+        with gr.Row():
+            message = gr.Textbox(placeholder="Ask about your document, or just chat", show_label=False,
+                                 scale=6, elem_id="message", autofocus=True)
+            send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+            stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
+        stats = gr.Markdown("", elem_id="stats")
+        with gr.Accordion("Document", open=False):
+            document = gr.Textbox(label="Paste a document", lines=6, elem_id="document")
+            upload = gr.File(label="…or upload one", file_types=list(TEXT_SUFFIXES), type="filepath")
+        with gr.Accordion("Settings", open=False):
+            max_new_tokens = gr.Slider(16, 2048, value=512, step=16, label="Max new tokens")
+            temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature (0 = greedy)")
+            mode = gr.Radio(["auto", "chain", "plain"], value="auto", label="Decoding")
+        clear = gr.Button("New conversation", size="sm")
+
+        inputs = [message, document, upload, max_new_tokens, temperature, mode, conversation, chatbot]
+        outputs = [conversation, chatbot, message, document, upload, stats]
+        events = [trigger(respond, inputs, outputs) for trigger in (message.submit, send.click)]
+        stop.click(None, cancels=events)
+        clear.click(lambda: ([], [], ""), None, [conversation, chatbot, stats], cancels=events)
+        chatbot.clear(lambda: ([], ""), None, [conversation, stats], cancels=events)
+    return demo
+
+
+def launch(host: str = DEFAULT_HOST, port: int = 7860, open_browser: bool = True,
+           model_id: str = "embedded") -> None:
+    if host not in (DEFAULT_HOST, "localhost", "::1"):
+        print(f"specchat: warning: listening on {host}: other computers on the network can use this chat",
+              file=sys.stderr)
+    demo = build_ui(EngineHandle(model_id))
+    print(f"specchat: the chat is at http://{host}:{port}", file=sys.stderr)
+    demo.queue(default_concurrency_limit=1).launch(
+        server_name=host, server_port=port, inbrowser=open_browser, share=False,
+        ssr_mode=False, quiet=True, footer_links=[])

@@ -1,0 +1,125 @@
+"""Token-level decoding: prefill, then one target forward per `Step`, for each decoding mode.
+
+A decoder's `step` runs exactly one target forward and commits one or more tokens. Invariant
+between steps: the cache holds every committed token but the last, whose logits come next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generator, Iterator, Protocol
+
+import torch
+
+from .kv.full import FullCache
+from .model import CausalLM
+from .sampling import SamplingParams, sample, warp
+from .spec.drafters import PromptLookupDrafter
+from .spec.verify import verify_chain
+
+MODES = ("plain", "chain")
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one target forward committed."""
+    tokens: list[int]  # accepted draft tokens, then the recovered or bonus (or plain) token
+    drafted: int = 0  # draft tokens this forward verified
+    accepted: int = 0  # of which accepted
+
+
+@dataclass
+class DecodeState:
+    model: CausalLM
+    cache: FullCache
+    ids: torch.Tensor  # [L] prompt and committed tokens
+    params: SamplingParams
+    generator: torch.Generator
+
+    def commit(self, tokens: list[int]) -> None:
+        self.ids = torch.cat([self.ids, torch.tensor(tokens, dtype=self.ids.dtype)])
+
+
+class Decoder(Protocol):
+    def step(self, state: DecodeState, budget: int) -> Step:
+        """One target forward; commits at most `budget` tokens' worth of work (>= 1)."""
+        ...
+
+
+class PlainDecoder:
+    def step(self, state: DecodeState, budget: int) -> Step:
+        position = state.ids.shape[0] - 1
+        logits = state.model.forward(state.ids[-1:], torch.tensor([position]), state.cache)
+        token = sample(warp(logits[0], state.params), state.generator)
+        state.commit([token])
+        return Step([token])
+
+
+class ChainDecoder:
+    """Speculative decoding on a chain: the drafter proposes, one target forward verifies.
+
+    The lookahead adapts (grow after a fully accepted draft, shrink after a rejection), and a
+    step with no proposal is a plain step, so drafting that finds nothing costs nothing.
+    """
+
+    def __init__(self, drafter: PromptLookupDrafter, lookahead: int = 4,
+                 min_lookahead: int = 1, max_lookahead: int = 16):
+        self.drafter = drafter
+        self.lookahead = lookahead
+        self.min_lookahead = min_lookahead
+        self.max_lookahead = max_lookahead
+        self._plain = PlainDecoder()
+
+    def step(self, state: DecodeState, budget: int) -> Step:
+        # The forward yields one token beyond the draft, so draft at most budget - 1.
+        proposal = self.drafter.propose(state.ids, min(self.lookahead, budget - 1))
+        if proposal is None or len(proposal) == 0:
+            return self._plain.step(state, budget)
+        start = state.ids.shape[0] - 1
+        inputs = torch.cat([state.ids[-1:], proposal.tokens])
+        logits = state.model.forward(inputs, torch.arange(start, start + inputs.shape[0]), state.cache)
+        verdict = verify_chain(proposal.tokens, proposal.q, warp(logits, state.params), state.generator)
+        state.cache.trim(start + 1 + verdict.accepted)
+        tokens = proposal.tokens[:verdict.accepted].tolist() + [verdict.next_token]
+        state.commit(tokens)
+        if verdict.accepted == len(proposal):
+            self.lookahead = min(self.max_lookahead, self.lookahead + 2)
+        else:
+            self.lookahead = max(self.min_lookahead, self.lookahead - 1)
+        return Step(tokens, drafted=len(proposal), accepted=verdict.accepted)
+
+
+def make_decoder(mode: str, vocab_size: int) -> Decoder:
+    if mode == "plain":
+        return PlainDecoder()
+    if mode == "chain":
+        return ChainDecoder(PromptLookupDrafter(vocab_size))
+    raise ValueError(f"unknown decoding mode {mode!r} (choose from {', '.join(MODES)})")
+
+
+def prefill(model: CausalLM, cache: FullCache, ids: torch.Tensor,
+            chunk_size: int) -> Generator[int, None, torch.Tensor]:
+    """Run the prompt through the model in chunks, yielding the positions done after each;
+    returns the last position's logits [vocab]."""
+    for start in range(0, ids.shape[0], chunk_size):
+        end = min(ids.shape[0], start + chunk_size)
+        logits = model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
+        yield end
+    return logits[-1]
+
+
+def decode(state: DecodeState, decoder: Decoder, first_logits: torch.Tensor,
+           max_new_tokens: int) -> Iterator[Step]:
+    """Steps until `max_new_tokens` are committed; the caller stops earlier on EOS or cancel.
+
+    The first step is the token sampled from the prefill's last logits: the prefill is the
+    forward that produced it.
+    """
+    first = sample(warp(first_logits, state.params), state.generator)
+    state.commit([first])
+    yield Step([first])
+    produced = 1
+    while produced < max_new_tokens:
+        step = decoder.step(state, max_new_tokens - produced)
+        produced += len(step.tokens)
+        yield step

@@ -1,0 +1,48 @@
+"""Drafters: sources of draft tokens for a verifier.
+
+Every drafter returns a `Proposal`: draft tokens and, per token, the distribution Q it was drawn
+from (one-hot for deterministic drafters), which verification needs to stay lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: torch.Tensor  # [g] draft tokens
+    q: torch.Tensor  # [g, vocab] draft distributions
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class PromptLookupDrafter:
+    """Model-free drafting: find the latest earlier occurrence of the text's last n tokens
+    (longest n first) and propose what followed it. Pays off when the answer quotes the
+    document or the conversation."""
+
+    def __init__(self, vocab_size: int, max_ngram: int = 4, min_ngram: int = 2):
+        self.vocab_size = vocab_size
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, ids: torch.Tensor, max_tokens: int) -> Proposal | None:
+        """ids [L]: prompt plus generated tokens so far. None when nothing matches."""
+        length = ids.shape[0]
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if length <= n:
+                continue
+            # Windows start at 0..L-1-n, so the final n-gram never matches itself and every
+            # match has at least one token after it.
+            windows = ids[:-1].unfold(0, n, 1)  # [L - n, n]
+            starts = (windows == ids[-n:]).all(-1).nonzero()
+            if starts.numel():
+                begin = int(starts[-1]) + n
+                tokens = ids[begin:begin + max_tokens]
+                q = torch.nn.functional.one_hot(tokens, self.vocab_size).float()
+                return Proposal(tokens, q)
+        return None

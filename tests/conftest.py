@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random-weight models (fast, fp64 so greedy ties cannot flip between
+batched and single-token forwards) and the real embedded model (converted once per machine)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the Hub
+DATA = Path(__file__).parent / "data"
+
+
+def tiny_llama(seed: int, vocab_size: int = 97, dtype=torch.float64, context: int = 512,
+               weight_scale: float = 1.0):
+    """A 2-layer Llama with grouped-query attention and random weights, in `dtype`.
+
+    `weight_scale` sharpens its distributions (random init alone gives near-uniform logits).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specchat.core.model import TransformersLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=context, attn_implementation="sdpa",
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(weight_scale)
+    return TransformersLM(model)
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    from specchat.core import embedded
+
+    return embedded.ensure_converted()
+
+
+@pytest.fixture(scope="session")
+def embedded_engine(embedded_dir):
+    from specchat.core.engine import load_engine
+
+    return load_engine("embedded")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
+    """A tiny random model saved with the embedded tokenizer: the real CLI path in a second.
+    Its 256-token context makes 'too long' easy to reach."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id)
+    path = tmp_path_factory.mktemp("tiny-model")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,132 @@
+"""End to end in a real browser: `specchat --no-browser` serves the chat; headless Chromium
+(Debian's, driven by playwright; never `playwright install`) sends messages and watches the
+answer stream in. Screenshots land in artifacts/ (git-ignored)."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from test_cli import SPECCHAT
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).parent.parent / "artifacts"
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+def browser_or_skip():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        sync_playwright = None
+    missing = "playwright is not installed" if sync_playwright is None else (
+        None if os.path.exists(CHROMIUM) else f"{CHROMIUM} is missing (apt-get install chromium)")
+    if missing:
+        if os.environ.get("SPECCHAT_REQUIRE_BROWSER"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    return sync_playwright
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(embedded_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    process = subprocess.Popen([SPECCHAT, "--no-browser", "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"specchat did not start:\n{process.stdout.read()}")
+                time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    sync_playwright = browser_or_skip()
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        page = browser.new_page(viewport={"width": 1100, "height": 1000})
+        # Never wait for "networkidle": Gradio keeps a connection open.
+        page.goto(server)
+        page.locator("#message textarea").wait_for(timeout=60_000)
+        yield page
+        browser.close()
+
+
+def wait_for(condition, timeout=120, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def send(page, text):
+    box = page.locator("#message textarea")
+    box.fill(text)
+    box.press("Enter")
+
+
+def last_answer(page) -> str:
+    bots = page.locator('[data-testid="bot"]')
+    return bots.last.inner_text() if bots.count() else ""
+
+
+def test_answer_streams_in_and_stop_stops_it(page):
+    send(page, "Write a long story about a dragon who loves books.")
+    lengths = set()
+    wait_for(lambda: lengths.add(len(last_answer(page))) or len(lengths - {0}) >= 3,
+             what="the answer to grow over several updates")
+    page.locator("#stop").click()
+    stopped = wait_for(lambda: _settled(page), what="the answer to stop")
+    assert "tok/s" in page.locator("#stats").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "browser-streaming-stopped.png"), full_page=True)
+    time.sleep(2)
+    assert last_answer(page) == stopped  # nothing more arrives after Stop
+
+
+def _settled(page):
+    before = last_answer(page)
+    time.sleep(1.5)
+    after = last_answer(page)
+    return after if after and after == before else None
+
+
+def test_question_about_a_pasted_document(page):
+    page.get_by_text("New conversation").click()
+    page.get_by_text("Document", exact=True).click()
+    page.locator("#document textarea").fill(
+        "Meeting notes. The launch date moved to March 3. Budget approved: 40,000 euros. "
+        "Owner of the launch: Priya.")
+    send(page, "Who owns the launch?")
+    wait_for(lambda: "done" in page.locator("#stats").inner_text()
+             or "token limit" in page.locator("#stats").inner_text(), what="the answer to finish")
+    user_turns = page.locator('[data-testid="user"]')
+    assert user_turns.count() == 1 and "document attached" in user_turns.last.inner_text()
+    assert last_answer(page).strip()
+    assert page.locator("#document textarea").input_value() == ""  # sent once, now in the conversation
+    page.screenshot(path=str(ARTIFACTS / "browser-document-answer.png"), full_page=True)

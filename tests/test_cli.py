@@ -1,0 +1,94 @@
+"""The public CLI contract: `specchat generate --json`, and exit code 2 with one line for bad input."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA
+
+SPECCHAT = shutil.which("specchat", path=str(Path(sys.executable).parent)) or shutil.which("specchat")
+
+
+def specchat(*args, timeout=600):
+    return subprocess.run([SPECCHAT, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_bad_input(completed, *fragments):
+    assert completed.returncode == 2, completed.stderr
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in completed.stderr, completed.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert completed.stdout == ""
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "binary.bin").write_bytes(b"\x7fELF\x00\x01\x02")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "empty.txt").write_text("  \n")
+    return tmp_path
+
+
+def test_empty_prompt(files):
+    assert_bad_input(specchat("generate", "--prompt", "  "), "prompt is empty")
+    assert_bad_input(specchat("generate", "--prompt-file", files / "empty.txt"), "prompt is empty")
+
+
+def test_unreadable_files(files):
+    assert_bad_input(specchat("generate", "--prompt-file", files / "missing.txt"), "no such file")
+    assert_bad_input(specchat("generate", "--prompt", "hi", "--document", files / "binary.bin"), "binary")
+    assert_bad_input(specchat("generate", "--prompt", "hi", "--document", files / "latin1.txt"), "not UTF-8")
+    assert_bad_input(specchat("generate", "--prompt", "hi", "--document", files), "folder")
+
+
+def test_bad_options():
+    assert_bad_input(specchat("generate", "--prompt", "hi", "--mode", "fast"), "invalid choice")
+    assert_bad_input(specchat("generate"), "--prompt")
+    assert_bad_input(specchat("generate", "--prompt", "hi", "--temperature", "-1"), "temperature")
+    assert_bad_input(specchat("generate", "--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens")
+    assert_bad_input(specchat("frobnicate"), "invalid choice")
+
+
+def test_unknown_model(tmp_path):
+    assert_bad_input(specchat("generate", "--prompt", "hi", "--model", tmp_path / "nope"), "no model at")
+
+
+def test_prompt_longer_than_the_context(tiny_model_dir):
+    completed = specchat("generate", "--model", tiny_model_dir, "--prompt", "Summarize.",
+                         "--document", DATA / "apache-2.0.txt")
+    assert_bad_input(completed, "reads at most 256", "shorten")
+
+
+def test_json_contract(tiny_model_dir):
+    completed = specchat("generate", "--model", tiny_model_dir, "--prompt", "Hello there", "--json",
+                         "--max-new-tokens", "12", "--mode", "chain", "--temperature", "0.7", "--seed", "3")
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(completed.stdout)  # exactly one JSON object, nothing else on stdout
+    assert {"text", "token_ids", "prompt_tokens", "new_tokens", "mode", "stats"} <= result.keys()
+    assert {"target_forwards", "mean_accepted_per_forward", "tokens_per_second",
+            "prefill_seconds", "decode_seconds"} <= result["stats"].keys()
+    assert result["mode"] == "chain" and result["new_tokens"] == len(result["token_ids"]) <= 12
+    assert result["prompt_tokens"] > 2 and result["stats"]["target_forwards"] >= 1
+
+
+@pytest.mark.slow
+def test_greedy_chain_matches_plain_on_a_summary_of_3k_tokens(tmp_path):
+    """The issue's acceptance check, through the CLI on the embedded model."""
+    text = (DATA / "gpl-3.0.txt").read_text()
+    document = tmp_path / "document.txt"
+    document.write_text(text[:text.rfind("\n\n", 0, 14000)])
+    runs = {}
+    for mode in ("plain", "chain"):
+        completed = specchat("generate", "--document", document, "--prompt", "Summarize this document.",
+                             "--mode", mode, "--temperature", "0", "--max-new-tokens", "128", "--json")
+        assert completed.returncode == 0, completed.stderr
+        runs[mode] = json.loads(completed.stdout)
+    assert 2800 <= runs["plain"]["prompt_tokens"] <= 3300
+    assert runs["chain"]["token_ids"] == runs["plain"]["token_ids"]
+    assert runs["plain"]["stats"]["mean_accepted_per_forward"] == 1.0
+    assert runs["chain"]["stats"]["mean_accepted_per_forward"] > 1.0

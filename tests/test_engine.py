@@ -1,0 +1,83 @@
+"""The engine on the real embedded model: lossless speculation on long documents, events,
+cancellation, and clear errors."""
+
+import threading
+
+import pytest
+
+from conftest import DATA
+from specchat.core.engine import Finished, PrefillProgress, TextDelta, load_engine
+from specchat.core.errors import InputError
+from specchat.core.sampling import SamplingParams
+
+
+def excerpt(name: str, chars: int) -> str:
+    """The start of a fixture document, cut at the last paragraph break before `chars`."""
+    text = (DATA / name).read_text()
+    return text[:text.rfind("\n\n", 0, chars)]
+
+
+def answer(engine, content, mode, max_new_tokens=96, cancel=None, params=SamplingParams()):
+    ids = engine.chat_ids([{"role": "user", "content": content}])
+    events = list(engine.generate(ids, max_new_tokens, params, mode, cancel))
+    assert isinstance(events[-1], Finished)
+    return events, events[-1].result
+
+
+@pytest.mark.slow
+def test_greedy_chain_equals_plain_on_a_long_document(embedded_engine):
+    content = (DATA / "apache-2.0.txt").read_text() + "\n\nWhat does section 4 require when redistributing?"
+    _, plain = answer(embedded_engine, content, "plain")
+    events, chain = answer(embedded_engine, content, "chain")
+    assert plain.prompt_tokens > 2000
+    assert chain.token_ids == plain.token_ids and chain.text == plain.text
+    assert plain.stats.mean_accepted_per_forward == 1.0
+    assert chain.stats.target_forwards < plain.stats.target_forwards
+    # Text deltas add up to the answer; prefill progress was reported up to the whole prompt.
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == chain.text
+    progress = [e for e in events if isinstance(e, PrefillProgress)]
+    assert progress[-1].done == progress[-1].total == chain.prompt_tokens and len(progress) >= 3
+
+
+@pytest.mark.slow
+def test_sampled_answers_are_reproducible_with_a_seed(embedded_engine):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=42)
+    _, first = answer(embedded_engine, "Write a haiku about autumn.", "chain", 40, params=params)
+    _, second = answer(embedded_engine, "Write a haiku about autumn.", "chain", 40, params=params)
+    assert first.token_ids == second.token_ids and first.new_tokens > 0
+
+
+def test_cancel_stops_the_answer(embedded_engine):
+    cancel = threading.Event()
+    ids = embedded_engine.chat_ids([{"role": "user", "content": "Tell me a long story about a dragon."}])
+    tokens = 0
+    for event in embedded_engine.generate(ids, 200, SamplingParams(), "plain", cancel):
+        if isinstance(event, TextDelta):
+            tokens += len(event.token_ids)
+            cancel.set()
+        if isinstance(event, Finished):
+            assert event.result.finish_reason == "cancelled"
+            assert event.result.new_tokens == tokens <= 2
+
+
+def test_stops_at_end_of_turn(embedded_engine):
+    _, result = answer(embedded_engine, "What is the capital of France?", "auto", 64)
+    assert result.finish_reason == "stop" and "Paris" in result.text
+    assert result.mode == "chain"  # auto resolves to a concrete mode
+
+
+def test_bad_requests_are_refused_before_any_work(embedded_engine):
+    with pytest.raises(InputError, match="empty"):
+        next(embedded_engine.generate([], 10))
+    too_long = [1] * (embedded_engine.context_length + 5)
+    with pytest.raises(InputError, match="at least 6 tokens"):
+        next(embedded_engine.generate(too_long, 10))
+    with pytest.raises(InputError, match="unknown mode"):
+        next(embedded_engine.generate([1, 2], 10, mode="fast"))
+
+
+def test_answer_is_cut_at_the_context_end(tiny_model_dir):
+    engine = load_engine(str(tiny_model_dir))
+    ids = [5] * (engine.context_length - 3)
+    *_, finished = engine.generate(ids, 50, SamplingParams(), "plain")
+    assert finished.result.new_tokens <= 3

@@ -1,0 +1,38 @@
+import pytest
+import torch
+
+from specchat.core.sampling import SamplingParams, warp
+
+
+def test_greedy_is_one_hot_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [3.0, 0.0, 0.0, 0.0]])
+    probs = warp(logits, SamplingParams(temperature=0.0))
+    assert probs.tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    probs = warp(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(probs, torch.softmax(logits.float() / 0.5, -1))
+
+
+def test_top_k_keeps_k_most_likely():
+    probs = warp(torch.tensor([1.0, 4.0, 3.0, 2.0]), SamplingParams(temperature=1.0, top_k=2))
+    expected = torch.softmax(torch.tensor([4.0, 3.0]), -1)
+    assert probs[[0, 3]].tolist() == [0.0, 0.0]
+    assert torch.allclose(probs[[1, 2]], expected)
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    # 0.5 < 0.7, 0.5 + 0.3 >= 0.7: the two most likely tokens stay, renormalized.
+    probs = warp(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert torch.allclose(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    # The most likely token always stays, even when it alone exceeds p.
+    assert warp(logits, SamplingParams(temperature=1.0, top_p=0.1)).tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)])
+def test_invalid_params_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)

@@ -1,0 +1,127 @@
+"""The chain verification rule is lossless: exact enumeration and chi-square on seeded samples."""
+
+import itertools
+
+import pytest
+import torch
+
+from chisquare import chi_square_p_value
+from specchat.core.sampling import SamplingParams, warp
+from specchat.core.spec.verify import acceptance_probability, residual, verify_chain
+
+VOCAB = 4
+
+
+def random_dist(generator, size=VOCAB, zeros=0):
+    probs = torch.rand(size, generator=generator, dtype=torch.float64) + 0.05
+    probs[torch.randperm(size, generator=generator)[:zeros]] = 0.0
+    return probs / probs.sum()
+
+
+def emitted_distribution(p, q, correction):
+    """Exact distribution of the first emitted token when one draft token x ~ Q is verified:
+    sum_x Q(x) [a(x) delta_x + (1 - a(x)) correction(P, Q)]."""
+    out = torch.zeros_like(p)
+    for x in range(p.shape[0]):
+        if q[x] == 0:
+            continue
+        a = acceptance_probability(p[None], q[None], torch.tensor([x]))[0]
+        out[x] += q[x] * a
+        out += q[x] * (1 - a) * correction(p, q)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_enumeration_emits_exactly_p(seed):
+    generator = torch.Generator().manual_seed(seed)
+    # Disjoint and partial supports included: P and Q each may have zeros.
+    p = random_dist(generator, zeros=seed % 3)
+    q = random_dist(generator, zeros=(seed // 3) % 3)
+    assert torch.allclose(emitted_distribution(p, q, residual), p, atol=1e-12, rtol=0)
+
+
+def test_enumeration_catches_the_triforce_bug():
+    """Sampling P instead of the residual after a rejection is not lossless: the test above
+    would catch it."""
+    generator = torch.Generator().manual_seed(0)
+    p, q = random_dist(generator), random_dist(generator)
+    wrong = emitted_distribution(p, q, lambda p, q: p)
+    assert (wrong - p).abs().max() > 1e-3
+
+
+def test_single_draft_acceptance_is_one_minus_total_variation():
+    generator = torch.Generator().manual_seed(1)
+    p, q = random_dist(generator), random_dist(generator)
+    accept = sum(q[x] * acceptance_probability(p[None], q[None], torch.tensor([x]))[0] for x in range(VOCAB))
+    assert torch.isclose(accept, 1 - (p - q).abs().sum() / 2, atol=1e-12)
+
+
+def test_equal_distributions_have_a_well_defined_residual():
+    p = torch.tensor([0.25, 0.25, 0.5, 0.0], dtype=torch.float64)
+    assert torch.equal(residual(p, p.clone()), p)
+    assert not residual(p, p.clone()).isnan().any()
+
+
+def test_greedy_accepts_the_matching_prefix_then_corrects():
+    p = torch.nn.functional.one_hot(torch.tensor([2, 1, 3, 0]), VOCAB).float()  # argmaxes 2, 1, 3, 0
+    draft = torch.tensor([2, 1, 0])
+    q = torch.nn.functional.one_hot(draft, VOCAB).float()
+    verdict = verify_chain(draft, q, p, torch.Generator().manual_seed(0))
+    assert (verdict.accepted, verdict.next_token) == (2, 3)
+    all_right = torch.tensor([2, 1, 3])
+    verdict = verify_chain(all_right, torch.nn.functional.one_hot(all_right, VOCAB).float(), p, None)
+    assert (verdict.accepted, verdict.next_token) == (3, 0)
+
+
+def toy_model(seed, params):
+    """Next-token distributions of a toy autoregressive 'target' and 'draft' over VOCAB tokens:
+    row t is the distribution after token t, warped as the user asked."""
+    generator = torch.Generator().manual_seed(seed)
+    target = warp(torch.randn(VOCAB, VOCAB, generator=generator) * 2, params).double()
+    draft = warp(torch.randn(VOCAB, VOCAB, generator=generator) * 2, params).double()
+    return target, draft
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.3),
+    SamplingParams(temperature=1.0, top_p=0.9),
+])
+def test_chain_of_two_drafts_samples_sequences_from_p(params):
+    """Draft 2 tokens from Q, verify with P, record the first 2 emitted tokens: their joint
+    distribution must be P(y1 | s) P(y2 | y1), checked by chi-square over 16 outcomes."""
+    target, draft = toy_model(7, params)
+    start = 0
+    generator = torch.Generator().manual_seed(1234)
+    counts = torch.zeros(VOCAB, VOCAB)
+    for _ in range(6000):
+        x1 = int(torch.multinomial(draft[start], 1, generator=generator))
+        x2 = int(torch.multinomial(draft[x1], 1, generator=generator))
+        tokens = torch.tensor([x1, x2])
+        q = torch.stack([draft[start], draft[x1]])
+        p = torch.stack([target[start], target[x1], target[x2]])
+        verdict = verify_chain(tokens, q, p, generator)
+        emitted = tokens[:verdict.accepted].tolist() + [verdict.next_token]
+        if len(emitted) < 2:  # the first token was rejected: continue plainly from it
+            emitted.append(int(torch.multinomial(target[emitted[0]], 1, generator=generator)))
+        counts[emitted[0], emitted[1]] += 1
+    exact = target[start][:, None] * target  # [y1, y2]
+    assert chi_square_p_value(counts.flatten(), exact.flatten()) > 1e-3
+
+
+def test_chi_square_detects_a_wrong_distribution():
+    """The chi-square check has teeth: samples from the draft fail against the target."""
+    target, draft = toy_model(7, SamplingParams(temperature=1.0))
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.multinomial(draft[0], 6000, replacement=True, generator=generator)
+    counts = torch.bincount(samples, minlength=VOCAB)
+    assert chi_square_p_value(counts, target[0]) < 1e-3
+
+
+def test_draft_equal_to_target_accepts_everything():
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        p = torch.stack([random_dist(generator) for _ in range(4)]).float()
+        tokens = torch.stack([torch.multinomial(row, 1, generator=generator)[0] for row in p[:3]])
+        assert verify_chain(tokens, p[:3], p, generator).accepted == 3
