@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 
 from ..core.errors import InputError, SpecchatError
 
@@ -59,7 +58,7 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="embedded",
+    parser.add_argument("--model", default=argparse.SUPPRESS,
                         help="`embedded` (default) or a local transformers model directory")
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -78,11 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "chat":
             from .terminal import run_chat
-            return run_chat(_load(args.model), args)
+            return run_chat(_load(model_id(args)), args)
         from .ui import launch
         launch(host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
                open_browser=not getattr(args, "no_browser", False),
-               model_id=getattr(args, "model", "embedded"))
+               model_id=model_id(args))
         return 0
     except SpecchatError as error:
         print(f"specchat: error: {error}", file=sys.stderr)
@@ -93,9 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # the last line of defence: one line, never a traceback
         if os.environ.get("SPECCHAT_DEBUG"):
             raise
-        print(f"specchat: unexpected error: {type(error).__name__}: {error} "
+        print(f"specchat: unexpected error: {type(error).__name__}: {_first_line(error)} "
               "(set SPECCHAT_DEBUG=1 for details)", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def model_id(args) -> str:
+    """`--model` may come before or after the subcommand."""
+    return getattr(args, "model", "embedded")
 
 
 def sampling_params(args):
@@ -136,21 +145,16 @@ def _generate(args) -> int:
 
     from ..core.engine import Finished, TextDelta
 
-    engine = _load(args.model)
+    engine = _load(model_id(args))
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": content})
-    cancel = threading.Event()
     result = None
-    try:
-        for event in engine.generate(engine.chat_ids(messages), args.max_new_tokens, params, args.mode, cancel):
-            if isinstance(event, TextDelta) and not args.json:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            elif isinstance(event, Finished):
-                result = event.result
-    except KeyboardInterrupt:
-        cancel.set()
-        raise
+    for event in engine.generate(engine.chat_ids(messages), args.max_new_tokens, params, args.mode):
+        if isinstance(event, TextDelta) and not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, Finished):
+            result = event.result
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
     else:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import sys
-import threading
 
 from ..core.engine import Finished, TextDelta
-from ..core.errors import InputError
+from ..core.errors import SpecchatError
 
 HELP = "Type a message. /reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops an answer."
 
@@ -38,12 +37,14 @@ def run_chat(engine, args, stdin=sys.stdin, stdout=sys.stdout) -> int:
 
 
 def _answer(engine, messages, args, params, stdout) -> str | None:
-    """Stream one answer; returns its text (partial if stopped), or None if it could not start."""
-    cancel = threading.Event()
+    """Stream one answer; returns its text (partial if stopped), or None if it could not start.
+    Any failure ends the turn, never the conversation."""
     text = ""
     stdout.write("specchat> ")
+    events = None
     try:
-        for event in engine.generate(engine.chat_ids(messages), args.max_new_tokens, params, args.mode, cancel):
+        events = engine.generate(engine.chat_ids(messages), args.max_new_tokens, params, args.mode)
+        for event in events:
             if isinstance(event, TextDelta):
                 text += event.text
                 stdout.write(event.text)
@@ -52,10 +53,15 @@ def _answer(engine, messages, args, params, stdout) -> str | None:
                 stats = event.result.stats
                 stdout.write(f"\n[{stats.tokens_per_second:.1f} tok/s, "
                              f"{stats.mean_accepted_per_forward:.2f} tokens per target forward]\n")
-    except InputError as error:
+    except KeyboardInterrupt:
+        stdout.write("\n(stopped)\n")
+    except SpecchatError as error:
         stdout.write(f"\n(error: {error}; /reset starts a new conversation)\n")
         return None
-    except KeyboardInterrupt:
-        cancel.set()
-        stdout.write("\n(stopped)\n")
+    except Exception as error:  # a failed turn must not end the conversation
+        stdout.write(f"\n(unexpected error: {type(error).__name__}: {error})\n")
+        return None
+    finally:
+        if events is not None:
+            events.close()  # releases the engine at once, also after Ctrl-C
     return text

@@ -56,15 +56,17 @@ def _stats_line(stats, mode: str) -> str:
 
 
 def build_ui(handle: EngineHandle) -> gr.Blocks:
-    from ..core.engine import Finished, PrefillProgress, TextDelta
+    from ..core.engine import Finished, PrefillProgress, TextDelta, resolve_mode
     from ..core.sampling import SamplingParams
 
     unchanged = (gr.update(), gr.update(), gr.update())  # message, document, upload
+    cleared = ("", "", None)
 
     def respond(message, document, upload, max_new_tokens, temperature, mode, conversation, shown):
         """Stream one answer. `conversation` holds what the model sees (documents in full);
         `shown` is the chat as displayed (documents as a one-line attachment)."""
         question = (message or "").strip()
+        shown_before = shown
         try:
             attached = document or ""
             if upload:
@@ -79,7 +81,7 @@ def build_ui(handle: EngineHandle) -> gr.Blocks:
             turn = conversation + [{"role": "user", "content": content}]
             shown = shown + [{"role": "user", "content": label}, {"role": "assistant", "content": ""}]
             # The document is now part of the conversation: clear the boxes so it is not sent twice.
-            yield conversation, shown, "", "", None, "Loading the model…"
+            yield conversation, shown, *cleared, "Loading the model…"
             engine = handle.get()
             params = SamplingParams(temperature=float(temperature))
             answer = ""
@@ -91,20 +93,17 @@ def build_ui(handle: EngineHandle) -> gr.Blocks:
                     answer += event.text
                     shown[-1] = {"role": "assistant", "content": answer}
                     yield (turn + [{"role": "assistant", "content": answer}], shown, *unchanged,
-                           _stats_line(event.stats, engine_mode(mode)))
+                           _stats_line(event.stats, resolve_mode(mode)))
                 elif isinstance(event, Finished):
                     result = event.result
                     yield (turn + [{"role": "assistant", "content": result.text}], shown, *unchanged,
                            f"{_stats_line(result.stats, result.mode)} · {result.new_tokens} tokens, "
                            f"{FINISH_REASONS[result.finish_reason]}")
-        except SpecchatError as error:
-            shown = shown + [{"role": "assistant", "content": f"⚠️ {error}"}]
-            yield conversation, shown, *unchanged, f"⚠️ {error}"
-
-    def engine_mode(mode: str) -> str:
-        from ..core.engine import resolve_mode
-
-        return resolve_mode(mode)
+        except Exception as error:  # shown in the page, never as a traceback
+            # Nothing is lost: the chat stays as it was, the question and document go back
+            # into their boxes.
+            text = str(error) if isinstance(error, SpecchatError) else f"unexpected error: {type(error).__name__}: {error}"
+            yield conversation, shown_before, message, document, upload, f"⚠️ {text}"
 
     with gr.Blocks(title="specchat") as demo:
         gr.Markdown("## specchat\nLong-document chat, sped up by lossless speculative decoding.")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -160,7 +160,7 @@ class Engine:
             stats.drafted_tokens += step.drafted
             stats.accepted_draft_tokens += step.accepted
             _update_rates(stats, committed, len(new_ids), time.perf_counter() - decode_started)
-            yield TextDelta(stream.add(tokens), tokens, stats)
+            yield TextDelta(stream.add(tokens), tokens, replace(stats))
             if finish_reason == "stop":
                 break
             if cancel.is_set():
@@ -168,7 +168,7 @@ class Engine:
                 break
         tail = stream.finish()
         if tail:
-            yield TextDelta(tail, [], stats)
+            yield TextDelta(tail, [], replace(stats))
         result = Result(stream.text, new_ids, len(prompt_ids), len(new_ids), mode, finish_reason, stats)
         yield Finished(result)
 
@@ -197,5 +197,10 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
         path, name = Path(model_id), model_id
         if not (path / "config.json").is_file():
             raise ModelUnavailable(f"no model at {model_id!r}: give `embedded` or a directory with config.json")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return Engine(TransformersLM.from_pretrained(path), tokenizer, name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = TransformersLM.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelUnavailable(f"cannot load the model at {path}: {first_line}") from None
+    return Engine(model, tokenizer, name)

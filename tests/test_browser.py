@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import DATA
 from test_cli import SPECCHAT
 
 CHROMIUM = "/usr/bin/chromium"
@@ -53,7 +54,8 @@ def server(embedded_dir):
                 break
             except OSError:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"specchat did not start:\n{process.stdout.read()}")
+                    process.kill()
+                    pytest.fail(f"specchat did not start:\n{process.communicate()[0]}")
                 time.sleep(0.5)
         yield url
     finally:
@@ -103,7 +105,9 @@ def test_answer_streams_in_and_stop_stops_it(page):
              what="the answer to grow over several updates")
     page.locator("#stop").click()
     stopped = wait_for(lambda: _settled(page), what="the answer to stop")
-    assert "tok/s" in page.locator("#stats").inner_text()
+    stats = page.locator("#stats").inner_text()
+    # Stopped, not finished on its own: live figures, but no end-of-answer marker.
+    assert "tok/s" in stats and "done" not in stats and "token limit" not in stats
     page.screenshot(path=str(ARTIFACTS / "browser-streaming-stopped.png"), full_page=True)
     time.sleep(2)
     assert last_answer(page) == stopped  # nothing more arrives after Stop
@@ -119,9 +123,13 @@ def _settled(page):
 def test_question_about_a_pasted_document(page):
     page.get_by_text("New conversation").click()
     page.get_by_text("Document", exact=True).click()
-    page.locator("#document textarea").fill(
-        "Meeting notes. The launch date moved to March 3. Budget approved: 40,000 euros. "
-        "Owner of the launch: Priya.")
+    notes = ("Meeting notes. The launch date moved to March 3. Budget approved: 40,000 euros. "
+             "Owner of the launch: Priya.")
+    document = page.locator("#document textarea")
+    # The accordion mounts its content as it opens and may reset a value typed too early:
+    # type until the value sticks, as a person (slower than a script) always sees it.
+    wait_for(lambda: document.fill(notes) or time.sleep(0.5) or document.input_value() == notes,
+             timeout=15, what="the document box to keep its text")
     send(page, "Who owns the launch?")
     wait_for(lambda: "done" in page.locator("#stats").inner_text()
              or "token limit" in page.locator("#stats").inner_text(), what="the answer to finish")
@@ -130,3 +138,19 @@ def test_question_about_a_pasted_document(page):
     assert last_answer(page).strip()
     assert page.locator("#document textarea").input_value() == ""  # sent once, now in the conversation
     page.screenshot(path=str(ARTIFACTS / "browser-document-answer.png"), full_page=True)
+
+
+def test_a_document_too_long_is_refused_and_nothing_is_lost(page):
+    before = page.locator('[data-testid="user"]').count()
+    answer_before = last_answer(page)
+    too_long = (DATA / "gpl-3.0.txt").read_text() * 2  # about 15K tokens; the context is 8K
+    document = page.locator("#document textarea")
+    wait_for(lambda: document.fill(too_long) or time.sleep(0.5) or document.input_value() == too_long,
+             timeout=15, what="the document box to keep its text")
+    send(page, "Summarize this.")
+    wait_for(lambda: "shorten" in page.locator("#stats").inner_text(), what="the error message")
+    assert page.locator('[data-testid="user"]').count() == before  # the chat is as it was
+    assert last_answer(page) == answer_before
+    assert document.input_value() == too_long  # the document is still there to fix
+    assert page.locator("#message textarea").input_value() == "Summarize this."
+    page.screenshot(path=str(ARTIFACTS / "browser-document-too-long.png"), full_page=True)

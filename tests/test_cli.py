@@ -50,12 +50,20 @@ def test_bad_options():
     assert_bad_input(specchat("generate", "--prompt", "hi", "--mode", "fast"), "invalid choice")
     assert_bad_input(specchat("generate"), "--prompt")
     assert_bad_input(specchat("generate", "--prompt", "hi", "--temperature", "-1"), "temperature")
+    assert_bad_input(specchat("generate", "--prompt", "hi", "--temperature", "nan"), "temperature")
+    assert_bad_input(specchat("generate", "--prompt", "hi", "--seed", str(2**70)), "seed")
     assert_bad_input(specchat("generate", "--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens")
     assert_bad_input(specchat("frobnicate"), "invalid choice")
 
 
-def test_unknown_model(tmp_path):
+def test_unknown_or_broken_model(tmp_path):
     assert_bad_input(specchat("generate", "--prompt", "hi", "--model", tmp_path / "nope"), "no model at")
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # no weights, no tokenizer
+    assert_bad_input(specchat("generate", "--prompt", "hi", "--model", tmp_path), "cannot load the model")
+
+
+def test_model_option_before_the_subcommand(tmp_path):
+    assert_bad_input(specchat("--model", tmp_path / "nope", "generate", "--prompt", "hi"), "no model at")
 
 
 def test_prompt_longer_than_the_context(tiny_model_dir):
@@ -69,9 +77,10 @@ def test_json_contract(tiny_model_dir):
                          "--max-new-tokens", "12", "--mode", "chain", "--temperature", "0.7", "--seed", "3")
     assert completed.returncode == 0, completed.stderr
     result = json.loads(completed.stdout)  # exactly one JSON object, nothing else on stdout
-    assert {"text", "token_ids", "prompt_tokens", "new_tokens", "mode", "stats"} <= result.keys()
-    assert {"target_forwards", "mean_accepted_per_forward", "tokens_per_second",
-            "prefill_seconds", "decode_seconds"} <= result["stats"].keys()
+    assert {"text", "token_ids", "prompt_tokens", "new_tokens", "mode", "finish_reason", "stats"} <= result.keys()
+    assert {"target_forwards", "drafted_tokens", "accepted_draft_tokens", "mean_accepted_per_forward",
+            "tokens_per_second", "prefill_seconds", "decode_seconds"} <= result["stats"].keys()
+    assert result["finish_reason"] in ("stop", "length")
     assert result["mode"] == "chain" and result["new_tokens"] == len(result["token_ids"]) <= 12
     assert result["prompt_tokens"] > 2 and result["stats"]["target_forwards"] >= 1
 

@@ -1,6 +1,5 @@
 """The embedded model converts once, offline, without changing a single logit."""
 
-import os
 import time
 
 import pytest

@@ -50,14 +50,14 @@ def test_sampled_answers_are_reproducible_with_a_seed(embedded_engine):
 def test_cancel_stops_the_answer(embedded_engine):
     cancel = threading.Event()
     ids = embedded_engine.chat_ids([{"role": "user", "content": "Tell me a long story about a dragon."}])
-    tokens = 0
+    tokens, result = 0, None
     for event in embedded_engine.generate(ids, 200, SamplingParams(), "plain", cancel):
         if isinstance(event, TextDelta):
             tokens += len(event.token_ids)
-            cancel.set()
-        if isinstance(event, Finished):
-            assert event.result.finish_reason == "cancelled"
-            assert event.result.new_tokens == tokens <= 2
+            cancel.set()  # as a stop button would, while the answer streams
+        elif isinstance(event, Finished):
+            result = event.result
+    assert result.finish_reason == "cancelled" and result.new_tokens == tokens <= 2
 
 
 def test_stops_at_end_of_turn(embedded_engine):

@@ -32,7 +32,9 @@ def test_top_p_keeps_smallest_set_reaching_p():
     assert warp(logits, SamplingParams(temperature=1.0, top_p=0.1)).tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)])
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")),
+                                    dict(temperature=float("inf")), dict(top_k=-1), dict(top_p=0.0),
+                                    dict(top_p=1.5), dict(seed=-1), dict(seed=2**64)])
 def test_invalid_params_are_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)

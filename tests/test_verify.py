@@ -1,7 +1,5 @@
 """The chain verification rule is lossless: exact enumeration and chi-square on seeded samples."""
 
-import itertools
-
 import pytest
 import torch
 
