@@ -66,8 +66,8 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 (default): no top-k filter")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--mode", choices=("plain", "chain", "auto"), default="auto",
-                        help="plain decoding, chain speculation, or auto (the plan's choice)")
+    parser.add_argument("--mode", choices=("plain", "chain", "tree", "auto"), default="auto",
+                        help="plain decoding, chain or tree speculation, or auto (the plan's choice)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,10 @@ from .kv.full import FullCache
 from .model import CausalLM
 from .sampling import SamplingParams, sample, warp
 from .spec.drafters import PromptLookupDrafter
-from .spec.verify import verify_chain
+from .spec.tree_drafters import PromptLookupTreeDrafter, TreeProposal
+from .spec.verify import verify_chain, verify_tree
 
-MODES = ("plain", "chain")
+MODES = ("plain", "chain", "tree")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Step:
     tokens: list[int]  # accepted draft tokens, then the recovered or bonus (or plain) token
     drafted: int = 0  # draft tokens this forward verified
     accepted: int = 0  # of which accepted
+    depth: int = 0  # draft levels verified (a chain of g tokens: g)
 
 
 @dataclass
@@ -86,7 +88,37 @@ class ChainDecoder:
             self.lookahead = min(self.max_lookahead, self.lookahead + 2)
         else:
             self.lookahead = max(self.min_lookahead, self.lookahead - 1)
-        return Step(tokens, drafted=len(proposal), accepted=verdict.accepted)
+        return Step(tokens, drafted=len(proposal), accepted=verdict.accepted, depth=len(proposal))
+
+
+class TreeDrafter(Protocol):
+    def propose_tree(self, ids: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                     budget: int) -> TreeProposal | None: ...
+
+    def accept(self, path: list[int]) -> None: ...
+
+
+class TreeDecoder:
+    """Sequoia: the drafter grows a token tree, one target forward scores every node through a
+    tree attention mask, verification walks down it; the cache keeps the accepted path."""
+
+    def __init__(self, drafter: TreeDrafter):
+        self.drafter = drafter
+        self._plain = PlainDecoder()
+
+    def step(self, state: DecodeState, budget: int) -> Step:
+        proposal = self.drafter.propose_tree(state.ids, state.params, state.generator, budget)
+        if proposal is None or proposal.tree.size == 1:
+            return self._plain.step(state, budget)
+        tree, start = proposal.tree, state.ids.shape[0] - 1
+        logits = state.model.forward(proposal.tokens, tree.positions(start), state.cache,
+                                     mask=tree.attention_mask(start))
+        verdict = verify_tree(tree, proposal.tokens, warp(logits, state.params), proposal.q, state.generator)
+        state.cache.keep(torch.cat([torch.arange(start), start + torch.tensor([0] + verdict.path)]))
+        self.drafter.accept(verdict.path)
+        tokens = proposal.tokens[verdict.path].tolist() + [verdict.next_token]
+        state.commit(tokens)
+        return Step(tokens, drafted=tree.size - 1, accepted=len(verdict.path), depth=tree.depth)
 
 
 def make_decoder(mode: str, vocab_size: int) -> Decoder:
@@ -94,6 +126,8 @@ def make_decoder(mode: str, vocab_size: int) -> Decoder:
         return PlainDecoder()
     if mode == "chain":
         return ChainDecoder(PromptLookupDrafter(vocab_size))
+    if mode == "tree":
+        return TreeDecoder(PromptLookupTreeDrafter(PromptLookupDrafter(vocab_size)))
     raise ValueError(f"unknown decoding mode {mode!r} (choose from {', '.join(MODES)})")
 
 

@@ -30,6 +30,8 @@ class Stats:
     target_forwards: int = 0  # target forwards that produced tokens (the prefill counts once)
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
+    tree_size: int = 0  # most tokens in one verification (draft tokens + 1; a chain is a tree too)
+    tree_depth: int = 0  # most draft levels in one verification
     mean_accepted_per_forward: float = 0.0  # tokens committed per target forward; plain = 1
     tokens_per_second: float = 0.0  # new tokens / decode_seconds
     prefill_seconds: float = 0.0
@@ -73,7 +75,8 @@ Event = PrefillProgress | TextDelta | Finished
 
 def resolve_mode(mode: str) -> str:
     """`auto` picks the mode for this machine; until the planner exists that is chain speculation
-    with prompt lookup, which falls back to plain steps when nothing matches."""
+    with prompt lookup, which falls back to plain steps when nothing matches (measured faster
+    than plain on documents on this CPU; see README)."""
     if mode not in REQUEST_MODES:
         raise InputError(f"unknown mode {mode!r}: choose from {', '.join(REQUEST_MODES)}")
     return "chain" if mode == "auto" else mode
@@ -159,6 +162,9 @@ class Engine:
             stats.target_forwards += 1
             stats.drafted_tokens += step.drafted
             stats.accepted_draft_tokens += step.accepted
+            if step.drafted:
+                stats.tree_size = max(stats.tree_size, step.drafted + 1)
+                stats.tree_depth = max(stats.tree_depth, step.depth)
             _update_rates(stats, committed, len(new_ids), time.perf_counter() - decode_started)
             yield TextDelta(stream.add(tokens), tokens, replace(stats))
             if finish_reason == "stop":

@@ -68,7 +68,7 @@ class TransformersLM:
         out = self.hf(
             input_ids=ids[None].to(self.device),
             position_ids=positions[None].to(self.device),
-            attention_mask=mask,
+            attention_mask=None if mask is None else mask.to(self.hf.dtype),
             past_key_values=cache.hf,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,

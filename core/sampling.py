@@ -65,6 +65,26 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def sample_without_replacement(probs: torch.Tensor, k: int,
+                               generator: torch.Generator | None) -> torch.Tensor:
+    """Up to k distinct token ids [m] drawn without replacement from `probs` [vocab], in draw order.
+
+    Gumbel-top-k: the top k of log P + Gumbel noise are distributed exactly as k sequential draws
+    without replacement (the first ~ P, the second ~ P without the first, renormalized, ...); this
+    is how Sequoia draws a node's children, the order being their rank. Only tokens with nonzero
+    probability are ever returned, so when fewer than k tokens have mass, all of them come back
+    (m = their count < k) and filling the missing children is the caller's choice.
+    """
+    # The noise is float64: a float32 uniform's 2**-24 granularity caps Gumbel noise near 16.6,
+    # which some token of a 100k vocabulary would exceed in about 0.6% of draws, biasing them.
+    uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    # Clamped away from 0 so the noise is finite: a token with mass always outranks one without.
+    gumbel = -(-uniform.clamp(min=torch.finfo(torch.float64).tiny).log()).log()  # [vocab]
+    has_mass = probs > 0  # [vocab]
+    keys = torch.where(has_mass, probs.double().log() + gumbel, float("-inf"))  # [vocab]
+    return keys.topk(min(k, int(has_mass.sum()))).indices
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     generator = torch.Generator()
     generator.manual_seed(seed if seed is not None else torch.seed())

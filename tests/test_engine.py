@@ -25,14 +25,18 @@ def answer(engine, content, mode, max_new_tokens=96, cancel=None, params=Samplin
 
 
 @pytest.mark.slow
-def test_greedy_chain_equals_plain_on_a_long_document(embedded_engine):
+def test_greedy_speculation_equals_plain_on_a_long_document(embedded_engine):
     content = (DATA / "apache-2.0.txt").read_text() + "\n\nWhat does section 4 require when redistributing?"
     _, plain = answer(embedded_engine, content, "plain")
+    _, tree = answer(embedded_engine, content, "tree")
     events, chain = answer(embedded_engine, content, "chain")
     assert plain.prompt_tokens > 2000
     assert chain.token_ids == plain.token_ids and chain.text == plain.text
-    assert plain.stats.mean_accepted_per_forward == 1.0
+    assert tree.token_ids == plain.token_ids
+    assert plain.stats.mean_accepted_per_forward == 1.0 and plain.stats.tree_size == 0
     assert chain.stats.target_forwards < plain.stats.target_forwards
+    assert tree.stats.target_forwards < plain.stats.target_forwards
+    assert tree.stats.tree_size > tree.stats.tree_depth + 1  # at least one real branching
     # Text deltas add up to the answer; prefill progress was reported up to the whole prompt.
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == chain.text
     progress = [e for e in events if isinstance(e, PrefillProgress)]

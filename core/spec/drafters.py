@@ -30,8 +30,9 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, ids: torch.Tensor, max_tokens: int) -> Proposal | None:
-        """ids [L]: prompt plus generated tokens so far. None when nothing matches."""
+    def continuations(self, ids: torch.Tensor, max_tokens: int, max_matches: int) -> list[torch.Tensor]:
+        """What followed the latest `max_matches` earlier occurrences of the text's last n
+        tokens, for the longest n in [min_ngram, max_ngram] that occurs; latest first."""
         length = ids.shape[0]
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if length <= n:
@@ -39,10 +40,15 @@ class PromptLookupDrafter:
             # Windows start at 0..L-1-n, so the final n-gram never matches itself and every
             # match has at least one token after it.
             windows = ids[:-1].unfold(0, n, 1)  # [L - n, n]
-            starts = (windows == ids[-n:]).all(-1).nonzero()
+            starts = (windows == ids[-n:]).all(-1).nonzero()[:, 0]
             if starts.numel():
-                begin = int(starts[-1]) + n
-                tokens = ids[begin:begin + max_tokens]
-                q = torch.nn.functional.one_hot(tokens, self.vocab_size).float()
-                return Proposal(tokens, q)
-        return None
+                return [ids[s + n:s + n + max_tokens] for s in starts.flip(0)[:max_matches].tolist()]
+        return []
+
+    def propose(self, ids: torch.Tensor, max_tokens: int) -> Proposal | None:
+        """ids [L]: prompt plus generated tokens so far. None when nothing matches."""
+        found = self.continuations(ids, max_tokens, max_matches=1)
+        if not found:
+            return None
+        tokens = found[0]
+        return Proposal(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float())

@@ -7,6 +7,13 @@ norm(max(P_i - Q_i, 0)); if all are accepted, a bonus token is drawn from P_{g+1
 sequence is then distributed exactly as sampling from P token by token (lossless).
 A deterministic drafter (prompt lookup) has one-hot Q; greedy decoding has one-hot P (see
 `sampling.warp`), so the same rule serves every case.
+
+Trees (Sequoia, Chen et al., Algorithm 1; algorithms.md section 2): a node's children are draft
+tokens drawn without replacement from the node's Q (or chosen deterministically) and are tested
+in rank order against a residual R and a draft D, both updated after each rejection, so that a
+rejected token is never proposed again. The first accepted child is descended into; if none is,
+a recovered token is drawn from the final R; an accepted node without children gives a bonus
+token from its P. Each node emits a token distributed exactly as its P, so the tree is lossless.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import sample
+from .tree import Tree
 
 
 @dataclass(frozen=True)
@@ -53,3 +61,112 @@ def verify_chain(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
         return ChainVerdict(g, sample(p[g], generator))
     first = int(rejected[0])
     return ChainVerdict(first, sample(residual(p[first], q[first]), generator))
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    path: list[int]  # accepted nodes, from the root's child downward (empty: none accepted)
+    next_token: int  # the recovered token (no child of the last node reached was accepted) or
+    #                  the bonus token (the last accepted node has no children)
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """Verification state at one node once some children were rejected (Algorithm 1's R and S)."""
+    residual: torch.Tensor  # [vocab] R: the recovered token's distribution if no child is accepted
+    rejected: torch.Tensor  # [vocab] bool S: the children rejected so far
+
+
+def node_start(p: torch.Tensor) -> NodeState:
+    """Before any child is tested: R = P [vocab], nothing rejected."""
+    return NodeState(p, torch.zeros(p.shape, dtype=torch.bool, device=p.device))
+
+
+def child_proposal(q: torch.Tensor | None, state: NodeState, token: int) -> torch.Tensor:
+    """D [vocab]: the distribution the next child (draft token `token`) was drawn from.
+
+    Sampled children (q [vocab]): Q without the tokens rejected so far, renormalized, which is
+    what drawing without replacement draws from; once Q's whole support is rejected, uniform over
+    the tokens not rejected (Algorithm 1's fallback; `sample_without_replacement` never draws
+    there, but a drafter following Algorithm 1 may). Computing D from Q and S rather than
+    updating it in place gives the same sequence. Deterministic children (q None, e.g. prompt
+    lookup branches or greedy top-k): the one-hot of the child's own token, a point-mass proposal,
+    so a rejection just removes that token from R.
+    """
+    if q is None:
+        point_mass = torch.zeros_like(state.residual)  # [vocab]
+        point_mass[token] = 1.0
+        return point_mass
+    draft = q.masked_fill(state.rejected, 0.0)  # [vocab]
+    total = draft.sum()
+    if total == 0:
+        draft = (~state.rejected).to(q.dtype)
+        total = draft.sum()
+    return draft / total
+
+
+def child_acceptance(state: NodeState, d: torch.Tensor, token: int) -> float:
+    """min(1, R[x] / D[x]): the probability that child x is accepted, its elder siblings rejected.
+
+    A child with D[x] == 0 cannot have been drawn from D (a repeated sibling, or a token outside
+    Q's support while Q has mass left): it is treated as absent, never accepted (and
+    `reject_child` leaves the state alone), instead of dividing by zero.
+    """
+    d_x = float(d[token])
+    return min(1.0, float(state.residual[token]) / d_x) if d_x > 0 else 0.0
+
+
+def reject_child(state: NodeState, d: torch.Tensor, token: int) -> NodeState:
+    """After child x, drawn from D, is rejected: R <- norm(max(R - D, 0)) with this D, x joins S.
+
+    A rejection needs R[x] < D[x], so max(R - D, 0) has mass at least D[x] - R[x] > 0 in exact
+    arithmetic; `residual`'s fallback to R only catches rounding with R ~ D (for a one-hot R, as
+    in greedy decoding, R is then exactly right). An absent child (D[x] == 0) changes nothing: the
+    node then behaves as if that child did not exist, which is still lossless, so a drafter may
+    pad a static tree by repeating a sibling's token.
+    """
+    if not d[token] > 0:
+        return state
+    rejected = state.rejected.clone()
+    rejected[token] = True
+    return NodeState(residual(state.residual, d), rejected)
+
+
+def verify_node(p: torch.Tensor, q: torch.Tensor | None, children: list[int],
+                uniforms: list[float]) -> tuple[int | None, torch.Tensor | None]:
+    """Test one node's children (draft tokens, in rank order) with one uniform each.
+
+    p [vocab], q [vocab] or None (deterministic children) -> (rank of the accepted child, None),
+    or (None, R [vocab]) when every child was rejected: R is what the recovered token is drawn
+    from (P itself for a node without children: the bonus token's distribution).
+    """
+    state = node_start(p)
+    for rank, (token, uniform) in enumerate(zip(children, uniforms)):
+        d = child_proposal(q, state, token)  # [vocab]
+        if uniform < child_acceptance(state, d, token):
+            return rank, None
+        state = reject_child(state, d, token)
+    return None, state.residual
+
+
+def verify_tree(tree: Tree, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+                generator: torch.Generator | None) -> TreeVerdict:
+    """Sequoia verification of a token tree from one target forward.
+
+    tokens [n] (tokens[0], the root, is the last committed token), p [n, vocab] target
+    distributions after each node (fp32, warped), q [n, vocab] the draft distributions each
+    node's children were drawn from without replacement (leaves' rows are unused), or None when
+    children were chosen deterministically -> the accepted path and the recovered or bonus token.
+    """
+    uniforms = torch.rand(tree.size, generator=generator).tolist()  # fresh; one per child tested
+    token_ids = tokens.tolist()
+    path, node = [], 0
+    while True:
+        children = tree.children[node]
+        rank, recovered = verify_node(p[node], None if q is None else q[node],
+                                      [token_ids[child] for child in children],
+                                      [uniforms[child] for child in children])
+        if rank is None:
+            return TreeVerdict(path, sample(recovered, generator))
+        node = children[rank]
+        path.append(node)

@@ -1,0 +1,162 @@
+"""Tree drafters: grow a token tree for one target forward to verify (Sequoia).
+
+A `TreeProposal` holds the tree, its tokens (node 0 = the root = the last committed token) and,
+per node, the draft distribution Q its children were drawn from without replacement; `q=None`
+means the children were chosen deterministically (prompt-lookup branches, greedy top-k), which
+verification treats as point-mass proposals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model import CausalLM
+from ..sampling import SamplingParams, sample_without_replacement, warp
+from .drafters import PromptLookupDrafter
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class TreeProposal:
+    tree: Tree
+    tokens: torch.Tensor  # [n] token per node; tokens[0] is the root
+    q: torch.Tensor | None  # [n, vocab] draft distribution at each node, or None (deterministic)
+
+
+class PromptLookupTreeDrafter:
+    """Several earlier occurrences of the text's last n-gram become sibling branches: a trie of
+    what followed each (latest occurrence first), so one forward checks them all."""
+
+    def __init__(self, lookup: PromptLookupDrafter, max_branches: int = 4, max_depth: int = 8):
+        self.lookup = lookup
+        self.max_branches = max_branches
+        self.max_depth = max_depth
+
+    def propose_tree(self, ids: torch.Tensor, params: SamplingParams, generator, budget: int) -> TreeProposal | None:
+        depth = min(self.max_depth, budget - 1)
+        found = self.lookup.continuations(ids, depth, self.max_branches) if depth > 0 else []
+        if not found:
+            return None
+        trie: dict = {}
+        for continuation in found:
+            node = trie
+            for token in continuation.tolist():
+                node = node.setdefault(token, {})
+        parents, tokens = [-1], [int(ids[-1])]
+        level = [(0, trie)]
+        while level:  # breadth first: parents before children, siblings in insertion order
+            next_level = []
+            for index, branches in level:
+                for token, subtree in branches.items():
+                    parents.append(index)
+                    tokens.append(token)
+                    next_level.append((len(parents) - 1, subtree))
+            level = next_level
+        return TreeProposal(Tree(tuple(parents)), torch.tensor(tokens), None)
+
+    def accept(self, path: list[int]) -> None:
+        """Model-free: nothing to update."""
+
+
+class ModelTreeDrafter:
+    """A draft model grows the tree level by level following a template shape (the Sequoia
+    DP tree): each node's children are drawn without replacement from the draft's warped
+    distribution (Gumbel top-k), in the order verification tests them; at temperature 0 they
+    are the top-k tokens, chosen deterministically. A node whose distribution has fewer tokens
+    than the template asks for gets fewer children, so the tree never holds a token the draft
+    gave no probability.
+
+    The draft keeps its own KV cache of the committed text; it catches up on tokens it has not
+    seen at the start of each proposal, and keeps the accepted path's entries afterwards.
+    """
+
+    def __init__(self, model: CausalLM, template: Tree):
+        self.model = model
+        self.template = template
+        self.cache = model.new_cache()
+        self._cached_ids: list[int] = []  # the committed tokens whose KV the draft cache holds
+        self._slots: dict[int, int] = {}  # tree node -> draft cache position, this proposal
+        self._tokens: list[int] = []  # this proposal's token per node
+
+    def propose_tree(self, ids: torch.Tensor, params: SamplingParams, generator, budget: int) -> TreeProposal | None:
+        max_depth = min(self.template.depth, budget - 1)
+        if max_depth < 1:
+            return None
+        self._catch_up(ids)
+        parents, tokens, template_of = [-1], [int(ids[-1])], [0]
+        q_rows: dict[int, torch.Tensor] = {}
+        self._slots = {}
+        level = [0]
+        for depth in range(max_depth):
+            expanding = [node for node in level if self.template.children[template_of[node]]]
+            if not expanding:
+                break
+            logits = self._forward_level(expanding, parents, tokens)  # [len(expanding), vocab]
+            next_level = []
+            for node, row in zip(expanding, logits):
+                wanted = len(self.template.children[template_of[node]])
+                if params.greedy:
+                    children = row.topk(wanted).indices
+                else:
+                    q_rows[node] = warp(row, params)
+                    children = sample_without_replacement(q_rows[node], wanted, generator)
+                for rank, token in enumerate(children.tolist()):
+                    parents.append(node)
+                    tokens.append(token)
+                    template_of.append(self.template.children[template_of[node]][rank])
+                    next_level.append(len(parents) - 1)
+            level = next_level
+        tree = Tree(tuple(parents))
+        self._tokens = tokens
+        q = None
+        if not params.greedy:
+            q = torch.zeros(tree.size, self.model.vocab_size)
+            for node, row in q_rows.items():
+                q[node] = row
+        return TreeProposal(tree, torch.tensor(tokens), q)
+
+    def accept(self, path: list[int]) -> None:
+        """Keep the draft cache's entries for the root and the accepted nodes it computed
+        (those form a prefix of the path: leaves are never run); the rest is caught up later."""
+        kept = []
+        for node in [0] + path:
+            if node not in self._slots:
+                break
+            kept.append(node)
+        prefix = len(self._cached_ids)
+        self.cache.keep(torch.tensor(list(range(prefix)) + [self._slots[node] for node in kept]))
+        self._cached_ids += [self._tokens[node] for node in kept]
+
+    def _catch_up(self, ids: torch.Tensor) -> None:
+        """Bring the draft cache to all committed tokens but the last (the tree's root)."""
+        target = ids[:-1].tolist()
+        common = 0
+        for cached, wanted in zip(self._cached_ids, target):
+            if cached != wanted:
+                break
+            common += 1
+        if common < self.cache.length:  # the committed text changed under the draft
+            self.cache.trim(common)
+        missing = ids[common:len(target)]
+        if missing.numel():
+            self.model.forward(missing, torch.arange(common, len(target)), self.cache, last_only=True)
+        self._cached_ids = target
+
+    def _forward_level(self, nodes: list[int], parents: list[int], tokens: list[int]) -> torch.Tensor:
+        """Draft logits for `nodes` (one tree level), each attending to the committed prefix
+        and its ancestors among the tree nodes already in the draft cache."""
+        prefix = len(self._cached_ids)
+        tree = Tree(tuple(parents))
+        cached_nodes = sorted(self._slots, key=self._slots.get)
+        columns = torch.tensor(cached_nodes + nodes, dtype=torch.long)
+        allowed = torch.cat([torch.ones(len(nodes), prefix, dtype=torch.bool),
+                             tree.ancestors[nodes][:, columns]], dim=1)
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        positions = prefix + torch.tensor([tree.depths[node] for node in nodes])
+        logits = self.model.forward(torch.tensor([tokens[node] for node in nodes]), positions,
+                                    self.cache, mask=mask[None, None])
+        for offset, node in enumerate(nodes):
+            self._slots[node] = prefix + len(cached_nodes) + offset
+        return logits
