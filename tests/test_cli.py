@@ -72,16 +72,18 @@ def test_prompt_longer_than_the_context(tiny_model_dir):
     assert_bad_input(completed, "reads at most 256", "shorten")
 
 
-def test_json_contract(tiny_model_dir):
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_json_contract(tiny_model_dir, mode):
     completed = specchat("generate", "--model", tiny_model_dir, "--prompt", "Hello there", "--json",
-                         "--max-new-tokens", "12", "--mode", "chain", "--temperature", "0.7", "--seed", "3")
+                         "--max-new-tokens", "12", "--mode", mode, "--temperature", "0.7", "--seed", "3")
     assert completed.returncode == 0, completed.stderr
     result = json.loads(completed.stdout)  # exactly one JSON object, nothing else on stdout
     assert {"text", "token_ids", "prompt_tokens", "new_tokens", "mode", "finish_reason", "stats"} <= result.keys()
-    assert {"target_forwards", "drafted_tokens", "accepted_draft_tokens", "mean_accepted_per_forward",
-            "tokens_per_second", "prefill_seconds", "decode_seconds"} <= result["stats"].keys()
+    assert {"target_forwards", "drafted_tokens", "accepted_draft_tokens", "tree_size", "tree_depth",
+            "mean_accepted_per_forward", "tokens_per_second", "prefill_seconds",
+            "decode_seconds"} <= result["stats"].keys()
     assert result["finish_reason"] in ("stop", "length")
-    assert result["mode"] == "chain" and result["new_tokens"] == len(result["token_ids"]) <= 12
+    assert result["mode"] == mode and result["new_tokens"] == len(result["token_ids"]) <= 12
     assert result["prompt_tokens"] > 2 and result["stats"]["target_forwards"] >= 1
 
 
