@@ -15,7 +15,8 @@ from .kv.full import FullCache
 from .model import CausalLM
 from .sampling import SamplingParams, sample, warp
 from .spec.drafters import PromptLookupDrafter
-from .spec.tree_drafters import PromptLookupTreeDrafter, TreeProposal
+from .spec.tree import Tree
+from .spec.tree_drafters import ModelTreeDrafter, PromptLookupTreeDrafter, TreeProposal
 from .spec.verify import verify_chain, verify_tree
 
 MODES = ("plain", "chain", "tree")
@@ -121,11 +122,15 @@ class TreeDecoder:
         return Step(tokens, drafted=tree.size - 1, accepted=len(verdict.path), depth=tree.depth)
 
 
-def make_decoder(mode: str, vocab_size: int) -> Decoder:
+def make_decoder(mode: str, vocab_size: int, tree_draft: tuple[CausalLM, Tree] | None = None) -> Decoder:
+    """A fresh decoder for one answer. Tree mode grows `tree_draft`'s template with its draft
+    model when one is given, else prompt-lookup branches."""
     if mode == "plain":
         return PlainDecoder()
     if mode == "chain":
         return ChainDecoder(PromptLookupDrafter(vocab_size))
+    if mode == "tree" and tree_draft is not None:
+        return TreeDecoder(ModelTreeDrafter(*tree_draft))
     if mode == "tree":
         return TreeDecoder(PromptLookupTreeDrafter(PromptLookupDrafter(vocab_size)))
     raise ValueError(f"unknown decoding mode {mode!r} (choose from {', '.join(MODES)})")
@@ -140,6 +145,16 @@ def prefill(model: CausalLM, cache: FullCache, ids: torch.Tensor,
         logits = model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
         yield end
     return logits[-1]
+
+
+def prefill_all(model: CausalLM, cache: FullCache, ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """`prefill` for callers that need no progress: the last position's logits [vocab]."""
+    chunks = prefill(model, cache, ids, chunk_size)
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as end:
+            return end.value
 
 
 def decode(state: DecodeState, decoder: Decoder, first_logits: torch.Tensor,

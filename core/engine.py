@@ -19,6 +19,7 @@ from .decoding import MODES, DecodeState, decode, make_decoder, prefill
 from .errors import InputError, ModelUnavailable
 from .model import CausalLM, TransformersLM
 from .sampling import SamplingParams, make_generator
+from .spec.tree import Tree
 from .textstream import TextStream
 
 REQUEST_MODES = MODES + ("auto",)
@@ -88,6 +89,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.name = name
         self.stop_ids = _stop_ids(tokenizer, model)
+        self.tree_draft: tuple[CausalLM, Tree] | None = None  # tree mode's draft model and shape
         self._lock = threading.Lock()  # one generation at a time per loaded model
 
     @property
@@ -129,7 +131,7 @@ class Engine:
         cancel = cancel or threading.Event()
         ids = torch.tensor(prompt_ids, dtype=torch.long)
         state = DecodeState(self.model, self.model.new_cache(), ids, sampling, make_generator(sampling.seed))
-        decoder = make_decoder(mode, self.model.vocab_size)
+        decoder = make_decoder(mode, self.model.vocab_size, self.tree_draft)
         stats = Stats()
 
         started = time.perf_counter()

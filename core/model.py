@@ -6,6 +6,7 @@ transformers, so drafters, verifiers and tests can swap in any model (tiny rando
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Protocol
@@ -55,6 +56,31 @@ class TransformersLM:
         hf_model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation="sdpa", use_safetensors=True)
         return cls(hf_model)
+
+    def truncated(self, num_layers: int) -> "TransformersLM":
+        """A layer-skip self-draft: the first `num_layers` decoder layers, then the final norm and
+        LM head, sharing this model's weights (nothing is copied), with its own `new_cache`.
+
+        Why: on a CPU a draft step costs about its weight reads plus fixed per-forward overhead,
+        so the target's own first layers are the cheapest draft there is, with the same tokenizer
+        and no second model to load or keep in memory.
+        """
+        base = self.hf.base_model
+        total = len(base.layers)
+        if not 1 <= num_layers <= total:
+            raise ValueError(f"num_layers must be between 1 and {total}, got {num_layers}")
+        config = copy.deepcopy(self.hf.config)  # sizes the draft's cache; the layers loop reads it
+        config.num_hidden_layers = num_layers
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = config.layer_types[:num_layers]
+        # Shallow copies with their own submodule tables: replacing `layers` or `config` on them
+        # leaves this model untouched, while every parameter and buffer stays shared.
+        hf, short_base = copy.copy(self.hf), copy.copy(base)
+        hf._modules, short_base._modules = dict(self.hf._modules), dict(base._modules)
+        short_base.layers = torch.nn.ModuleList(base.layers[:num_layers])
+        hf.config = short_base.config = config
+        setattr(hf, self.hf.base_model_prefix, short_base)
+        return TransformersLM(hf)
 
     @property
     def device(self) -> torch.device:

@@ -5,7 +5,6 @@ answer stream in. Screenshots land in artifacts/ (git-ignored)."""
 import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path

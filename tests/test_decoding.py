@@ -7,7 +7,7 @@ import torch
 
 from chisquare import chi_square_p_value
 from conftest import tiny_llama
-from specchat.core.decoding import ChainDecoder, DecodeState, decode, make_decoder, prefill
+from specchat.core.decoding import ChainDecoder, DecodeState, decode, make_decoder, prefill_all
 from specchat.core.spec.drafters import PromptLookupDrafter
 from specchat.core.sampling import SamplingParams, make_generator, warp
 
@@ -16,12 +16,7 @@ def run(model, prompt, mode, params, max_new_tokens, decoder=None):
     """Token ids generated and the steps that produced them."""
     ids = torch.tensor(prompt)
     state = DecodeState(model, model.new_cache(), ids, params, make_generator(params.seed))
-    chunks = prefill(model, state.cache, ids, chunk_size=16)
-    try:
-        while True:
-            next(chunks)
-    except StopIteration as end:
-        first_logits = end.value
+    first_logits = prefill_all(model, state.cache, ids, chunk_size=16)
     decoder = decoder or make_decoder(mode, model.vocab_size)
     steps = list(decode(state, decoder, first_logits, max_new_tokens))
     assert state.cache.length == state.ids.shape[0] - 1  # the cache holds all but the last token

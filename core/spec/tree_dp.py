@@ -20,8 +20,6 @@ are recovered along the best tree's path only, rebuilding it top-down in breadth
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import deque
 from collections.abc import Callable
 from hashlib import sha256
@@ -30,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..embedded import cache_root
+from ..files import write_atomically
 from .tree import Tree
 
 CACHE_VERSION = 1  # bump when the DP or the file format changes: old cache files stop matching
@@ -73,7 +72,7 @@ def cached_best_tree(acceptance: list[float] | torch.Tensor, size: int, max_dept
     tree = _read_cached(path, key)
     if tree is None:
         tree = best_tree(rounded, size, max_depth)
-        _write_atomically(path, json.dumps({"key": key, "parents": list(tree.parents)}))
+        write_atomically(path, json.dumps({"key": key, "parents": list(tree.parents)}))
     return tree
 
 
@@ -244,11 +243,3 @@ def _read_cached(path: Path, key: list) -> Tree | None:
         return None
     return tree
 
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write via a temporary file and rename, so a concurrent reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(handle, "w") as file:
-        file.write(text)
-    os.replace(temporary, path)

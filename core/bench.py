@@ -1,0 +1,103 @@
+"""Side-by-side benchmarks: figures come from here, never from timed unit tests.
+
+`tree_growth` is arithmetic on a measured acceptance vector (expected tokens per target forward
+for Sequoia trees, k independent chains and one chain, by tree size); `decode_speeds` runs the
+same prompt through several decoding modes in one process, one after the other, and checks that
+greedy outputs are identical. `write_report` saves JSON and a PNG plot under bench/.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from .engine import Engine, Finished
+from .sampling import SamplingParams
+from .spec.tree import Tree
+from .spec.tree_dp import best_scores, chain_trees
+
+
+def tree_growth(acceptance: list[float], sizes: list[int], max_depth: int,
+                chain_counts: tuple[int, ...] = (2, 4)) -> dict[str, list[float | None]]:
+    """Expected tokens per verification F(T) against tree size (nodes, root included)."""
+    sequoia = best_scores(acceptance, max(sizes), max_depth)
+    curves: dict[str, list[float | None]] = {
+        f"Sequoia (depth <= {max_depth})": [float(sequoia[n]) for n in sizes],
+        "single chain": [Tree.chain(n - 1).score(acceptance) for n in sizes],
+    }
+    for k in chain_counts:
+        if k <= len(acceptance):
+            curves[f"{k} independent chains"] = [
+                chain_trees(acceptance, n, k).score(acceptance) if n > k else None for n in sizes]
+    return curves
+
+
+def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
+                  runs: dict[str, tuple[str, object]]) -> dict[str, dict]:
+    """Greedy answers to one prompt per run {label: (mode, tree_draft)}, measured in turn.
+    Each row: tok/s, tokens per target forward, forwards, and whether its tokens equal the first
+    run's (the plain baseline: speculation must not change a single token)."""
+    rows: dict[str, dict] = {}
+    baseline = None
+    for label, (mode, tree_draft) in runs.items():
+        engine.tree_draft = tree_draft
+        try:
+            result = next(e.result for e in engine.generate(prompt_ids, max_new_tokens, SamplingParams(), mode)
+                          if isinstance(e, Finished))
+        finally:
+            engine.tree_draft = None
+        baseline = baseline or result.token_ids
+        stats = result.stats
+        rows[label] = {
+            "mode": result.mode, "new_tokens": result.new_tokens,
+            "tokens_per_second": stats.tokens_per_second,
+            "mean_accepted_per_forward": stats.mean_accepted_per_forward,
+            "target_forwards": stats.target_forwards, "tree_size": stats.tree_size,
+            "tree_depth": stats.tree_depth, "decode_seconds": stats.decode_seconds,
+            "identical_to_plain": result.token_ids == baseline,
+        }
+    return rows
+
+
+def device_label() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def write_report(report: dict, out_dir: Path, stem: str) -> list[Path]:
+    """bench/<date>-<stem>.json, and a PNG of its curves and speeds when matplotlib is there."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = out_dir / f"{date.today().isoformat()}-{stem}"
+    json_path = base.with_suffix(".json")
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    written = [json_path]
+    try:
+        import matplotlib
+    except ImportError:
+        return written
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (growth, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sizes = report["tree_growth"]["sizes"]
+    for label, values in report["tree_growth"]["curves"].items():
+        points = [(n, v) for n, v in zip(sizes, values) if v is not None]
+        growth.plot(*zip(*points), marker="o", label=label)
+    growth.set(xscale="log", xlabel="tree size (tokens per verification)",
+               ylabel="expected tokens per target forward",
+               title=f"measured acceptance {report['acceptance']['description']}")
+    growth.legend()
+    labels = list(report["decode"])
+    speed.bar(labels, [report["decode"][label]["tokens_per_second"] for label in labels])
+    speed.set(ylabel="tokens per second", title=f"greedy decoding, {report['device']}")
+    speed.tick_params(axis="x", labelrotation=20)
+    figure.tight_layout()
+    png_path = base.with_suffix(".png")
+    figure.savefig(png_path, dpi=110)
+    plt.close(figure)
+    return written + [png_path]

@@ -1,0 +1,217 @@
+"""Sequoia's hardware-aware tree optimizer (algorithms.md section 4; seed 000, section 3.3).
+
+Speedup(n, d) = G(n, d) / (t(n) + d c)   (equation 1)
+
+- G(n, d): expected tokens per verification of the best tree with n nodes (root included) and
+  depth <= d, from the tree DP (tree_dp.best_scores).
+- t(n): the target's time to verify n tokens in one forward, divided by its time for 1 token,
+  measured on this machine at a given context length (measure_forward_times). t(1) = 1.
+- c: the drafter's time for one draft step (one tree level), divided by the target's 1-token time.
+  A tree of depth d costs d draft steps.
+
+Both times are relative to one plain decoding step, so Speedup is tokens per unit of plain-step
+time: plain decoding (n = 1, d = 0, G = 1) scores exactly 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..model import CausalLM
+from ..files import write_atomically
+from .tree_dp import best_scores
+
+FORMAT_VERSION = 1  # of the ForwardTimes JSON file
+PREFILL_CHUNK = 1024  # bounds the activations of the context prefill, as the engine's prefill does
+
+
+def speedup(expected_tokens: float, verify_time: float, draft_steps: int,
+            draft_cost: float) -> float:
+    """G / (t(n) + d c): expected_tokens G per verification, verify_time t(n) and draft_cost c in
+    units of one target 1-token forward, draft_steps d. Plain decoding: speedup(1, 1, 0, c) = 1."""
+    return expected_tokens / (verify_time + draft_steps * draft_cost)
+
+
+@dataclass(frozen=True)
+class ForwardTimes:
+    """Measured t(n): ratios[i] = target time for sizes[i] tokens / time for 1 token."""
+
+    sizes: tuple[int, ...]  # strictly increasing, sizes[0] == 1
+    ratios: tuple[float, ...]  # ratios[0] == 1 by construction
+    one_token_seconds: float  # the absolute time of a 1-token forward, the unit of the ratios
+    context: int  # tokens in the cache when measured (attention cost grows with it)
+    device: str  # what it was measured on, for the record
+
+    def __post_init__(self):
+        if not self.sizes or self.sizes[0] != 1 or len(self.ratios) != len(self.sizes):
+            raise ValueError("forward times need one ratio per size, starting at size 1")
+        if any(not isinstance(n, int) for n in self.sizes) or any(
+                a >= b for a, b in zip(self.sizes, self.sizes[1:])):
+            raise ValueError(f"sizes must be strictly increasing integers, got {self.sizes}")
+        if self.ratios[0] != 1.0 or not all(0 < r < math.inf for r in self.ratios):
+            raise ValueError(f"ratios must be positive and finite with t(1) = 1, got {self.ratios}")
+        if not 0 < self.one_token_seconds < math.inf or self.context < 0:
+            raise ValueError("one_token_seconds must be positive and context non-negative")
+
+    def relative(self, n: int | torch.Tensor) -> float | torch.Tensor:
+        """t(n) for a size or a tensor of sizes (float64): linear between measured sizes, linear
+        beyond the last along the last segment, 1 at n <= 1. The extrapolated slope is kept >= 0:
+        a noisy last segment must not make huge trees look cheaper than measured ones."""
+        sizes = torch.tensor(self.sizes, dtype=torch.float64)
+        ratios = torch.tensor(self.ratios, dtype=torch.float64)
+        x = torch.as_tensor(n, dtype=torch.float64).clamp(min=1.0)
+        if len(self.sizes) == 1:
+            out = torch.ones_like(x)
+        else:
+            # Segment i spans sizes[i-1]..sizes[i]; beyond the last size, the last segment.
+            i = torch.searchsorted(sizes, x, right=True).clamp(1, len(self.sizes) - 1)
+            slope = (ratios[i] - ratios[i - 1]) / (sizes[i] - sizes[i - 1])
+            slope = torch.where(x > sizes[-1], slope.clamp(min=0.0), slope)
+            out = ratios[i] + slope * (x - sizes[i])  # from the right end: flat beyond if clamped
+        return out if isinstance(n, torch.Tensor) else float(out)
+
+    def save(self, path: Path) -> None:
+        """Write as JSON, atomically (a concurrent reader never sees half a file)."""
+        write_atomically(Path(path), json.dumps({"version": FORMAT_VERSION, **asdict(self)}))
+
+    @classmethod
+    def load(cls, path: Path) -> "ForwardTimes":
+        """Read a file written by `save`; ValueError naming the file if it is not one."""
+        try:
+            data = json.loads(Path(path).read_text())
+            if data.pop("version") != FORMAT_VERSION:
+                raise ValueError(f"format version is not {FORMAT_VERSION}")
+            return cls(sizes=tuple(data.pop("sizes")), ratios=tuple(map(float, data.pop("ratios"))),
+                       **data)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{path} is not a valid forward-times file: {error!r}") from error
+
+
+def measure_forward_times(model: CausalLM, context: int, sizes: list[int],
+                          repeats: int) -> ForwardTimes:
+    """Measure t(n) for n in `sizes` (1 is always added) after a cache of `context` random tokens.
+
+    Each size gets one untimed warm-up forward (allocations, kernel selection), then `repeats`
+    timed ones; t(n) = median time(n) / median time(1). The forwards attend causally: a tree mask
+    changes which keys are visible, not how many are computed (though on a GPU an explicit mask
+    can select another attention kernel). After every forward the cache is trimmed back to
+    `context`, so each measurement sees the same context and nothing is left behind.
+    """
+    sizes = sorted({1, *sizes})
+    if sizes[0] < 1 or repeats < 1 or context < 0:
+        raise ValueError("sizes must be >= 1, repeats >= 1 and context >= 0")
+    if context + sizes[-1] > model.context_length:
+        raise ValueError(f"context {context} + {sizes[-1]} tokens exceeds the model's "
+                         f"{model.context_length} positions")
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(model.vocab_size, (context + sizes[-1],), generator=generator)
+    cache = model.new_cache()
+    for start in range(0, context, PREFILL_CHUNK):
+        end = min(context, start + PREFILL_CHUNK)
+        model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
+
+    def timed(n: int) -> tuple[float, torch.device]:
+        begin = time.perf_counter()
+        logits = model.forward(ids[context:context + n], torch.arange(context, context + n), cache)
+        logits[-1, -1].item()  # reading a value waits for an asynchronous (GPU) forward to finish
+        elapsed = time.perf_counter() - begin
+        cache.trim(context)
+        return elapsed, logits.device
+
+    medians = {}
+    for n in sizes:
+        device = timed(n)[1]  # the warm-up
+        medians[n] = statistics.median(timed(n)[0] for _ in range(repeats))
+    unit = medians[1]
+    return ForwardTimes(sizes=tuple(sizes), ratios=tuple(medians[n] / unit for n in sizes),
+                        one_token_seconds=unit, context=context, device=_describe(device))
+
+
+@dataclass(frozen=True)
+class TreeChoice:
+    """A point of the (n, d) grid, or plain decoding (n = 1, d = 0), and why it was chosen."""
+
+    size: int  # n: tree nodes, root included (tokens per verification forward); 1 = no speculation
+    depth: int  # d: draft steps per verification
+    expected_tokens: float  # G(n, d)
+    speedup: float  # G(n, d) / (t(n) + d c), over plain decoding
+    reason: str  # one line with the numbers behind the choice
+
+
+def choose_tree(acceptance: list[float] | torch.Tensor, times: ForwardTimes, draft_cost: float,
+                max_size: int, max_depth: int) -> TreeChoice:
+    """The (n, d) maximizing Speedup(n, d) over 2 <= n <= max_size, 1 <= d <= max_depth, or plain
+    decoding (n = 1, d = 0, speedup 1) if no tree beats it. Ties go to the smaller depth, then size,
+    so the best tree of the chosen (n, d) needs exactly d draft steps."""
+    _check_grid(max_size, max_depth, draft_cost)
+    verify = times.relative(torch.arange(max_size + 1))
+    best = None  # (speedup, n, d, G)
+    previous = None
+    for depth in range(1, max_depth + 1):
+        g = best_scores(acceptance, max_size, depth)
+        if previous is not None and torch.equal(g, previous):
+            break  # the depth bound binds no more: deeper trees score the same and draft longer
+        previous = g
+        candidate = _best_size(g, verify, depth, draft_cost)
+        if best is None or candidate[0] > best[0]:
+            best = candidate
+    return _decide(best, f"tree n={best[1]}, d={best[2]}", times, draft_cost)
+
+
+def chain_choice(acceptance: list[float] | torch.Tensor, times: ForwardTimes, draft_cost: float,
+                 max_length: int) -> TreeChoice:
+    """The best single chain of g <= max_length draft tokens (n = g + 1, d = g), for comparison:
+    G = sum_{i=0..g} p_1^i (the root is p_1^0). Plain decoding if no chain beats it."""
+    _check_grid(max_length + 1, max_length, draft_cost)
+    p1 = torch.as_tensor(acceptance, dtype=torch.float64).flatten()[:1]
+    # With one child allowed per node, the only tree of n nodes is the chain of n - 1 drafts.
+    g = best_scores(p1, max_length + 1, max_length)
+    sizes = torch.arange(max_length + 2, dtype=torch.float64)  # int64 * float would be float32
+    rates = g[2:] / (times.relative(sizes[2:]) + (sizes[2:] - 1) * draft_cost)
+    n = int(rates.argmax()) + 2
+    best = (float(rates[n - 2]), n, n - 1, float(g[n]))
+    return _decide(best, f"chain of {n - 1} drafts", times, draft_cost)
+
+
+def _check_grid(max_size: int, max_depth: int, draft_cost: float) -> None:
+    if max_size < 2 or max_depth < 1:
+        raise ValueError("a search needs max_size >= 2 (root + 1 draft) and max_depth >= 1")
+    if not 0 <= draft_cost < math.inf:
+        raise ValueError(f"draft_cost must be finite and >= 0, got {draft_cost}")
+
+
+def _best_size(g: torch.Tensor, verify: torch.Tensor, depth: int,
+               draft_cost: float) -> tuple[float, int, int, float]:
+    """(speedup, n, depth, G) of the best n >= 2 at one depth; g, verify [max_size + 1]."""
+    rates = g[2:] / (verify[2:] + depth * draft_cost)  # infeasible sizes stay -inf
+    n = int(rates.argmax()) + 2  # the first maximum: the smallest size among ties
+    return float(rates[n - 2]), n, depth, float(g[n])
+
+
+def _decide(best: tuple[float, int, int, float], label: str, times: ForwardTimes,
+            draft_cost: float) -> TreeChoice:
+    """The TreeChoice for the best candidate (speedup, n, d, G), or plain decoding unless the
+    candidate beats speedup 1."""
+    rate, n, d, g = best
+    numbers = (f"{label}: G={g:.3f} tokens / (t({n})={times.relative(n):.3f} + {d} x "
+               f"c={draft_cost:.3g}) = {rate:.3f}x (t measured at {times.context} context "
+               f"on {times.device})")
+    if rate > 1.0:
+        return TreeChoice(n, d, g, rate, f"{numbers} over plain decoding")
+    return TreeChoice(1, 0, 1.0, 1.0,
+                      f"speculation does not pay here: the best, {numbers}, is no faster than "
+                      f"plain decoding")
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({platform.machine()}, {torch.get_num_threads()} threads)"
