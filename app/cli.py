@@ -44,6 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", help="a conversation in the terminal")
     _add_generation_options(chat)
+
+    calibrate = commands.add_parser(
+        "calibrate", help="measure a draft's positional acceptance vector (for Sequoia trees)")
+    _add_generation_options(calibrate, mode=False)
+    calibrate.add_argument("--draft-layers", type=int, default=24,
+                           help="draft = the target's first N layers (layer-skip self-draft)")
+    calibrate.add_argument("--width", type=int, default=8, help="children measured per node")
+    calibrate.add_argument("--json", action="store_true", help="print one JSON object")
+
+    bench = commands.add_parser("bench", help="side-by-side decoding benchmark -> bench/ (JSON, PNG)")
+    bench.add_argument("--model", default=argparse.SUPPRESS,
+                       help="`embedded` (default) or a local transformers model directory")
+    bench.add_argument("--document", metavar="FILE", required=True, help="the document to answer about")
+    bench.add_argument("--prompt", default="Summarize this document.")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--draft-layers", type=int, default=24)
+    bench.add_argument("--out", default="bench", help="folder for the results (default: bench)")
     return parser
 
 
@@ -57,7 +74,7 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
                         help="`embedded` (default) or a local transformers model directory")
 
 
-def _add_generation_options(parser: argparse.ArgumentParser) -> None:
+def _add_generation_options(parser: argparse.ArgumentParser, mode: bool = True) -> None:
     parser.add_argument("--model", default=argparse.SUPPRESS,
                         help="`embedded` (default) or a local transformers model directory")
     parser.add_argument("--system", help="system prompt")
@@ -66,8 +83,9 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 (default): no top-k filter")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--mode", choices=("plain", "chain", "tree", "auto"), default="auto",
-                        help="plain decoding, chain or tree speculation, or auto (the plan's choice)")
+    if mode:
+        parser.add_argument("--mode", choices=("plain", "chain", "tree", "auto"), default="auto",
+                            help="plain decoding, chain or tree speculation, or auto (the plan's choice)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "calibrate":
+            return _calibrate(args)
+        if args.command == "bench":
+            return _bench(args)
         if args.command == "chat":
             from .terminal import run_chat
             return run_chat(_load(model_id(args)), args)
@@ -163,6 +185,44 @@ def _generate(args) -> int:
         print(f"[{result.new_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
               f"{stats.mean_accepted_per_forward:.2f} tokens per target forward, mode {result.mode}]",
               file=sys.stderr)
+    return 0
+
+
+def _calibrate(args) -> int:
+    params = sampling_params(args)
+    if args.width < 1 or args.max_new_tokens < 1:
+        raise InputError("--width and --max-new-tokens must be at least 1")
+    engine = _load(model_id(args))
+    layers = engine.model.num_layers
+    if not 1 <= args.draft_layers < layers:
+        raise InputError(f"--draft-layers must be between 1 and {layers - 1} for {engine.name}")
+    from ..core.calibration import calibrate
+
+    vector, path = calibrate(engine, args.draft_layers, params, args.width, args.max_new_tokens)
+    if args.json:
+        print(json.dumps({"models": vector.models, "p": vector.p, "positions": vector.positions,
+                          "file": str(path)}))
+    else:
+        print(f"{vector.models}: p = {', '.join(f'{p:.3f}' for p in vector.p)} "
+              f"({vector.positions} positions, sum {sum(vector.p):.3f})\nsaved to {path}")
+    return 0
+
+
+def _bench(args) -> int:
+    from pathlib import Path
+
+    from .documents import read_text_file, user_turn
+
+    content = user_turn(args.prompt, read_text_file(args.document))
+    engine = _load(model_id(args))
+    layers = engine.model.num_layers
+    if not 1 <= args.draft_layers < layers:
+        raise InputError(f"--draft-layers must be between 1 and {layers - 1} for {engine.name}")
+    from ..core.bench import run_bench
+
+    prompt_ids = engine.chat_ids([{"role": "user", "content": content}])
+    for path in run_bench(engine, prompt_ids, args.max_new_tokens, args.draft_layers, Path(args.out)):
+        print(path)
     return 0
 
 

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import json
 import platform
+from dataclasses import asdict
 from datetime import date
 from pathlib import Path
 
 import torch
 
+from .calibration import calibrate
 from .engine import Engine, Finished
 from .sampling import SamplingParams
+from .spec.optimizer import choose_tree, measure_forward_times
 from .spec.tree import Tree
-from .spec.tree_dp import best_scores, chain_trees
+from .spec.tree_dp import best_scores, best_tree, chain_trees
 
 
 def tree_growth(acceptance: list[float], sizes: list[int], max_depth: int,
@@ -83,21 +86,62 @@ def write_report(report: dict, out_dir: Path, stem: str) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (growth, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
+    figure, (growth, speed) = plt.subplots(1, 2, figsize=(13, 5.5))
     sizes = report["tree_growth"]["sizes"]
     for label, values in report["tree_growth"]["curves"].items():
         points = [(n, v) for n, v in zip(sizes, values) if v is not None]
         growth.plot(*zip(*points), marker="o", label=label)
     growth.set(xscale="log", xlabel="tree size (tokens per verification)",
-               ylabel="expected tokens per target forward",
-               title=f"measured acceptance {report['acceptance']['description']}")
+               ylabel="expected tokens per target forward")
+    growth.set_title(f"From the measured acceptance vector of\n{report['acceptance']['description']}",
+                     fontsize=9)
     growth.legend()
     labels = list(report["decode"])
     speed.bar(labels, [report["decode"][label]["tokens_per_second"] for label in labels])
-    speed.set(ylabel="tokens per second", title=f"greedy decoding, {report['device']}")
-    speed.tick_params(axis="x", labelrotation=20)
+    speed.set_ylabel("tokens per second")
+    identical = all(row["identical_to_plain"] for row in report["decode"].values())
+    speed.set_title(f"Greedy decoding, {report['prompt_tokens']}-token prompt, {report['device']}\n"
+                    + ("all outputs identical to plain" if identical else "OUTPUTS DIFFER FROM PLAIN"),
+                    fontsize=9)
+    speed.set_xticks(range(len(labels)), [label.replace(" (", "\n(") for label in labels], fontsize=8)
     figure.tight_layout()
     png_path = base.with_suffix(".png")
     figure.savefig(png_path, dpi=110)
     plt.close(figure)
     return written + [png_path]
+
+
+def run_bench(engine: Engine, prompt_ids: list[int], max_new_tokens: int, draft_layers: int,
+              out_dir: Path) -> list[Path]:
+    """The tree benchmark on the loaded model: a measured acceptance vector and the DP curves
+    from it; measured t(n) and draft cost, the optimizer's choice and its reason; greedy decoding
+    speed of plain, chain, prompt-lookup tree and layer-skip-draft tree side by side."""
+    params = SamplingParams()
+    vector, _ = calibrate(engine, draft_layers, params, width=8, max_new_tokens=32)
+    acceptance = list(vector.p)
+    context = len(prompt_ids)
+    times = measure_forward_times(engine.model, context, [1, 2, 4, 8, 16, 32, 64], repeats=3)
+    draft = engine.model.truncated(draft_layers)
+    draft_cost = measure_forward_times(draft, context, [1], repeats=3).one_token_seconds / times.one_token_seconds
+    choice = choose_tree(acceptance, times, draft_cost, max_size=64, max_depth=8)
+    # Run a draft tree even when the optimizer says it does not pay, to check that prediction.
+    size, depth = (choice.size, choice.depth) if choice.size > 1 else (8, 3)
+    template = best_tree(acceptance, size, depth)
+    runs = {
+        "plain": ("plain", None),
+        "chain (prompt lookup)": ("chain", None),
+        "tree (prompt lookup)": ("tree", None),
+        f"tree ({draft_layers}-layer draft, n={size}, d={depth})": ("tree", (draft, template)),
+    }
+    sizes = [2, 4, 8, 16, 32, 64, 128, 256, 512]
+    report = {
+        "date": date.today().isoformat(), "device": device_label(), "model": engine.name,
+        "prompt_tokens": context, "max_new_tokens": max_new_tokens,
+        "acceptance": {"description": f"{vector.models}, T=0, width 8 ({vector.positions} positions)",
+                       "p": acceptance},
+        "forward_times": asdict(times), "draft_cost": draft_cost,
+        "optimizer_choice": asdict(choice),
+        "tree_growth": {"sizes": sizes, "curves": tree_growth(acceptance, sizes, max_depth=16)},
+        "decode": decode_speeds(engine, prompt_ids, max_new_tokens, runs),
+    }
+    return write_report(report, out_dir, "cpu-trees" if not torch.cuda.is_available() else "gpu-trees")

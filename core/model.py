@@ -83,6 +83,10 @@ class TransformersLM:
         return TransformersLM(hf)
 
     @property
+    def num_layers(self) -> int:
+        return len(self.hf.base_model.layers)
+
+    @property
     def device(self) -> torch.device:
         return self.hf.device
 

@@ -103,3 +103,27 @@ def test_greedy_chain_matches_plain_on_a_summary_of_3k_tokens(tmp_path):
     assert runs["chain"]["token_ids"] == runs["plain"]["token_ids"]
     assert runs["plain"]["stats"]["mean_accepted_per_forward"] == 1.0
     assert runs["chain"]["stats"]["mean_accepted_per_forward"] > 1.0
+
+
+@pytest.mark.slow
+def test_calibrate_and_bench_on_a_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
+    """The calibration and benchmark pipelines end to end (tiny model: figures meaningless,
+    but every decoding mode must reproduce plain greedy output token for token)."""
+    env_cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(env_cache))
+    completed = specchat("calibrate", "--model", tiny_model_dir, "--draft-layers", "1", "--width", "3",
+                         "--max-new-tokens", "8", "--json")
+    assert completed.returncode == 0, completed.stderr
+    vector = json.loads(completed.stdout)
+    assert len(vector["p"]) == 3 and sum(vector["p"]) <= 1 and Path(vector["file"]).is_file()
+    assert_bad_input(specchat("calibrate", "--model", tiny_model_dir, "--draft-layers", "2"), "draft-layers")
+
+    document = tmp_path / "notes.txt"
+    document.write_text("The quick brown fox jumps over the lazy dog. " * 6)
+    completed = specchat("bench", "--model", tiny_model_dir, "--document", document, "--draft-layers", "1",
+                         "--max-new-tokens", "16", "--out", tmp_path / "bench")
+    assert completed.returncode == 0, completed.stderr
+    report = json.loads(next((tmp_path / "bench").glob("*.json")).read_text())
+    assert len(report["decode"]) == 4
+    assert all(row["identical_to_plain"] for row in report["decode"].values())
+    assert report["optimizer_choice"]["reason"]
