@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 import os
 import sys
 
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file")
     generate.add_argument("--document", metavar="FILE", help="a text file put ahead of the prompt")
     generate.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
+    generate.add_argument("--draft-layers", type=int, metavar="N",
+                          help="with --mode tree: a draft of the target's first N layers, its tree "
+                               "chosen by the hardware-aware optimizer (prompt-lookup branches if it does not pay)")
     _add_generation_options(generate)
 
     chat = commands.add_parser("chat", help="a conversation in the terminal")
@@ -165,20 +169,28 @@ def _generate(args) -> int:
     if not question.strip():
         raise InputError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file")
 
+    if args.draft_layers is not None and args.mode != "tree":
+        raise InputError("--draft-layers goes with --mode tree")
     from ..core.engine import Finished, TextDelta
 
     engine = _load(model_id(args))
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": content})
+    prompt_ids = engine.chat_ids(messages)
+    plan = _plan_tree_draft(engine, args.draft_layers, params, len(prompt_ids)) if args.draft_layers else None
     result = None
-    for event in engine.generate(engine.chat_ids(messages), args.max_new_tokens, params, args.mode):
+    for event in engine.generate(prompt_ids, args.max_new_tokens, params, args.mode):
         if isinstance(event, TextDelta) and not args.json:
             sys.stdout.write(event.text)
             sys.stdout.flush()
         elif isinstance(event, Finished):
             result = event.result
     if args.json:
-        print(json.dumps(result.to_json(), ensure_ascii=False))
+        output = result.to_json()
+        if plan is not None:
+            output["tree_plan"] = {**asdict(plan.choice), "draft_cost": plan.draft_cost,
+                                   "acceptance": list(plan.acceptance.p)}
+        print(json.dumps(output, ensure_ascii=False))
     else:
         stats = result.stats
         print(file=sys.stdout)
@@ -186,6 +198,20 @@ def _generate(args) -> int:
               f"{stats.mean_accepted_per_forward:.2f} tokens per target forward, mode {result.mode}]",
               file=sys.stderr)
     return 0
+
+
+def _plan_tree_draft(engine, draft_layers: int, params, context: int):
+    """Choose the draft tree for this prompt (measuring what it needs) and install it."""
+    layers = engine.model.num_layers
+    if not 1 <= draft_layers < layers:
+        raise InputError(f"--draft-layers must be between 1 and {layers - 1} for {engine.name}")
+    from ..core.calibration import plan_tree_draft
+
+    print(f"Measuring the draft and the target at {context} tokens of context...", file=sys.stderr)
+    plan = plan_tree_draft(engine, draft_layers, params, context)
+    engine.tree_draft = plan.tree_draft
+    print(f"Tree plan: {plan.choice.reason}", file=sys.stderr)
+    return plan
 
 
 def _calibrate(args) -> int:

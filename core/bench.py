@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 
-from .calibration import calibrate
+from .calibration import plan_tree_draft
 from .engine import Engine, Finished
 from .sampling import SamplingParams
-from .spec.optimizer import choose_tree, measure_forward_times
 from .spec.tree import Tree
-from .spec.tree_dp import best_scores, best_tree, chain_trees
+from .spec.tree_dp import best_scores, chain_trees
 
 
 def tree_growth(acceptance: list[float], sizes: list[int], max_depth: int,
@@ -116,17 +115,12 @@ def run_bench(engine: Engine, prompt_ids: list[int], max_new_tokens: int, draft_
     """The tree benchmark on the loaded model: a measured acceptance vector and the DP curves
     from it; measured t(n) and draft cost, the optimizer's choice and its reason; greedy decoding
     speed of plain, chain, prompt-lookup tree and layer-skip-draft tree side by side."""
-    params = SamplingParams()
-    vector, _ = calibrate(engine, draft_layers, params, width=8, max_new_tokens=32)
-    acceptance = list(vector.p)
     context = len(prompt_ids)
-    times = measure_forward_times(engine.model, context, [1, 2, 4, 8, 16, 32, 64], repeats=3)
-    draft = engine.model.truncated(draft_layers)
-    draft_cost = measure_forward_times(draft, context, [1], repeats=3).one_token_seconds / times.one_token_seconds
-    choice = choose_tree(acceptance, times, draft_cost, max_size=64, max_depth=8)
+    plan = plan_tree_draft(engine, draft_layers, SamplingParams(), context)
+    vector, acceptance = plan.acceptance, list(plan.acceptance.p)
     # Run a draft tree even when the optimizer says it does not pay, to check that prediction.
-    size, depth = (choice.size, choice.depth) if choice.size > 1 else (8, 3)
-    template = best_tree(acceptance, size, depth)
+    draft, template = plan.tree_draft or (engine.model.truncated(draft_layers), plan.template)
+    size, depth = template.size, template.depth
     runs = {
         "plain": ("plain", None),
         "chain (prompt lookup)": ("chain", None),
@@ -139,8 +133,8 @@ def run_bench(engine: Engine, prompt_ids: list[int], max_new_tokens: int, draft_
         "prompt_tokens": context, "max_new_tokens": max_new_tokens,
         "acceptance": {"description": f"{vector.models}, T=0, width 8 ({vector.positions} positions)",
                        "p": acceptance},
-        "forward_times": asdict(times), "draft_cost": draft_cost,
-        "optimizer_choice": asdict(choice),
+        "forward_times": asdict(plan.times), "draft_cost": plan.draft_cost,
+        "optimizer_choice": asdict(plan.choice),
         "tree_growth": {"sizes": sizes, "curves": tree_growth(acceptance, sizes, max_depth=16)},
         "decode": decode_speeds(engine, prompt_ids, max_new_tokens, runs),
     }

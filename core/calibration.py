@@ -4,14 +4,22 @@ built-in prompts, and keep it on disk with the pair and sampling settings it was
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .embedded import cache_root
 from .engine import Engine
+from .model import CausalLM
 from .sampling import SamplingParams, make_generator
 from .spec.acceptance import AcceptanceVector, calibration_sequences, measure_acceptance
+from .spec.optimizer import ForwardTimes, TreeChoice, choose_tree, measure_forward_times
+from .spec.tree import Tree
+from .spec.tree_dp import cached_best_tree
+
+WIDTH = 8  # children measured per node: the most a tree node may get
+VERIFY_SIZES = [1, 2, 4, 8, 16, 32, 64]  # t(n) is measured at these sizes
 
 CALIBRATION_PROMPTS = (
     "Explain why the sky is blue in a short paragraph.",
@@ -27,7 +35,7 @@ def acceptance_path(target: str, draft_layers: int, params: SamplingParams, widt
             f"{name}-skip{draft_layers}-t{params.temperature:g}-k{params.top_k}-p{params.top_p:g}-w{width}.json")
 
 
-def calibrate(engine: Engine, draft_layers: int, params: SamplingParams, width: int = 8,
+def calibrate(engine: Engine, draft_layers: int, params: SamplingParams, width: int = WIDTH,
               max_new_tokens: int = 48) -> tuple[AcceptanceVector, Path]:
     """Acceptance of the target's first `draft_layers` layers (a layer-skip self-draft) as a
     draft for the whole target, saved under the user cache; returns the vector and its file."""
@@ -40,3 +48,39 @@ def calibrate(engine: Engine, draft_layers: int, params: SamplingParams, width: 
     path = acceptance_path(engine.name, draft_layers, params, width)
     vector.save(path)
     return vector, path
+
+
+@dataclass(frozen=True)
+class TreeDraftPlan:
+    """Everything the hardware-aware choice of a draft tree rests on, and the choice."""
+    acceptance: AcceptanceVector
+    times: ForwardTimes  # the target's measured t(n) at this context
+    draft_cost: float  # one draft step / one target step, measured
+    choice: TreeChoice
+    tree_draft: tuple[CausalLM, Tree] | None  # None: speculation with this draft does not pay
+
+    @property
+    def template(self) -> Tree:
+        """The DP tree for the choice (a small one when the choice is plain decoding)."""
+        p = self.acceptance.p
+        return cached_best_tree(p, *((self.choice.size, self.choice.depth) if self.choice.size > 1 else (8, 3)))
+
+
+def plan_tree_draft(engine: Engine, draft_layers: int, params: SamplingParams, context: int,
+                    max_size: int = 64, max_depth: int = 8) -> TreeDraftPlan:
+    """Sequoia's hardware-aware choice for a layer-skip draft at this context: the saved
+    acceptance vector (measured now if there is none), t(n) and the draft's cost measured on
+    this machine, then speedup(n, d) = G(n, d) / (t(n) + d c) maximized over the grid."""
+    try:
+        acceptance = AcceptanceVector.load(acceptance_path(engine.name, draft_layers, params, WIDTH), params)
+    except FileNotFoundError:
+        acceptance, _ = calibrate(engine, draft_layers, params)
+    sizes = [n for n in VERIFY_SIZES if n <= max_size]
+    times = measure_forward_times(engine.model, context, sizes, repeats=3)
+    draft = engine.model.truncated(draft_layers)
+    draft_cost = measure_forward_times(draft, context, [1], repeats=3).one_token_seconds / times.one_token_seconds
+    choice = choose_tree(list(acceptance.p), times, draft_cost, max_size, max_depth)
+    plan = TreeDraftPlan(acceptance, times, draft_cost, choice, None)
+    if choice.size == 1:
+        return plan
+    return TreeDraftPlan(acceptance, times, draft_cost, choice, (draft, plan.template))

@@ -127,3 +127,15 @@ def test_calibrate_and_bench_on_a_tiny_model(tiny_model_dir, tmp_path, monkeypat
     assert len(report["decode"]) == 4
     assert all(row["identical_to_plain"] for row in report["decode"].values())
     assert report["optimizer_choice"]["reason"]
+
+    # generate --mode tree with a draft: the optimizer's choice is reported, the output is plain's.
+    runs = {}
+    for mode, extra in (("plain", []), ("tree", ["--draft-layers", "1"])):
+        completed = specchat("generate", "--model", tiny_model_dir, "--document", document, "--prompt", "Go on.",
+                             "--mode", mode, "--max-new-tokens", "16", "--json", *extra)
+        assert completed.returncode == 0, completed.stderr
+        runs[mode] = json.loads(completed.stdout)
+    assert runs["tree"]["token_ids"] == runs["plain"]["token_ids"]
+    assert runs["tree"]["tree_plan"]["reason"] and "Tree plan:" in completed.stderr
+    assert_bad_input(specchat("generate", "--prompt", "hi", "--mode", "chain", "--draft-layers", "2"),
+                     "--mode tree")
