@@ -58,8 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--json", action="store_true", help="print one JSON object")
 
     bench = commands.add_parser("bench", help="side-by-side decoding benchmark -> bench/ (JSON, PNG)")
-    bench.add_argument("--model", default=argparse.SUPPRESS,
-                       help="`embedded` (default) or a local transformers model directory")
+    _add_model_option(bench)
     bench.add_argument("--document", metavar="FILE", required=True, help="the document to answer about")
     bench.add_argument("--prompt", default="Summarize this document.")
     bench.add_argument("--max-new-tokens", type=int, default=128)
@@ -68,19 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_model_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=argparse.SUPPRESS,
+                        help="`embedded` (default) or a local transformers model directory")
+
+
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=argparse.SUPPRESS,
                         help="address to bind (default 127.0.0.1: this computer only)")
     parser.add_argument("--port", type=int, default=argparse.SUPPRESS, help="port (default 7860)")
     parser.add_argument("--no-browser", action="store_true", default=argparse.SUPPRESS,
                         help="do not open a browser tab")
-    parser.add_argument("--model", default=argparse.SUPPRESS,
-                        help="`embedded` (default) or a local transformers model directory")
+    _add_model_option(parser)
 
 
 def _add_generation_options(parser: argparse.ArgumentParser, mode: bool = True) -> None:
-    parser.add_argument("--model", default=argparse.SUPPRESS,
-                        help="`embedded` (default) or a local transformers model directory")
+    _add_model_option(parser)
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -200,11 +202,15 @@ def _generate(args) -> int:
     return 0
 
 
-def _plan_tree_draft(engine, draft_layers: int, params, context: int):
-    """Choose the draft tree for this prompt (measuring what it needs) and install it."""
+def _check_draft_layers(engine, draft_layers: int) -> None:
     layers = engine.model.num_layers
     if not 1 <= draft_layers < layers:
         raise InputError(f"--draft-layers must be between 1 and {layers - 1} for {engine.name}")
+
+
+def _plan_tree_draft(engine, draft_layers: int, params, context: int):
+    """Choose the draft tree for this prompt (measuring what it needs) and install it."""
+    _check_draft_layers(engine, draft_layers)
     from ..core.calibration import plan_tree_draft
 
     print(f"Measuring the draft and the target at {context} tokens of context...", file=sys.stderr)
@@ -219,9 +225,7 @@ def _calibrate(args) -> int:
     if args.width < 1 or args.max_new_tokens < 1:
         raise InputError("--width and --max-new-tokens must be at least 1")
     engine = _load(model_id(args))
-    layers = engine.model.num_layers
-    if not 1 <= args.draft_layers < layers:
-        raise InputError(f"--draft-layers must be between 1 and {layers - 1} for {engine.name}")
+    _check_draft_layers(engine, args.draft_layers)
     from ..core.calibration import calibrate
 
     vector, path = calibrate(engine, args.draft_layers, params, args.width, args.max_new_tokens)
@@ -241,9 +245,7 @@ def _bench(args) -> int:
 
     content = user_turn(args.prompt, read_text_file(args.document))
     engine = _load(model_id(args))
-    layers = engine.model.num_layers
-    if not 1 <= args.draft_layers < layers:
-        raise InputError(f"--draft-layers must be between 1 and {layers - 1} for {engine.name}")
+    _check_draft_layers(engine, args.draft_layers)
     from ..core.bench import run_bench
 
     prompt_ids = engine.chat_ids([{"role": "user", "content": content}])

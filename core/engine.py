@@ -160,7 +160,7 @@ class Engine:
                 tokens = tokens[:stop_at]
                 finish_reason = "stop"
             new_ids.extend(tokens)
-            committed += len(step.tokens)
+            committed += len(tokens) + (stop_at is not None)  # what counts ends at the end of turn
             stats.target_forwards += 1
             stats.drafted_tokens += step.drafted
             stats.accepted_draft_tokens += step.accepted

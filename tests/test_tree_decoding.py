@@ -5,7 +5,7 @@ import torch
 
 from chisquare import chi_square_p_value
 from conftest import tiny_llama
-from test_decoding import exact_sequence_probs, prompts, run
+from test_decoding import assert_greedy_identity, exact_sequence_probs, prompts, run
 from specchat.core.decoding import TreeDecoder
 from specchat.core.sampling import SamplingParams
 from specchat.core.spec.drafters import PromptLookupDrafter
@@ -30,31 +30,15 @@ def noisy_copy(seed, noise, **kwargs):
 
 
 def test_greedy_tree_equals_greedy_plain_with_a_draft_model():
-    drafted = accepted = 0
-    for seed in range(3):
-        target = tiny_llama(seed, weight_scale=8.0)
-        draft = noisy_copy(seed, 0.3, weight_scale=8.0)
-        for name, prompt in prompts(seed).items():
-            plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
-            tree, steps = run(target, prompt, "tree", SamplingParams(), 40, model_tree_decoder(draft))
-            assert tree == plain, (seed, name)
-            drafted += sum(s.drafted for s in steps)
-            accepted += sum(s.accepted for s in steps)
-    assert 0 < accepted < drafted
+    assert_greedy_identity([(seed, tiny_llama(seed, weight_scale=8.0)) for seed in range(3)],
+                           lambda seed, model: model_tree_decoder(noisy_copy(seed, 0.3, weight_scale=8.0)), 40)
 
 
 def test_greedy_tree_equals_greedy_plain_with_prompt_lookup_branches():
-    drafted = accepted = 0
-    for seed in range(3):
-        model = tiny_llama(seed)
-        for name, prompt in prompts(seed).items():
-            plain, _ = run(model, prompt, "plain", SamplingParams(), 50)
-            decoder = TreeDecoder(PromptLookupTreeDrafter(PromptLookupDrafter(model.vocab_size, min_ngram=1)))
-            tree, steps = run(model, prompt, "tree", SamplingParams(), 50, decoder)
-            assert tree == plain, (seed, name)
-            drafted += sum(s.drafted for s in steps)
-            accepted += sum(s.accepted for s in steps)
-    assert 0 < accepted < drafted
+    assert_greedy_identity(
+        [(seed, tiny_llama(seed)) for seed in range(3)],
+        lambda seed, model: TreeDecoder(PromptLookupTreeDrafter(PromptLookupDrafter(model.vocab_size, min_ngram=1))),
+        50)
 
 
 def test_draft_equal_to_target_accepts_whole_paths():

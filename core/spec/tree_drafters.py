@@ -89,7 +89,7 @@ class ModelTreeDrafter:
         q_rows: dict[int, torch.Tensor] = {}
         self._slots = {}
         level = [0]
-        for depth in range(max_depth):
+        for _ in range(max_depth):
             expanding = [node for node in level if self.template.children[template_of[node]]]
             if not expanding:
                 break
@@ -108,7 +108,9 @@ class ModelTreeDrafter:
                     template_of.append(self.template.children[template_of[node]][rank])
                     next_level.append(len(parents) - 1)
             level = next_level
-        tree = Tree(tuple(parents))
+        # The template itself when the draft filled it (the usual case), so its ancestor table,
+        # depths and children are derived once and reused every step.
+        tree = self.template if tuple(parents) == self.template.parents else Tree(tuple(parents))
         self._tokens = tokens
         q = None
         if not params.greedy:
