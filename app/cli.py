@@ -21,7 +21,11 @@ EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line and exit code 2, without the usage dump."""
+    """argparse that reports a usage error as one line and exit code 2, without the usage dump,
+    and takes options only in full (so `--mode` never passes for `--model`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
@@ -42,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--document", metavar="FILE", help="a text file put ahead of the prompt")
     generate.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     generate.add_argument("--draft-layers", type=int, metavar="N",
-                          help="with --mode tree: a draft of the target's first N layers, its tree "
-                               "chosen by the hardware-aware optimizer (prompt-lookup branches if it does not pay)")
+                          help="with --mode tree: a draft of the target's first N layers (default: the "
+                               "pair's draft model, if any), its tree chosen by the hardware-aware optimizer "
+                               "(prompt-lookup branches if it does not pay)")
     _add_generation_options(generate)
 
     chat = commands.add_parser("chat", help="a conversation in the terminal")
@@ -52,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = commands.add_parser(
         "calibrate", help="measure a draft's positional acceptance vector (for Sequoia trees)")
     _add_generation_options(calibrate, mode=False)
-    calibrate.add_argument("--draft-layers", type=int, default=24,
-                           help="draft = the target's first N layers (layer-skip self-draft)")
+    calibrate.add_argument("--draft-layers", type=int,
+                           help="draft = the target's first N layers (layer-skip self-draft); default: "
+                                "the pair's draft model, or 24 layers when the pair has none")
     calibrate.add_argument("--width", type=int, default=8, help="children measured per node")
     calibrate.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -64,12 +70,34 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--draft-layers", type=int, default=24)
     bench.add_argument("--out", default="bench", help="folder for the results (default: bench)")
+
+    models = commands.add_parser("models", help="model pairs: list, download, remove")
+    _add_models_file_option(models)
+    models_commands = models.add_subparsers(dest="models_command", parser_class=_Parser, metavar="ACTION",
+                                            required=True)
+    listing = models_commands.add_parser("list", help="every pair: size, fit on this machine, downloaded or not")
+    listing.add_argument("--json", action="store_true", help="print a JSON list")
+    download = models_commands.add_parser("download", help="download a pair from the Hugging Face Hub (resumes)")
+    download.add_argument("pair", help="a pair id from `specchat models list`")
+    download.add_argument("--token", help="Hugging Face token for gated models (default: HF_TOKEN or `hf auth login`)")
+    remove = models_commands.add_parser("remove", help="delete a downloaded pair from the cache")
+    remove.add_argument("pair", help="a pair id from `specchat models list`")
+    for action in (listing, download, remove):
+        _add_models_file_option(action)
     return parser
+
+
+def _add_models_file_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models-file", metavar="FILE", default=argparse.SUPPRESS,
+                        help="a models.toml merged over the shipped registry (default: the user config "
+                             "folder's models.toml, if any)")
 
 
 def _add_model_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=argparse.SUPPRESS,
-                        help="`embedded` (default) or a local transformers model directory")
+                        help="a pair id from `specchat models list` (default: embedded) or a local "
+                             "transformers model directory")
+    _add_models_file_option(parser)
 
 
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
@@ -103,13 +131,16 @@ def main(argv: list[str] | None = None) -> int:
             return _calibrate(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "models":
+            from .models_cmd import run_models
+            return run_models(args, registry(args))
         if args.command == "chat":
             from .terminal import run_chat
-            return run_chat(_load(model_id(args)), args)
+            return run_chat(_load(args), args)
         from .ui import launch
-        launch(host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
-               open_browser=not getattr(args, "no_browser", False),
-               model_id=model_id(args))
+        registry(args)  # a bad registry or --models-file fails here, before the server starts
+        launch(lambda: _load(args), host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
+               open_browser=not getattr(args, "no_browser", False))
         return 0
     except SpecchatError as error:
         print(f"specchat: error: {error}", file=sys.stderr)
@@ -144,11 +175,22 @@ def sampling_params(args):
         raise InputError(str(error)) from None
 
 
-def _load(model_id: str):
-    _quiet_transformers()
-    from ..core.engine import load_engine
+def registry(args):
+    """The registry with `--models-file` (given before or after the subcommand) merged in."""
+    from ..core.registry import load_registry
 
-    return load_engine(model_id, progress=lambda message: print(message, file=sys.stderr))
+    return load_registry(getattr(args, "models_file", None))
+
+
+def _load(args):
+    from .models_cmd import ProgressLine
+
+    reg = registry(args)  # a bad registry fails before transformers is imported
+    _quiet_transformers()
+    from ..core.loading import load_engine
+
+    return load_engine(model_id(args), progress=lambda message: print(message, file=sys.stderr),
+                       registry=reg, download_progress=ProgressLine())
 
 
 def _quiet_transformers() -> None:
@@ -175,11 +217,12 @@ def _generate(args) -> int:
         raise InputError("--draft-layers goes with --mode tree")
     from ..core.engine import Finished, TextDelta
 
-    engine = _load(model_id(args))
+    engine = _load(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": content})
     prompt_ids = engine.chat_ids(messages)
-    plan = _plan_tree_draft(engine, args.draft_layers, params, len(prompt_ids)) if args.draft_layers else None
+    draft = _draft(engine, args.draft_layers) if args.mode == "tree" else None
+    plan = _plan_tree_draft(engine, draft, params, len(prompt_ids)) if draft is not None else None
     result = None
     for event in engine.generate(prompt_ids, args.max_new_tokens, params, args.mode):
         if isinstance(event, TextDelta) and not args.json:
@@ -208,13 +251,23 @@ def _check_draft_layers(engine, draft_layers: int) -> None:
         raise InputError(f"--draft-layers must be between 1 and {layers - 1} for {engine.name}")
 
 
-def _plan_tree_draft(engine, draft_layers: int, params, context: int):
-    """Choose the draft tree for this prompt (measuring what it needs) and install it."""
+def _draft(engine, draft_layers: int | None):
+    """The draft a tree uses: `--draft-layers N` (layer skip), else the pair's draft model if it
+    has one, else none (prompt-lookup branches)."""
+    from ..core.calibration import layer_skip_draft, pair_draft
+
+    if draft_layers is None:
+        return pair_draft(engine)
     _check_draft_layers(engine, draft_layers)
+    return layer_skip_draft(engine, draft_layers)
+
+
+def _plan_tree_draft(engine, draft, params, context: int):
+    """Choose the draft tree for this prompt (measuring what it needs) and install it."""
     from ..core.calibration import plan_tree_draft
 
     print(f"Measuring the draft and the target at {context} tokens of context...", file=sys.stderr)
-    plan = plan_tree_draft(engine, draft_layers, params, context)
+    plan = plan_tree_draft(engine, draft, params, context)
     engine.tree_draft = plan.tree_draft
     print(f"Tree plan: {plan.choice.reason}", file=sys.stderr)
     return plan
@@ -224,11 +277,11 @@ def _calibrate(args) -> int:
     params = sampling_params(args)
     if args.width < 1 or args.max_new_tokens < 1:
         raise InputError("--width and --max-new-tokens must be at least 1")
-    engine = _load(model_id(args))
-    _check_draft_layers(engine, args.draft_layers)
+    engine = _load(args)
     from ..core.calibration import calibrate
 
-    vector, path = calibrate(engine, args.draft_layers, params, args.width, args.max_new_tokens)
+    draft = _draft(engine, args.draft_layers) or _draft(engine, min(24, engine.model.num_layers - 1))
+    vector, path = calibrate(engine, draft, params, args.width, args.max_new_tokens)
     if args.json:
         print(json.dumps({"models": vector.models, "p": vector.p, "positions": vector.positions,
                           "file": str(path)}))
@@ -244,7 +297,7 @@ def _bench(args) -> int:
     from .documents import read_text_file, user_turn
 
     content = user_turn(args.prompt, read_text_file(args.document))
-    engine = _load(model_id(args))
+    engine = _load(args)
     _check_draft_layers(engine, args.draft_layers)
     from ..core.bench import run_bench
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from typing import Callable
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -23,17 +24,15 @@ DEFAULT_HOST = "127.0.0.1"
 class EngineHandle:
     """The engine, loading in a background thread; `get()` waits for it or raises its error."""
 
-    def __init__(self, model_id: str):
+    def __init__(self, load: Callable[[], object]):
         self._ready = threading.Event()
         self._engine = None
         self._error: Exception | None = None
-        threading.Thread(target=self._load, args=(model_id,), daemon=True).start()
+        threading.Thread(target=self._load, args=(load,), daemon=True).start()
 
-    def _load(self, model_id: str) -> None:
-        from .cli import _load
-
+    def _load(self, load: Callable[[], object]) -> None:
         try:
-            self._engine = _load(model_id)
+            self._engine = load()
         except Exception as error:  # shown in the chat instead of killing the server
             self._error = error
         finally:
@@ -133,12 +132,13 @@ def build_ui(handle: EngineHandle) -> gr.Blocks:
     return demo
 
 
-def launch(host: str = DEFAULT_HOST, port: int = 7860, open_browser: bool = True,
-           model_id: str = "embedded") -> None:
+def launch(load: Callable[[], object], host: str = DEFAULT_HOST, port: int = 7860,
+           open_browser: bool = True) -> None:
+    """Serve the chat; `load` loads the engine (in the background, so the page is up at once)."""
     if host not in (DEFAULT_HOST, "localhost", "::1"):
         print(f"specchat: warning: listening on {host}: other computers on the network can use this chat",
               file=sys.stderr)
-    demo = build_ui(EngineHandle(model_id))
+    demo = build_ui(EngineHandle(load))
     print(f"specchat: the chat is at http://{host}:{port}", file=sys.stderr)
     demo.queue(default_concurrency_limit=1).launch(
         server_name=host, server_port=port, inbrowser=open_browser, share=False,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .calibration import plan_tree_draft
+from .calibration import layer_skip_draft, plan_tree_draft
 from .engine import Engine, Finished
 from .sampling import SamplingParams
 from .spec.tree import Tree
@@ -116,7 +116,7 @@ def run_bench(engine: Engine, prompt_ids: list[int], max_new_tokens: int, draft_
     from it; measured t(n) and draft cost, the optimizer's choice and its reason; greedy decoding
     speed of plain, chain, prompt-lookup tree and layer-skip-draft tree side by side."""
     context = len(prompt_ids)
-    plan = plan_tree_draft(engine, draft_layers, SamplingParams(), context)
+    plan = plan_tree_draft(engine, layer_skip_draft(engine, draft_layers), SamplingParams(), context)
     vector, acceptance = plan.acceptance, list(plan.acceptance.p)
     # Run a draft tree even when the optimizer says it does not pay, to check that prediction.
     draft, template = plan.tree_draft or (engine.model.truncated(draft_layers), plan.template)

@@ -29,23 +29,39 @@ CALIBRATION_PROMPTS = (
 )
 
 
-def acceptance_path(target: str, draft_layers: int, params: SamplingParams, width: int) -> Path:
-    name = re.sub(r"[^A-Za-z0-9.]+", "-", target).strip("-")
+@dataclass(frozen=True)
+class Draft:
+    """A draft model for the loaded target, and the name its acceptance vector is filed under."""
+    model: CausalLM
+    name: str
+
+
+def layer_skip_draft(engine: Engine, layers: int) -> Draft:
+    """The target's first `layers` layers (a layer-skip self-draft, sharing the target's weights)."""
+    return Draft(engine.model.truncated(layers), f"skip{layers}")
+
+
+def pair_draft(engine: Engine) -> Draft | None:
+    """The separate draft model of a registry pair, when the engine has one."""
+    return Draft(engine.draft, engine.draft_name) if engine.draft is not None else None
+
+
+def acceptance_path(target: str, draft: str, params: SamplingParams, width: int) -> Path:
+    name = "-".join(re.sub(r"[^A-Za-z0-9.]+", "-", part).strip("-") for part in (target, draft))
     return (cache_root() / "acceptance" /
-            f"{name}-skip{draft_layers}-t{params.temperature:g}-k{params.top_k}-p{params.top_p:g}-w{width}.json")
+            f"{name}-t{params.temperature:g}-k{params.top_k}-p{params.top_p:g}-w{width}.json")
 
 
-def calibrate(engine: Engine, draft_layers: int, params: SamplingParams, width: int = WIDTH,
+def calibrate(engine: Engine, draft: Draft, params: SamplingParams, width: int = WIDTH,
               max_new_tokens: int = 48) -> tuple[AcceptanceVector, Path]:
-    """Acceptance of the target's first `draft_layers` layers (a layer-skip self-draft) as a
-    draft for the whole target, saved under the user cache; returns the vector and its file."""
-    draft = engine.model.truncated(draft_layers)
+    """Acceptance of `draft` as a draft for the target, saved under the user cache; returns the
+    vector and its file."""
     generator = make_generator(params.seed if params.seed is not None else 0)
     prompts = [torch.tensor(engine.chat_ids([{"role": "user", "content": text}])) for text in CALIBRATION_PROMPTS]
     sequences = calibration_sequences(engine.model, prompts, params, generator, max_new_tokens, engine.stop_ids)
-    vector = measure_acceptance(engine.model, draft, sequences, [p.shape[0] for p in prompts], params, width,
-                                generator, models=f"{engine.name}[:{draft_layers}] -> {engine.name}")
-    path = acceptance_path(engine.name, draft_layers, params, width)
+    vector = measure_acceptance(engine.model, draft.model, sequences, [p.shape[0] for p in prompts], params, width,
+                                generator, models=f"{draft.name} -> {engine.name}")
+    path = acceptance_path(engine.name, draft.name, params, width)
     vector.save(path)
     return vector, path
 
@@ -66,21 +82,20 @@ class TreeDraftPlan:
         return cached_best_tree(p, *((self.choice.size, self.choice.depth) if self.choice.size > 1 else (8, 3)))
 
 
-def plan_tree_draft(engine: Engine, draft_layers: int, params: SamplingParams, context: int,
+def plan_tree_draft(engine: Engine, draft: Draft, params: SamplingParams, context: int,
                     max_size: int = 64, max_depth: int = 8) -> TreeDraftPlan:
-    """Sequoia's hardware-aware choice for a layer-skip draft at this context: the saved
+    """Sequoia's hardware-aware choice for `draft` at this context: the saved
     acceptance vector (measured now if there is none), t(n) and the draft's cost measured on
     this machine, then speedup(n, d) = G(n, d) / (t(n) + d c) maximized over the grid."""
     try:
-        acceptance = AcceptanceVector.load(acceptance_path(engine.name, draft_layers, params, WIDTH), params)
+        acceptance = AcceptanceVector.load(acceptance_path(engine.name, draft.name, params, WIDTH), params)
     except FileNotFoundError:
-        acceptance, _ = calibrate(engine, draft_layers, params)
+        acceptance, _ = calibrate(engine, draft, params)
     sizes = [n for n in VERIFY_SIZES if n <= max_size]
     times = measure_forward_times(engine.model, context, sizes, repeats=3)
-    draft = engine.model.truncated(draft_layers)
-    draft_cost = measure_forward_times(draft, context, [1], repeats=3).one_token_seconds / times.one_token_seconds
+    draft_cost = measure_forward_times(draft.model, context, [1], repeats=3).one_token_seconds / times.one_token_seconds
     choice = choose_tree(list(acceptance.p), times, draft_cost, max_size, max_depth)
     plan = TreeDraftPlan(acceptance, times, draft_cost, choice, None)
     if choice.size == 1:
         return plan
-    return TreeDraftPlan(acceptance, times, draft_cost, choice, (draft, plan.template))
+    return TreeDraftPlan(acceptance, times, draft_cost, choice, (draft.model, plan.template))

@@ -9,15 +9,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
-from . import embedded
 from .decoding import MODES, DecodeState, decode, make_decoder, prefill
-from .errors import InputError, ModelUnavailable
-from .model import CausalLM, TransformersLM
+from .errors import InputError
+from .model import CausalLM
 from .sampling import SamplingParams, make_generator
 from .spec.tree import Tree
 from .textstream import TextStream
@@ -84,10 +82,11 @@ def resolve_mode(mode: str) -> str:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer, name: str):
+    def __init__(self, model: CausalLM, tokenizer, name: str, draft: CausalLM | None = None, draft_name: str = ""):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
+        self.draft, self.draft_name = draft, draft_name  # a pair's separate draft model, if any
         self.stop_ids = _stop_ids(tokenizer, model)
         self.tree_draft: tuple[CausalLM, Tree] | None = None  # tree mode's draft model and shape
         self._lock = threading.Lock()  # one generation at a time per loaded model
@@ -193,22 +192,3 @@ def _stop_ids(tokenizer, model: CausalLM) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
-
-
-def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = print) -> Engine:
-    """Load a model by id: `embedded` (the built-in SmolLM2) or a local transformers directory."""
-    from transformers import AutoTokenizer
-
-    if model_id == "embedded":
-        path, name = embedded.ensure_converted(progress), embedded.EMBEDDED_ID
-    else:
-        path, name = Path(model_id), model_id
-        if not (path / "config.json").is_file():
-            raise ModelUnavailable(f"no model at {model_id!r}: give `embedded` or a directory with config.json")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = TransformersLM.from_pretrained(path)
-    except (OSError, ValueError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelUnavailable(f"cannot load the model at {path}: {first_line}") from None
-    return Engine(model, tokenizer, name)

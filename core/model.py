@@ -41,21 +41,26 @@ class CausalLM(Protocol):
 class TransformersLM:
     """A transformers causal LM (batch of one) behind the `CausalLM` interface."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, vocab_size: int | None = None):
         self.hf = hf_model.eval()
         config = hf_model.config
-        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+        own_width = hf_model.get_output_embeddings().weight.shape[0]
+        # A draft whose embeddings are padded less than its target's answers with the target's
+        # width; the extra ids get probability zero.
+        self.vocab_size = max(own_width, vocab_size or 0)
+        self._pad = self.vocab_size - own_width
         self.context_length = int(config.max_position_embeddings)
         eos = getattr(hf_model.generation_config, "eos_token_id", None)
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     @classmethod
-    def from_pretrained(cls, path: Path | str, dtype: torch.dtype = torch.float32) -> "TransformersLM":
+    def from_pretrained(cls, path: Path | str, dtype: torch.dtype = torch.float32,
+                        vocab_size: int | None = None) -> "TransformersLM":
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation="sdpa", use_safetensors=True)
-        return cls(hf_model)
+        return cls(hf_model, vocab_size)
 
     def truncated(self, num_layers: int) -> "TransformersLM":
         """A layer-skip self-draft: the first `num_layers` decoder layers, then the final norm and
@@ -80,7 +85,7 @@ class TransformersLM:
         short_base.layers = torch.nn.ModuleList(base.layers[:num_layers])
         hf.config = short_base.config = config
         setattr(hf, self.hf.base_model_prefix, short_base)
-        return TransformersLM(hf)
+        return TransformersLM(hf, self.vocab_size)
 
     @property
     def num_layers(self) -> int:
@@ -103,4 +108,5 @@ class TransformersLM:
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
         )
-        return out.logits[0].float()
+        logits = out.logits[0].float()
+        return torch.nn.functional.pad(logits, (0, self._pad), value=-torch.inf) if self._pad else logits

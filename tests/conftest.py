@@ -43,7 +43,7 @@ def embedded_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def embedded_engine(embedded_dir):
-    from specchat.core.engine import load_engine
+    from specchat.core.loading import load_engine
 
     return load_engine("embedded")
 

@@ -6,7 +6,8 @@ import threading
 import pytest
 
 from conftest import DATA
-from specchat.core.engine import Finished, PrefillProgress, TextDelta, load_engine
+from specchat.core.engine import Finished, PrefillProgress, TextDelta
+from specchat.core.loading import load_engine
 from specchat.core.errors import InputError
 from specchat.core.sampling import SamplingParams
 

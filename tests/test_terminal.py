@@ -2,7 +2,7 @@ import io
 from types import SimpleNamespace
 
 from specchat.app.terminal import run_chat
-from specchat.core.engine import load_engine
+from specchat.core.loading import load_engine
 
 
 def chat_args(**overrides):

@@ -1,0 +1,450 @@
+"""Model downloads from the Hugging Face Hub, on `huggingface_hub`.
+
+Files go to the standard Hub cache, in its layout (blobs/ named by hash, snapshots/<commit>/
+linking to them), so other tools share them and `HF_HUB_CACHE` or `HF_HOME` move them.
+specchat fetches only what it loads: safetensors weights, configs and tokenizer files, never
+pickled weights.
+
+huggingface_hub 2.4 lists the repo and knows the cache, but it cannot resume a file across
+processes (each download streams into a file name unique to its process, orphaned by a kill), so
+specchat moves the bytes itself: each file streams into `blobs/<hash>.specchat-part`, a rerun
+continues it with an HTTP Range request, a stalled or broken connection is retried from where it
+stopped, and the file is checked against the hash the Hub lists for it (sha256 for LFS files,
+the git blob sha1 for the others) before it joins the cache. A small manifest under specchat's
+cache remembers the files a model needs, so offline mode can say exactly what is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .embedded import cache_root
+from .errors import InputError, ModelUnavailable, SpecchatError
+from .files import write_atomically
+from .registry import ModelPair, ModelSpec, Registry
+
+ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.jinja", "tokenizer.model"]
+# Pickled or unused formats, and Meta's original/ folder of .pth weights.
+IGNORE_PATTERNS = ["original/*", "*.pth", "*.pt", "*.bin", "*.ckpt", "*.h5", "*.msgpack", "*.gguf",
+                   "*.onnx", "onnx/*"]
+DISK_MARGIN_BYTES = 1 << 30  # leave at least 1 GiB free after a download
+HASH_CHUNK = 1 << 24
+WRITE_CHUNK = 1 << 20
+RETRY_PAUSES = (1.0, 2.0, 4.0, 8.0, 8.0)  # seconds between tries of a broken transfer
+
+
+class DownloadError(SpecchatError):
+    """A download failed (network, integrity, disk space); what was complete stays on disk."""
+
+
+class NotDownloaded(ModelUnavailable):
+    """Offline (or not yet downloaded) and some files of the model are not in the cache."""
+
+
+@dataclass(frozen=True)
+class DownloadProgress:
+    model: str  # repo id
+    filename: str
+    done_bytes: int  # over all files of this download, resumed parts included
+    total_bytes: int
+
+
+ProgressCallback = Callable[[DownloadProgress], None]
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    repo: str
+    complete: bool
+    present_bytes: int  # cached files and partial downloads
+    missing: tuple[str, ...]  # files known to be missing (empty when nothing is known yet)
+
+
+def hub_cache() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def is_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def manifest_path(model: ModelSpec) -> Path:
+    return cache_root() / "downloads" / f"{model.repo.replace('/', '--')}--{model.revision}.json"
+
+
+def _read_manifest(model: ModelSpec) -> dict | None:
+    try:
+        manifest = json.loads(manifest_path(model).read_text())
+        return manifest if isinstance(manifest.get("files"), dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _repo_folder(model: ModelSpec) -> Path:
+    return hub_cache() / f"models--{model.repo.replace('/', '--')}"
+
+
+def snapshot_folder(model: ModelSpec) -> Path:
+    return _repo_folder(model) / "snapshots" / model.revision
+
+
+def model_status(model: ModelSpec) -> ModelStatus:
+    """What the cache holds of `model`, read from disk only."""
+    manifest = _read_manifest(model)
+    present = _partial_bytes(model)
+    if manifest is None:
+        return ModelStatus(model.repo, False, present, ())
+    snapshot = snapshot_folder(model)
+    missing = tuple(name for name, size in manifest["files"].items()
+                    if not _has_file(snapshot / name, size))
+    present += sum(size for name, size in manifest["files"].items() if name not in missing)
+    return ModelStatus(model.repo, not missing and bool(manifest.get("verified")), present, missing)
+
+
+def _has_file(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size  # follows the snapshot's symlink to the blob
+    except OSError:
+        return False
+
+
+def _partial_bytes(model: ModelSpec) -> int:
+    blobs = _repo_folder(model) / "blobs"
+    return sum(part.stat().st_size for part in blobs.glob("*.specchat-part")) if blobs.is_dir() else 0
+
+
+def local_model_path(model: ModelSpec, pair_id: str) -> Path:
+    """The snapshot folder of a complete, verified download, or `NotDownloaded` saying what is missing."""
+    status = model_status(model)
+    if status.complete:
+        return snapshot_folder(model)
+    if status.missing:
+        listed = ", ".join(status.missing[:4]) + (f" and {len(status.missing) - 4} more" if len(status.missing) > 4 else "")
+        raise NotDownloaded(f"{model.repo} is not fully downloaded: missing {listed} "
+                            f"(in {hub_cache()}); run `specchat models download {pair_id}` while online")
+    what = "only partly downloaded" if status.present_bytes else "not downloaded"
+    raise NotDownloaded(f"{model.repo} is {what} (needs {_gb(model.download_bytes)} in {hub_cache()}); "
+                        f"run `specchat models download {pair_id}` while online")
+
+
+def download_pair(pair: ModelPair, progress: ProgressCallback | None = None, token: str | None = None,
+                  offline: bool | None = None, endpoint: str | None = None) -> dict[str, Path]:
+    """Make every model of a hub pair available locally: {"target": path, "draft": path}.
+
+    Offline (the argument, or `HF_HUB_OFFLINE=1`) it only looks in the cache. Online it lists
+    the needed files, checks the disk has room for what is still missing, fetches the missing
+    files (resuming partial ones) with progress, and verifies each one.
+    """
+    if pair.source != "hub":
+        raise InputError(f"{pair.id} is not downloaded from the Hub ({pair.source} model)")
+    offline = is_offline() if offline is None else offline
+    roles = {"target": pair.target} if pair.draft is None else {"target": pair.target, "draft": pair.draft}
+    if offline:
+        return {role: local_model_path(model, pair.id) for role, model in roles.items()}
+    hub = _Hub(pair, token, endpoint)
+    plans = {role: _plan(model, hub) for role, model in roles.items()}
+    _check_disk_space(sum(plan.missing_bytes for plan in plans.values()))
+    counter = _ProgressCounter(progress, sum(plan.total_bytes for plan in plans.values()),
+                               sum(plan.cached_bytes for plan in plans.values()))
+    return {role: _fetch(plan, hub, counter) for role, plan in plans.items()}
+
+
+@dataclass(frozen=True)
+class _Hub:
+    """Where and as whom to download, and which pair errors are reported for."""
+    pair: ModelPair
+    token: str | None
+    endpoint: str | None
+
+    def call(self, model: ModelSpec, call):
+        return _hub_call(call, model, self.pair)
+
+
+@dataclass(frozen=True)
+class _RemoteFile:
+    name: str
+    size: int
+    digest: str  # sha256 (LFS) or git blob sha1: the blob's name in the cache
+
+
+@dataclass(frozen=True)
+class _Plan:
+    model: ModelSpec
+    files: tuple[_RemoteFile, ...]
+    to_fetch: tuple[_RemoteFile, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(file.size for file in self.files)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Complete files already in the cache (partial ones count as their download resumes)."""
+        return self.total_bytes - sum(file.size for file in self.to_fetch)
+
+    @property
+    def missing_bytes(self) -> int:
+        return sum(file.size - _part_size(self.model, file) for file in self.to_fetch)
+
+
+def _plan(model: ModelSpec, hub: _Hub) -> _Plan:
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.utils import filter_repo_objects
+
+    api = HfApi(endpoint=hub.endpoint, token=hub.token)
+    entries = hub.call(model, lambda: [entry for entry in api.list_repo_tree(
+        model.repo, revision=model.revision, recursive=True) if isinstance(entry, RepoFile)])
+    wanted = set(filter_repo_objects([entry.path for entry in entries], allow_patterns=ALLOW_PATTERNS,
+                                     ignore_patterns=IGNORE_PATTERNS))
+    files = tuple(_RemoteFile(entry.path, entry.lfs.size if entry.lfs else entry.size,
+                              entry.lfs.sha256 if entry.lfs else entry.blob_id)
+                  for entry in entries if entry.path in wanted)
+    if not any(file.name.endswith(".safetensors") for file in files):
+        raise DownloadError(f"{model.repo}@{model.revision[:8]} has no safetensors weights; specchat "
+                            "never loads pickled weights: choose another revision or model")
+    sizes = {file.name: file.size for file in files}
+    manifest = _read_manifest(model) or {}
+    write_atomically(manifest_path(model), json.dumps(
+        {"repo": model.repo, "revision": model.revision, "files": sizes,
+         "verified": bool(manifest.get("verified")) and manifest.get("files") == sizes}, indent=1))
+    snapshot = snapshot_folder(model)
+    to_fetch = tuple(file for file in files if not _has_file(snapshot / file.name, file.size))
+    return _Plan(model, files, to_fetch)
+
+
+def _fetch(plan: _Plan, hub: _Hub, counter: _ProgressCounter) -> Path:
+    from huggingface_hub import snapshot_download
+
+    model = plan.model
+    for file in plan.to_fetch:
+        counter.start(model.repo, file.name)
+        _fetch_file(model, file, hub, counter)
+    # Let huggingface_hub see the snapshot as complete (it caches the tree listing), so other
+    # tools, and its own offline mode, find it. Every file is in place: nothing is fetched.
+    folder = Path(hub.call(model, lambda: snapshot_download(
+        model.repo, revision=model.revision, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS,
+        cache_dir=hub_cache(), token=hub.token, endpoint=hub.endpoint)))
+    write_atomically(manifest_path(model), json.dumps(
+        {"repo": model.repo, "revision": model.revision, "files": {file.name: file.size for file in plan.files},
+         "verified": True}, indent=1))
+    return folder
+
+
+def _part_path(model: ModelSpec, file: _RemoteFile) -> Path:
+    return _repo_folder(model) / "blobs" / f"{file.digest}.specchat-part"
+
+
+def _part_size(model: ModelSpec, file: _RemoteFile) -> int:
+    try:
+        return _part_path(model, file).stat().st_size
+    except OSError:
+        return 0
+
+
+def _fetch_file(model: ModelSpec, file: _RemoteFile, hub: _Hub, counter: _ProgressCounter) -> None:
+    """Download one file into its blob (resuming a partial one), verify it, link it into the snapshot."""
+    blob = _repo_folder(model) / "blobs" / file.digest
+    if not (blob.is_file() and blob.stat().st_size == file.size and _blob_matches(blob)):
+        part = _part_path(model, file)
+        part.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in range(2):  # a corrupt file is fetched once more from scratch
+            counter.resume(_part_size(model, file))
+            _transfer(model, file, part, hub, counter)
+            if _blob_matches(part, file.digest):
+                break
+            part.unlink()
+            counter.resume(0)
+            if attempt:
+                raise DownloadError(f"{model.repo}: {file.name} failed the integrity check twice (its hash does "
+                                    "not match the Hub's); the partial file was deleted, run the download again")
+        os.replace(part, blob)
+    _link(blob, snapshot_folder(model) / file.name)
+
+
+def _transfer(model: ModelSpec, file: _RemoteFile, part: Path, hub: _Hub, counter: _ProgressCounter) -> None:
+    """Stream the rest of `file` into `part`; a broken or stalled connection resumes where it stopped."""
+    import httpx2
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    url = hf_hub_url(model.repo, file.name, revision=model.revision, endpoint=hub.endpoint)
+    for attempt, pause in enumerate(RETRY_PAUSES + (None,)):
+        start = part.stat().st_size if part.exists() else 0
+        if start >= file.size:
+            return
+        headers = build_hf_headers(token=hub.token, headers={"Range": f"bytes={start}-"} if start else None)
+        try:
+            with get_session().stream("GET", url, headers=headers, follow_redirects=True,
+                                      timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+                hub.call(model, lambda response=response: hf_raise_for_status(response))
+                if start and response.status_code != 206:  # the server ignored the range: start over
+                    start = 0
+                    counter.resume(0)
+                with open(part, "ab" if start else "wb") as out:
+                    for chunk in response.iter_bytes(WRITE_CHUNK):
+                        out.write(chunk)
+                        counter.advance(len(chunk))
+            if part.stat().st_size >= file.size:
+                return
+        except OSError as error:
+            raise DownloadError(f"cannot write {part}: {error.strerror or error}; free some disk space or point "
+                                "HF_HUB_CACHE at another disk, then run the download again to resume") from None
+        except httpx2.TransportError as error:
+            if pause is None:
+                raise DownloadError(
+                    f"downloading {model.repo} {file.name} failed after {attempt + 1} tries ({type(error).__name__}); "
+                    f"{_gb(part.stat().st_size if part.exists() else 0)} are kept: run the download again to "
+                    "resume") from None
+        if pause is not None:
+            time.sleep(pause)
+    raise DownloadError(f"downloading {model.repo} {file.name} kept ending early; run the download again to resume")
+
+
+def _link(blob: Path, pointer: Path) -> None:
+    """Point the snapshot's file at its blob as huggingface_hub does: a relative symlink, or a
+    copy where the file system has no symlinks."""
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    pointer.unlink(missing_ok=True)
+    try:
+        pointer.symlink_to(os.path.relpath(blob, pointer.parent))
+    except OSError:
+        shutil.copyfile(blob, pointer)
+
+
+def _blob_matches(blob: Path, expected: str | None = None) -> bool:
+    """Does the file hash to `expected` (default: its own name, as blobs are named)?"""
+    expected = expected or blob.name
+    if len(expected) == 64:  # an LFS file: its sha256
+        digest = hashlib.sha256()
+    elif len(expected) == 40:  # a git file: its git blob sha1
+        digest = hashlib.sha1(f"blob {blob.stat().st_size}\0".encode())
+    else:
+        return True  # a naming scheme this check does not know: nothing to compare against
+    with open(blob, "rb") as file:
+        while chunk := file.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest() == expected
+
+
+def _check_disk_space(needed: int) -> None:
+    folder = hub_cache()
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed + DISK_MARGIN_BYTES > free:
+        raise DownloadError(f"not enough disk space: the download needs {_gb(needed)} (plus {_gb(DISK_MARGIN_BYTES)} "
+                            f"to spare) but {folder} has {_gb(free)} free; free some space or point "
+                            "HF_HUB_CACHE at a larger disk")
+
+
+def _hub_call(call, model: ModelSpec, pair: ModelPair):
+    """Run a huggingface_hub call and turn its failures into one actionable sentence."""
+    import httpx2
+    from huggingface_hub import errors
+
+    try:
+        return call()
+    except httpx2.TransportError as error:
+        raise DownloadError(f"cannot reach the Hub to download {model.repo} ({type(error).__name__}); check the "
+                            "connection, or set HF_HUB_OFFLINE=1 to use only what is cached") from None
+    except errors.GatedRepoError:
+        raise DownloadError(
+            f"{model.repo} is gated: accept its licence ({pair.license}) at https://huggingface.co/{model.repo} "
+            "with your account, then log in with `hf auth login` (or set HF_TOKEN) and run the download again"
+        ) from None
+    except errors.RevisionNotFoundError:
+        raise DownloadError(f"{model.repo} has no revision {model.revision}: the registry entry for "
+                            f"{pair.id} is out of date") from None
+    except errors.RepositoryNotFoundError:
+        raise DownloadError(f"{model.repo} was not found on the Hub (or is private): check the registry entry "
+                            f"for {pair.id} and your token") from None
+    except errors.LocalEntryNotFoundError:
+        raise DownloadError(f"cannot reach the Hub to download {model.repo}; check the connection, or use "
+                            "what is cached with HF_HUB_OFFLINE=1") from None
+    except (errors.HfHubHTTPError, OSError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DownloadError(f"downloading {model.repo} failed: {first}; run the download again to resume") from None
+
+
+class _ProgressCounter:
+    """Bytes over the whole pair, reported as `DownloadProgress`."""
+
+    def __init__(self, callback: ProgressCallback | None, total: int, done: int):
+        self.callback, self.total, self.done = callback, total, done
+        self.model, self.filename = "", ""
+        self.file_start = done
+
+    def start(self, model: str, filename: str) -> None:
+        self.model, self.filename = model, filename
+        self.file_start = self.done
+
+    def resume(self, file_bytes: int) -> None:
+        """The current file now holds `file_bytes` (a resumed part, or 0 after starting over)."""
+        self.done = self.file_start + file_bytes
+        self._report()
+
+    def advance(self, count: int) -> None:
+        self.done += count
+        self._report()
+
+    def _report(self) -> None:
+        if self.callback is not None:
+            self.callback(DownloadProgress(self.model, self.filename, self.done, self.total))
+
+
+def remove_pair(pair: ModelPair, registry: Registry) -> tuple[list[str], list[str]]:
+    """Delete the pair's models from the cache, except those another downloaded pair uses.
+    Returns (removed repos, kept repos)."""
+    if pair.source != "hub":
+        raise InputError(f"{pair.id} is built in ({pair.source}); there is nothing to remove")
+    in_use = {(model.repo, model.revision) for other in registry.pairs.values()
+              if other.id != pair.id and other.source == "hub" and all(model_status(m).complete for m in other.models)
+              for model in other.models}
+    removed, kept = [], []
+    for model in pair.models:
+        if (model.repo, model.revision) in in_use:
+            kept.append(model.repo)
+            continue
+        _remove_revision(model)
+        manifest_path(model).unlink(missing_ok=True)
+        removed.append(model.repo)
+    return removed, kept
+
+
+def _remove_revision(model: ModelSpec) -> None:
+    """Delete one revision's snapshot, the blobs no other snapshot links to, and partial files."""
+    folder = _repo_folder(model)
+    if not folder.is_dir():
+        return
+    linked = _linked_blobs(snapshot_folder(model))
+    shutil.rmtree(snapshot_folder(model), ignore_errors=True)
+    for blob in linked - _linked_blobs(folder / "snapshots"):
+        blob.unlink(missing_ok=True)
+    blobs = folder / "blobs"
+    # Partial files: specchat's, and huggingface_hub's orphans from killed downloads.
+    for part in [*blobs.glob("*.specchat-part"), *blobs.glob("*.incomplete")]:
+        part.unlink(missing_ok=True)
+    snapshots = folder / "snapshots"
+    if not snapshots.is_dir() or not any(snapshots.iterdir()):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _linked_blobs(folder: Path) -> set[Path]:
+    return {link.resolve() for link in folder.rglob("*") if link.is_symlink()} if folder.is_dir() else set()
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"

@@ -1,0 +1,77 @@
+"""Model ids -> a loaded `Engine`: a pair from the registry (the embedded model, or a Hub pair
+downloaded on first use) or a local transformers directory."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from . import embedded
+from .download import ProgressCallback, download_pair
+from .engine import Engine
+from .errors import ModelUnavailable
+from .model import TransformersLM
+from .registry import Registry, UnknownPair, load_registry
+
+
+def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = print,
+                registry: Registry | None = None, download_progress: ProgressCallback | None = None) -> Engine:
+    """Load a pair id from the registry, or a local directory with a config.json.
+
+    A Hub pair is downloaded first if it is not in the cache (offline, a missing file is an error
+    that names it); its draft must share the target's tokenizer.
+    """
+    registry = registry or load_registry()
+    if model_id not in registry.pairs:
+        path = Path(model_id)
+        if (path / "config.json").is_file():
+            return _load(path, model_id)
+        if path.exists():
+            raise ModelUnavailable(f"no model at {model_id!r}: a model directory needs a config.json")
+        if "/" in model_id or os.sep in model_id:
+            raise ModelUnavailable(f"no model at {model_id!r}: no such directory (registry pairs go by id: "
+                                   f"{', '.join(sorted(registry.pairs))})")
+        raise UnknownPair(f"{registry.unknown_message(model_id)}, or give a local model directory")
+    pair = registry.get(model_id)
+    if pair.source == "embedded":
+        return _load(embedded.ensure_converted(progress), embedded.EMBEDDED_ID)
+    progress(f"Checking {pair.name}...")
+    paths = download_pair(pair, download_progress)
+    progress(f"Loading {pair.target.repo}...")
+    engine = _load(paths["target"], pair.id)
+    if "draft" in paths:
+        progress(f"Loading the draft {pair.draft.repo}...")
+        _attach_draft(engine, paths["draft"], pair.draft.repo)
+    return engine
+
+
+def _load(path: Path, name: str) -> Engine:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = TransformersLM.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise ModelUnavailable(f"cannot load the model at {path}: {_first_line(error)}") from None
+    return Engine(model, tokenizer, name)
+
+
+def _attach_draft(engine: Engine, path: Path, name: str) -> None:
+    """Load the draft, padded to the target's logits width (some pairs pad their embeddings
+    differently), after checking that it tokenizes exactly as the target does."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if tokenizer.get_vocab() != engine.tokenizer.get_vocab():
+            raise ModelUnavailable(f"the draft {name} does not share the target's tokenizer: not a speculation pair")
+        draft = TransformersLM.from_pretrained(path, vocab_size=engine.model.vocab_size)
+    except (OSError, ValueError) as error:
+        raise ModelUnavailable(f"cannot load the draft at {path}: {_first_line(error)}") from None
+    engine.draft, engine.draft_name = draft, name
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
