@@ -66,10 +66,13 @@ def _row(pair: ModelPair, machine) -> dict:
 
 
 class ProgressLine:
-    """A one-line progress display on stderr: file, bytes, rate and time left."""
+    """Download progress on stderr: file, bytes, rate and time left. On a terminal one line
+    redrawn in place; in a log, a plain line every few seconds."""
 
-    def __init__(self, stream=sys.stderr, interval: float = 0.25):
-        self.stream, self.interval = stream, interval
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.live = stream.isatty()
+        self.interval = 0.25 if self.live else 5.0
         self.started = time.monotonic()
         self.first_done: int | None = None
         self.shown_at = 0.0
@@ -87,10 +90,12 @@ class ProgressLine:
         eta = f", {left / 60:.0f} min left" if left is not None and left >= 90 else \
             f", {left:.0f} s left" if left is not None else ""
         percent = 100 * progress.done_bytes / progress.total_bytes if progress.total_bytes else 100
-        self.stream.write(f"\r{progress.model} {progress.filename}: {_size(progress.done_bytes)} of "
-                          f"{_size(progress.total_bytes)} ({percent:.0f}%), {_size(rate)}/s{eta}\033[K")
-        if finished:
-            self.stream.write("\n")
+        line = (f"{progress.model} {progress.filename}: {_size(progress.done_bytes)} of "
+                f"{_size(progress.total_bytes)} ({percent:.0f}%), {_size(rate)}/s{eta}")
+        if self.live:
+            self.stream.write(f"\r{line}\033[K" + ("\n" if finished else ""))
+        else:
+            self.stream.write(line + "\n")
         self.stream.flush()
 
 

@@ -56,7 +56,7 @@ def estimate_fit(pair: ModelPair, machine: Machine) -> Fit:
     per_token = pair.target.kv_bytes_per_token()
     context = min(pair.context_length, int(RAM_SHARE * machine.ram_bytes // per_token) // 1024 * 1024)
     full_kv = per_token * context
-    if context < MIN_CONTEXT:
+    if context < min(MIN_CONTEXT, pair.context_length):
         return Fit(False, "too big (RAM)", f"even a {MIN_CONTEXT:,}-token KV cache needs more than "
                                            f"{RAM_SHARE:.0%} of this machine's {_gb(machine.ram_bytes)} of RAM")
     shorter = f" up to {context // 1024}K tokens" if context < pair.context_length else ""
