@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="the question or instruction")
     source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file")
     generate.add_argument("--document", metavar="FILE", help="a text file put ahead of the prompt")
+    generate.add_argument("--cache-document", action="store_true",
+                          help="save the document's KV on disk, so a later run with it skips its prefill")
     generate.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     generate.add_argument("--draft-layers", type=int, metavar="N",
                           help="with --mode tree: a draft of the target's first N layers (default: the "
@@ -52,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_options(generate)
 
     chat = commands.add_parser("chat", help="a conversation in the terminal")
+    chat.add_argument("--document", metavar="FILE", help="a text file the conversation is about")
+    chat.add_argument("--cache-document", action="store_true",
+                      help="save the document's KV on disk, so a later chat with it skips its prefill")
     _add_generation_options(chat)
 
     calibrate = commands.add_parser(
@@ -69,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt", default="Summarize this document.")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--draft-layers", type=int, default=24)
+    bench.add_argument("--suite", choices=("trees", "prefill"), default="trees",
+                       help="trees: decoding modes side by side (default); prefill: time to first token "
+                            "for a first question, a follow-up and a reloaded document")
     bench.add_argument("--out", default="bench", help="folder for the results (default: bench)")
 
     models = commands.add_parser("models", help="model pairs: list, download, remove")
@@ -135,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             from .models_cmd import run_models
             return run_models(args, registry(args))
         if args.command == "chat":
-            from .terminal import run_chat
-            return run_chat(_load(args), args)
+            from .terminal import run_chat, read_chat_document
+            document = read_chat_document(args)  # a bad file fails before the model loads
+            return run_chat(_load(args), args, document)
         from .ui import launch
         registry(args)  # a bad registry or --models-file fails here, before the server starts
         launch(lambda: _load(args), host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
@@ -201,7 +210,7 @@ def _quiet_transformers() -> None:
 
 
 def _generate(args) -> int:
-    from .documents import read_text_file, user_turn
+    from .documents import document_tokens, read_text_file, user_turn
 
     # Check everything the user typed before the model loads: bad input fails in a second.
     params = sampling_params(args)
@@ -215,17 +224,21 @@ def _generate(args) -> int:
 
     if args.draft_layers is not None and args.mode != "tree":
         raise InputError("--draft-layers goes with --mode tree")
-    from ..core.engine import Finished, TextDelta
+    if args.cache_document and not (document and document.strip()):
+        raise InputError("--cache-document needs a non-empty --document FILE")
+    from ..core.engine import Finished, Notice, TextDelta
 
     engine = _load(args)
-    messages = ([{"role": "system", "content": args.system}] if args.system else [])
-    messages.append({"role": "user", "content": content})
-    prompt_ids = engine.chat_ids(messages)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    prompt_ids = engine.chat_ids(system + [{"role": "user", "content": content}])
+    saved_tokens = document_tokens(engine, system, document) if args.cache_document else 0
     draft = _draft(engine, args.draft_layers) if args.mode == "tree" else None
     plan = _plan_tree_draft(engine, draft, params, len(prompt_ids)) if draft is not None else None
     result = None
-    for event in engine.generate(prompt_ids, args.max_new_tokens, params, args.mode):
-        if isinstance(event, TextDelta) and not args.json:
+    for event in engine.generate(prompt_ids, args.max_new_tokens, params, args.mode, document_tokens=saved_tokens):
+        if isinstance(event, Notice):
+            print(f"specchat: note: {event.text}", file=sys.stderr)
+        elif isinstance(event, TextDelta) and not args.json:
             sys.stdout.write(event.text)
             sys.stdout.flush()
         elif isinstance(event, Finished):
@@ -296,13 +309,22 @@ def _bench(args) -> int:
 
     from .documents import read_text_file, user_turn
 
-    content = user_turn(args.prompt, read_text_file(args.document))
+    document = read_text_file(args.document)
     engine = _load(args)
-    _check_draft_layers(engine, args.draft_layers)
-    from ..core.bench import run_bench
+    if args.suite == "prefill":
+        from ..core.bench_prefill import run_prefill_bench
 
-    prompt_ids = engine.chat_ids([{"role": "user", "content": content}])
-    for path in run_bench(engine, prompt_ids, args.max_new_tokens, args.draft_layers, Path(args.out)):
+        def messages_for(question: str, history: list[dict]) -> list[dict]:
+            return history + [{"role": "user", "content": question if history else user_turn(question, document)}]
+
+        paths = run_prefill_bench(engine, messages_for, args.max_new_tokens, Path(args.out))
+    else:
+        _check_draft_layers(engine, args.draft_layers)
+        from ..core.bench import run_bench
+
+        prompt_ids = engine.chat_ids([{"role": "user", "content": user_turn(args.prompt, document)}])
+        paths = run_bench(engine, prompt_ids, args.max_new_tokens, args.draft_layers, Path(args.out))
+    for path in paths:
         print(path)
     return 0
 

@@ -35,3 +35,13 @@ def user_turn(question: str, document: str | None) -> str:
     if document and document.strip():
         return f"{document.strip()}\n\n{question}" if question else document.strip()
     return question
+
+
+def document_tokens(engine, system: list[dict], document: str) -> int:
+    """How many leading prompt tokens hold the document, for a conversation that opens with it:
+    the prompts of two different questions agree up to the end of the document."""
+    from ..core.kv.prefix_store import common_prefix_length
+
+    first, second = (engine.chat_ids(system + [{"role": "user", "content": user_turn(question, document)}])
+                     for question in ("A?", "B?"))
+    return common_prefix_length(first, second)

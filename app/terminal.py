@@ -4,19 +4,35 @@ from __future__ import annotations
 
 import sys
 
-from ..core.engine import Finished, TextDelta
-from ..core.errors import SpecchatError
+from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
+from ..core.errors import InputError, SpecchatError
+from .documents import document_tokens, read_text_file, user_turn
 
 HELP = "Type a message. /reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops an answer."
 
 
-def run_chat(engine, args, stdin=sys.stdin, stdout=sys.stdout) -> int:
+def read_chat_document(args) -> str | None:
+    if getattr(args, "cache_document", False) and not getattr(args, "document", None):
+        raise InputError("--cache-document needs --document FILE")
+    if not getattr(args, "document", None):
+        return None
+    document = read_text_file(args.document)
+    if not document.strip():
+        raise InputError(f"{args.document} is empty")
+    return document
+
+
+def run_chat(engine, args, document: str | None = None, stdin=sys.stdin, stdout=sys.stdout) -> int:
+    """The conversation opens with `document` (if any) ahead of the first question; each turn
+    resends the whole conversation and the engine reuses the KV of what it has seen."""
     from .cli import sampling_params
 
     params = sampling_params(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
+    saved_tokens = document_tokens(engine, system, document) if document and args.cache_document else 0
     history: list[dict] = []
-    print(f"specchat chat on {engine.name}. {HELP}", file=stdout)
+    about = f" about {args.document} ({engine.count_tokens(document):,} tokens)" if document else ""
+    print(f"specchat chat on {engine.name}{about}. {HELP}", file=stdout)
     while True:
         stdout.write("\nyou> ")
         stdout.flush()
@@ -28,31 +44,43 @@ def run_chat(engine, args, stdin=sys.stdin, stdout=sys.stdout) -> int:
             continue
         if message == "/reset":
             history.clear()
-            print("(conversation cleared)", file=stdout)
+            print("(conversation cleared" + ("; the document stays)" if document else ")"), file=stdout)
             continue
-        turn = [{"role": "user", "content": message}]
-        answer = _answer(engine, system + history + turn, args, params, stdout)
+        turn = [{"role": "user", "content": user_turn(message, document) if not history else message}]
+        answer = _answer(engine, system + history + turn, args, params, stdout, saved_tokens)
         if answer is not None:
             history += turn + [{"role": "assistant", "content": answer}]
 
 
-def _answer(engine, messages, args, params, stdout) -> str | None:
+def _answer(engine, messages, args, params, stdout, saved_tokens: int = 0) -> str | None:
     """Stream one answer; returns its text (partial if stopped), or None if it could not start.
     Any failure ends the turn, never the conversation."""
-    text = ""
+    text, reading = "", False
     stdout.write("specchat> ")
     events = None
     try:
-        events = engine.generate(engine.chat_ids(messages), args.max_new_tokens, params, args.mode)
+        events = engine.generate(engine.chat_ids(messages), args.max_new_tokens, params, args.mode,
+                                 document_tokens=saved_tokens)
         for event in events:
             if isinstance(event, TextDelta):
+                if reading:  # clear the progress note
+                    stdout.write("\rspecchat> \033[K")
+                    reading = False
                 text += event.text
                 stdout.write(event.text)
                 stdout.flush()
+            elif isinstance(event, PrefillProgress) and event.total > 2048 and stdout.isatty():
+                stdout.write(f"\rspecchat> (reading {event.done:,} of {event.total:,} tokens)\033[K")
+                stdout.flush()
+                reading = True
+            elif isinstance(event, Notice):
+                stdout.write(f"\n(note: {event.text})\n")
             elif isinstance(event, Finished):
                 stats = event.result.stats
+                reused = f", {stats.reused_prompt_tokens:,} prompt tokens reused" if stats.reused_prompt_tokens else ""
                 stdout.write(f"\n[{stats.tokens_per_second:.1f} tok/s, "
-                             f"{stats.mean_accepted_per_forward:.2f} tokens per target forward]\n")
+                             f"{stats.mean_accepted_per_forward:.2f} tokens per target forward, "
+                             f"first token after {stats.prefill_seconds:.2f} s{reused}]\n")
     except KeyboardInterrupt:
         stdout.write("\n(stopped)\n")
     except SpecchatError as error:

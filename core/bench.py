@@ -71,8 +71,9 @@ def device_label() -> str:
     return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
-def write_report(report: dict, out_dir: Path, stem: str) -> list[Path]:
-    """bench/<date>-<stem>.json, and a PNG of its curves and speeds when matplotlib is there."""
+def write_report(report: dict, out_dir: Path, stem: str, draw=None) -> list[Path]:
+    """bench/<date>-<stem>.json, and a PNG drawn by `draw(report, pyplot) -> figure` when
+    matplotlib is there."""
     out_dir.mkdir(parents=True, exist_ok=True)
     base = out_dir / f"{date.today().isoformat()}-{stem}"
     json_path = base.with_suffix(".json")
@@ -82,9 +83,20 @@ def write_report(report: dict, out_dir: Path, stem: str) -> list[Path]:
         import matplotlib
     except ImportError:
         return written
+    if draw is None:
+        return written
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    figure = draw(report, plt)
+    figure.tight_layout()
+    png_path = base.with_suffix(".png")
+    figure.savefig(png_path, dpi=110)
+    plt.close(figure)
+    return written + [png_path]
+
+
+def _draw_trees(report: dict, plt):
     figure, (growth, speed) = plt.subplots(1, 2, figsize=(13, 5.5))
     sizes = report["tree_growth"]["sizes"]
     for label, values in report["tree_growth"]["curves"].items():
@@ -103,11 +115,7 @@ def write_report(report: dict, out_dir: Path, stem: str) -> list[Path]:
                     + ("all outputs identical to plain" if identical else "OUTPUTS DIFFER FROM PLAIN"),
                     fontsize=9)
     speed.set_xticks(range(len(labels)), [label.replace(" (", "\n(") for label in labels], fontsize=8)
-    figure.tight_layout()
-    png_path = base.with_suffix(".png")
-    figure.savefig(png_path, dpi=110)
-    plt.close(figure)
-    return written + [png_path]
+    return figure
 
 
 def run_bench(engine: Engine, prompt_ids: list[int], max_new_tokens: int, draft_layers: int,
@@ -138,4 +146,5 @@ def run_bench(engine: Engine, prompt_ids: list[int], max_new_tokens: int, draft_
         "tree_growth": {"sizes": sizes, "curves": tree_growth(acceptance, sizes, max_depth=16)},
         "decode": decode_speeds(engine, prompt_ids, max_new_tokens, runs),
     }
-    return write_report(report, out_dir, "cpu-trees" if not torch.cuda.is_available() else "gpu-trees")
+    return write_report(report, out_dir, "cpu-trees" if not torch.cuda.is_available() else "gpu-trees",
+                        _draw_trees)

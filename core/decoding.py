@@ -138,9 +138,11 @@ def make_decoder(mode: str, vocab_size: int, tree_draft: tuple[CausalLM, Tree] |
 
 def prefill(model: CausalLM, cache: FullCache, ids: torch.Tensor,
             chunk_size: int) -> Generator[int, None, torch.Tensor]:
-    """Run the prompt through the model in chunks, yielding the positions done after each;
-    returns the last position's logits [vocab]."""
-    for start in range(0, ids.shape[0], chunk_size):
+    """Run the prompt through the model in chunks, after the prefix `cache` already holds,
+    yielding the positions done after each; returns the last position's logits [vocab]."""
+    if cache.length >= ids.shape[0]:
+        raise ValueError(f"the cache holds {cache.length} positions; the last prompt token must still run")
+    for start in range(cache.length, ids.shape[0], chunk_size):
         end = min(ids.shape[0], start + chunk_size)
         logits = model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
         yield end

@@ -15,6 +15,9 @@ import torch
 
 from .decoding import MODES, DecodeState, decode, make_decoder, prefill
 from .errors import InputError
+from .kv.document_store import DocumentStore
+from .kv.full import FullCache
+from .kv.prefix_store import PrefixStore
 from .model import CausalLM
 from .sampling import SamplingParams, make_generator
 from .spec.tree import Tree
@@ -22,6 +25,14 @@ from .textstream import TextStream
 
 REQUEST_MODES = MODES + ("auto",)
 PREFILL_CHUNK = 1024
+
+
+def default_prefix_budget() -> int:
+    """Memory for the KV of recent answers: a quarter of the RAM, at most 8 GB (until the
+    planner sets it per machine)."""
+    import psutil
+
+    return min(8 * 10**9, psutil.virtual_memory().total // 4)
 
 
 @dataclass
@@ -33,8 +44,10 @@ class Stats:
     tree_depth: int = 0  # most draft levels in one verification
     mean_accepted_per_forward: float = 0.0  # tokens committed per target forward; plain = 1
     tokens_per_second: float = 0.0  # new tokens / decode_seconds
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # from the request to the first token's logits, cache lookup included
     decode_seconds: float = 0.0  # from the end of prefill to the last token
+    reused_prompt_tokens: int = 0  # prompt tokens whose KV came from an earlier turn or a saved document
+    reused_from: str = ""  # "memory" (an earlier answer), "disk" (a saved document cache) or ""
 
 
 @dataclass
@@ -69,7 +82,13 @@ class Finished:
     result: Result
 
 
-Event = PrefillProgress | TextDelta | Finished
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should know that does not stop the answer (a bad saved cache, say)."""
+    text: str
+
+
+Event = PrefillProgress | TextDelta | Finished | Notice
 
 
 def resolve_mode(mode: str) -> str:
@@ -82,11 +101,15 @@ def resolve_mode(mode: str) -> str:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer, name: str, draft: CausalLM | None = None, draft_name: str = ""):
+    def __init__(self, model: CausalLM, tokenizer, name: str, prefixes: PrefixStore | None = None,
+                 documents: DocumentStore | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self.draft, self.draft_name = draft, draft_name  # a pair's separate draft model, if any
+        self.draft: CausalLM | None = None  # a pair's separate draft model, if any
+        self.draft_name = ""
+        self.prefixes = prefixes if prefixes is not None else PrefixStore(default_prefix_budget())  # recent answers
+        self.documents = documents  # saved document caches on disk (None: off)
         self.stop_ids = _stop_ids(tokenizer, model)
         self.tree_draft: tuple[CausalLM, Tree] | None = None  # tree mode's draft model and shape
         self._lock = threading.Lock()  # one generation at a time per loaded model
@@ -106,12 +129,16 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 256,
                  sampling: SamplingParams = SamplingParams(), mode: str = "auto",
-                 cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Stream events for one answer. Raises `InputError` before any work for a bad request."""
+                 cancel: threading.Event | None = None, document_tokens: int = 0) -> Iterator[Event]:
+        """Stream events for one answer. Raises `InputError` before any work for a bad request.
+
+        `document_tokens`: the prompt's first tokens hold a document whose KV should be saved to
+        disk for later runs (needs a document store).
+        """
         mode = resolve_mode(mode)
         max_new_tokens = self._check_request(prompt_ids, max_new_tokens)
         with self._lock:
-            yield from self._generate(prompt_ids, max_new_tokens, sampling, mode, cancel)
+            yield from self._generate(prompt_ids, max_new_tokens, sampling, mode, cancel, document_tokens)
 
     def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> int:
         if not prompt_ids:
@@ -126,24 +153,58 @@ class Engine:
                 f"{1 - room} tokens")
         return min(max_new_tokens, room)
 
-    def _generate(self, prompt_ids, max_new_tokens, sampling, mode, cancel) -> Iterator[Event]:
-        cancel = cancel or threading.Event()
-        ids = torch.tensor(prompt_ids, dtype=torch.long)
-        state = DecodeState(self.model, self.model.new_cache(), ids, sampling, make_generator(sampling.seed))
-        decoder = make_decoder(mode, self.model.vocab_size, self.tree_draft)
-        stats = Stats()
-
+    def _generate(self, prompt_ids, max_new_tokens, sampling, mode, cancel, document_tokens) -> Iterator[Event]:
+        """One answer on a cache that starts from the longest reusable prefix; afterwards the
+        cache is kept for the next turn (also when the answer was stopped: at every event the
+        cache is consistent), and the document prefix is saved to disk when asked."""
         started = time.perf_counter()
-        chunks = prefill(self.model, state.cache, ids, PREFILL_CHUNK)
+        cache, reused, source = self._reusable_cache(prompt_ids)
+        if self.documents is not None:
+            for problem in self.documents.take_problems():
+                yield Notice(problem)
+        state = DecodeState(self.model, cache, torch.tensor(prompt_ids, dtype=torch.long), sampling,
+                            make_generator(sampling.seed))
+        finished = False
+        try:
+            yield from self._run(state, max_new_tokens, mode, cancel or threading.Event(), started, reused, source)
+            finished = True
+        except GeneratorExit:
+            finished = True  # the caller stopped listening between two events
+            raise
+        finally:
+            if finished:
+                if document_tokens and self.documents is not None and state.cache.length >= document_tokens:
+                    self.documents.save_once(prompt_ids[:document_tokens], state.cache)
+                self.prefixes.put(state.ids[:state.cache.length].tolist(), state.cache)
+
+    def _reusable_cache(self, prompt_ids: list[int]) -> tuple[FullCache, int, str]:
+        """A cache already holding the longest available prefix of the prompt: from a recent
+        answer in memory, or a saved document on disk when that is longer."""
+        in_memory = self.prefixes.best_length(prompt_ids)
+        if self.documents is not None:
+            loaded = self.documents.load(prompt_ids, self.model.new_cache(), at_least=in_memory)
+            if loaded is not None:
+                return loaded.cache, loaded.length, "disk"
+        taken = self.prefixes.take(prompt_ids)
+        if taken is not None:
+            return taken[0], taken[1], "memory"
+        return self.model.new_cache(), 0, ""
+
+    def _run(self, state: DecodeState, max_new_tokens: int, mode: str, cancel: threading.Event,
+             started: float, reused: int, source: str) -> Iterator[Event]:
+        prompt_length = state.ids.shape[0]
+        decoder = make_decoder(mode, self.model.vocab_size, self.tree_draft)
+        stats = Stats(reused_prompt_tokens=reused, reused_from=source)
+        chunks = prefill(self.model, state.cache, state.ids, PREFILL_CHUNK)
         while True:
             try:
                 done = next(chunks)
             except StopIteration as end:
                 first_logits = end.value
                 break
-            yield PrefillProgress(done, len(prompt_ids))
+            yield PrefillProgress(done, prompt_length)
             if cancel.is_set():
-                yield Finished(Result("", [], len(prompt_ids), 0, mode, "cancelled", Stats()))
+                yield Finished(Result("", [], prompt_length, 0, mode, "cancelled", stats))
                 return
         decode_started = time.perf_counter()
         stats.prefill_seconds = decode_started - started
@@ -176,7 +237,7 @@ class Engine:
         tail = stream.finish()
         if tail:
             yield TextDelta(tail, [], replace(stats))
-        result = Result(stream.text, new_ids, len(prompt_ids), len(new_ids), mode, finish_reason, stats)
+        result = Result(stream.text, new_ids, prompt_length, len(new_ids), mode, finish_reason, stats)
         yield Finished(result)
 
 

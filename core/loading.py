@@ -11,8 +11,11 @@ from . import embedded
 from .download import ProgressCallback, download_pair
 from .engine import Engine
 from .errors import ModelUnavailable
+from .kv.document_store import DocumentStore
 from .model import TransformersLM
 from .registry import Registry, UnknownPair, load_registry
+
+DOCUMENT_CACHE_BYTES = 8 * 10**9  # disk for saved document caches, least recently used dropped first
 
 
 def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = print,
@@ -26,7 +29,7 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
     if model_id not in registry.pairs:
         path = Path(model_id)
         if (path / "config.json").is_file():
-            return _load(path, model_id)
+            return _load(path, model_id, f"{path.resolve()}@{_newest_weights(path)}")
         if path.exists():
             raise ModelUnavailable(f"no model at {model_id!r}: a model directory needs a config.json")
         if "/" in model_id or os.sep in model_id:
@@ -35,18 +38,20 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
         raise UnknownPair(f"{registry.unknown_message(model_id)}, or give a local model directory")
     pair = registry.get(model_id)
     if pair.source == "embedded":
-        return _load(embedded.ensure_converted(progress), embedded.EMBEDDED_ID)
+        return _load(embedded.ensure_converted(progress), embedded.EMBEDDED_ID,
+                     f"{embedded.EMBEDDED_ID}@conversion-{embedded.CONVERSION_VERSION}")
     progress(f"Checking {pair.name}...")
     paths = download_pair(pair, download_progress)
     progress(f"Loading {pair.target.repo}...")
-    engine = _load(paths["target"], pair.id)
+    engine = _load(paths["target"], pair.id, f"{pair.target.repo}@{pair.target.revision}")
     if "draft" in paths:
         progress(f"Loading the draft {pair.draft.repo}...")
         _attach_draft(engine, paths["draft"], pair.draft.repo)
     return engine
 
 
-def _load(path: Path, name: str) -> Engine:
+def _load(path: Path, name: str, weights_key: str) -> Engine:
+    """`weights_key` names these exact weights; with the dtype it keys saved document caches."""
     from transformers import AutoTokenizer
 
     try:
@@ -54,7 +59,14 @@ def _load(path: Path, name: str) -> Engine:
         model = TransformersLM.from_pretrained(path)
     except (OSError, ValueError) as error:
         raise ModelUnavailable(f"cannot load the model at {path}: {_first_line(error)}") from None
-    return Engine(model, tokenizer, name)
+    documents = DocumentStore(embedded.cache_root() / "documents", f"{weights_key}:{model.hf.dtype}",
+                              DOCUMENT_CACHE_BYTES)
+    return Engine(model, tokenizer, name, documents=documents)
+
+
+def _newest_weights(path: Path) -> int:
+    """A local model changes when its weights do: their newest modification time."""
+    return max((int(file.stat().st_mtime) for file in path.glob("*.safetensors")), default=0)
 
 
 def _attach_draft(engine: Engine, path: Path, name: str) -> None:

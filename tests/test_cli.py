@@ -128,14 +128,25 @@ def test_calibrate_and_bench_on_a_tiny_model(tiny_model_dir, tmp_path, monkeypat
     assert all(row["identical_to_plain"] for row in report["decode"].values())
     assert report["optimizer_choice"]["reason"]
 
+    completed = specchat("bench", "--suite", "prefill", "--model", tiny_model_dir, "--document", document,
+                         "--max-new-tokens", "8", "--out", tmp_path / "prefill")
+    assert completed.returncode == 0, completed.stderr
+    report = json.loads(next((tmp_path / "prefill").glob("*.json")).read_text())
+    assert report["follow_up"]["reused_prompt_tokens"] >= report["first_question"]["prompt_tokens"] - 1
+    assert report["reloaded_document_after_restart"]["reused_from"] == "disk"
+    assert report["reloaded_document_after_restart"]["reused_prompt_tokens"] == report["document_tokens"]
+
     # generate --mode tree with a draft: the optimizer's choice is reported, the output is plain's.
+    # Each run also saves the document's KV; the second loads it, and must still match.
     runs = {}
     for mode, extra in (("plain", []), ("tree", ["--draft-layers", "1"])):
         completed = specchat("generate", "--model", tiny_model_dir, "--document", document, "--prompt", "Go on.",
-                             "--mode", mode, "--max-new-tokens", "16", "--json", *extra)
+                             "--mode", mode, "--max-new-tokens", "16", "--json", "--cache-document", *extra)
         assert completed.returncode == 0, completed.stderr
         runs[mode] = json.loads(completed.stdout)
     assert runs["tree"]["token_ids"] == runs["plain"]["token_ids"]
     assert runs["tree"]["tree_plan"]["reason"] and "Tree plan:" in completed.stderr
+    assert runs["plain"]["stats"]["reused_prompt_tokens"] == 0
+    assert runs["tree"]["stats"]["reused_from"] == "disk" and runs["tree"]["stats"]["reused_prompt_tokens"] > 0
     assert_bad_input(specchat("generate", "--prompt", "hi", "--mode", "chain", "--draft-layers", "2"),
                      "--mode tree")

@@ -30,6 +30,7 @@ def test_greedy_speculation_equals_plain_on_a_long_document(embedded_engine):
     content = (DATA / "apache-2.0.txt").read_text() + "\n\nWhat does section 4 require when redistributing?"
     _, plain = answer(embedded_engine, content, "plain")
     _, tree = answer(embedded_engine, content, "tree")
+    embedded_engine.prefixes.clear()  # a full prefill again, to check its progress events
     events, chain = answer(embedded_engine, content, "chain")
     assert plain.prompt_tokens > 2000
     assert chain.token_ids == plain.token_ids and chain.text == plain.text
@@ -42,6 +43,7 @@ def test_greedy_speculation_equals_plain_on_a_long_document(embedded_engine):
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == chain.text
     progress = [e for e in events if isinstance(e, PrefillProgress)]
     assert progress[-1].done == progress[-1].total == chain.prompt_tokens and len(progress) >= 3
+    assert tree.stats.reused_prompt_tokens == plain.prompt_tokens - 1  # the same prompt: all but its last token
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ def test_conversation_keeps_history_and_survives_errors(tiny_model_dir):
     long_message = "word " * 400  # beyond the tiny model's 256-token context
     stdin = io.StringIO(f"Hello\n{long_message}\nAgain\n/reset\nFresh start\n/exit\n")
     stdout = io.StringIO()
-    assert run_chat(engine, chat_args(), stdin, stdout) == 0
+    assert run_chat(engine, chat_args(), stdin=stdin, stdout=stdout) == 0
     output = stdout.getvalue()
     assert "error:" in output and "reads at most 256" in output
     # The failed turn was not recorded; the second question still sees the first exchange.

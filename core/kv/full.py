@@ -12,7 +12,40 @@ from transformers import DynamicCache
 
 class FullCache:
     def __init__(self, hf_config):
+        self.config = hf_config
         self.hf = DynamicCache(config=hf_config)
+
+    @classmethod
+    @torch.inference_mode()
+    def from_layers(cls, hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> FullCache:
+        """A cache holding the given per-layer (keys, values), each [1, kv_heads, length, head_dim]."""
+        cache = cls(hf_config)
+        for index, (keys, values) in enumerate(layers):
+            cache.hf.update(keys, values, index)
+        return cache
+
+    def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values) of the first `length` positions (all by default), as views."""
+        length = self.length if length is None else length
+        return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in self.hf.layers]
+
+    def layer_shape(self, length: int) -> tuple[int, ...]:
+        """The shape of one layer's keys (and values) for `length` positions, from the config."""
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return (1, config.num_key_value_heads, length, head_dim)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for keys, values in self.layers() for t in (keys, values))
+
+    def clone_prefix(self, length: int) -> FullCache:
+        """An independent copy of the first `length` positions."""
+        return FullCache.from_layers(self.config, [(k.clone(), v.clone()) for k, v in self.layers(length)])
 
     @property
     def length(self) -> int:

@@ -1,0 +1,270 @@
+"""KV reuse across turns and saved document caches: the follow-up prefills only its new tokens
+and answers exactly as a from-scratch run; memory stays within the LRU budget; a saved document
+reloads after a restart, and a bad file is reported and ignored."""
+
+from __future__ import annotations
+
+import io
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import DATA, tiny_llama
+from specchat.app.documents import document_tokens, user_turn
+from specchat.app.terminal import run_chat
+from specchat.core.engine import Engine, Finished, Notice, PrefillProgress
+from specchat.core.kv.document_store import DocumentStore
+from specchat.core.kv.prefix_store import PrefixStore, common_prefix_length
+from specchat.core.model import TransformersLM
+from specchat.core.sampling import SamplingParams
+
+UNLIMITED = 10**12
+
+
+def filled_cache(model, ids: list[int]):
+    cache = model.new_cache()
+    model.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(0, vocab_size=97)
+
+
+def test_take_reuses_the_longest_prefix_and_leaves_the_last_token_to_run(tiny):
+    store = PrefixStore(UNLIMITED)
+    store.put([1, 2, 3, 4, 5], filled_cache(tiny, [1, 2, 3, 4, 5]))
+    store.put([1, 2, 9], filled_cache(tiny, [1, 2, 9]))
+    assert store.best_length([1, 2, 3, 4, 5, 6]) == 5
+    cache, length = store.take([1, 2, 3, 4, 5, 6])
+    assert length == cache.length == 5 and len(store) == 1  # reused whole: it left the store
+    assert store.take([7, 8]) is None
+    # The same prompt again: all but its last token.
+    store.put([1, 2, 3, 4, 5], cache)
+    cache, length = store.take([1, 2, 3, 4, 5])
+    assert length == cache.length == 4
+
+
+def test_a_partly_shared_entry_is_copied_so_its_conversation_keeps_it(tiny):
+    store = PrefixStore(UNLIMITED)
+    original = filled_cache(tiny, [1, 2, 3, 4, 5])
+    store.put([1, 2, 3, 4, 5], original)
+    cache, length = store.take([1, 2, 3, 7, 8])
+    assert length == 3 and cache is not original and original.length == 5 and len(store) == 1
+    reference = filled_cache(tiny, [1, 2, 3])
+    for (k, v), (rk, rv) in zip(cache.layers(), reference.layers()):
+        assert torch.allclose(k, rk, atol=1e-12) and torch.allclose(v, rv, atol=1e-12)  # other batch shape
+
+
+def test_the_store_stays_within_its_budget_least_recently_used_first(tiny):
+    one = filled_cache(tiny, list(range(10))).nbytes
+    store = PrefixStore(budget_bytes=int(2.5 * one))
+    for first in (10, 20, 30):
+        store.put(list(range(first, first + 10)), filled_cache(tiny, list(range(first, first + 10))))
+        assert store.nbytes <= store.budget_bytes
+    assert len(store) == 2 and store.best_length(list(range(10, 21))) == 0  # the oldest went
+    assert store.best_length(list(range(20, 31))) == 10
+    store.put(list(range(40, 80)), filled_cache(tiny, list(range(40, 80))))  # larger than the budget
+    assert store.best_length(list(range(40, 81))) == 0 and store.nbytes <= store.budget_bytes
+    # An entry that starts a newer one is superseded by it.
+    store = PrefixStore(UNLIMITED)
+    store.put([20, 21], filled_cache(tiny, [20, 21]))
+    store.put([20, 21, 22, 5], filled_cache(tiny, [20, 21, 22, 5]))
+    assert store.best_length([20, 21, 99]) == 2 and len(store) == 1
+    assert common_prefix_length([1, 2, 3], [1, 2]) == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_parts(tiny_model_dir):
+    """The tiny model in fp64 (so no near-tie can flip between batch shapes) and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    model = TransformersLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def engine_with(parts, budget=UNLIMITED, documents=None) -> Engine:
+    model, tokenizer = parts
+    return Engine(model, tokenizer, "tiny", prefixes=PrefixStore(budget), documents=documents)
+
+
+def run(engine, messages, mode="plain", max_new_tokens=12, params=SamplingParams(), **kwargs):
+    events = list(engine.generate(engine.chat_ids(messages), max_new_tokens, params, mode, **kwargs))
+    assert isinstance(events[-1], Finished)
+    return events[-1].result, [event for event in events if isinstance(event, Notice)]
+
+
+DOCUMENT = " ".join(f"line {i} of the tiny document." for i in range(12))
+
+
+def conversation(answer: str, follow_up: str = "And then?") -> list[dict]:
+    return [{"role": "user", "content": user_turn("What is it?", DOCUMENT)},
+            {"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
+
+
+@pytest.mark.parametrize("mode, params", [
+    ("plain", SamplingParams()), ("chain", SamplingParams()), ("tree", SamplingParams()),
+    ("plain", SamplingParams(temperature=0.9, seed=7)),
+])
+def test_a_follow_up_prefills_only_its_new_tokens_and_answers_as_from_scratch(tiny_engine_parts, mode, params):
+    engine = engine_with(tiny_engine_parts)
+    first, _ = run(engine, conversation("")[:1], mode, params=params)
+    messages = conversation(first.text)
+    follow_up, _ = run(engine, messages, mode, params=params)
+    from_scratch, _ = run(engine_with(tiny_engine_parts), messages, mode, params=params)
+    assert follow_up.token_ids == from_scratch.token_ids
+    prompt = engine.chat_ids(messages)
+    assert follow_up.stats.reused_from == "memory"
+    assert follow_up.stats.reused_prompt_tokens >= first.prompt_tokens - 1
+    # The cache held the first prompt and the answer but its last token (never run).
+    assert first.finish_reason == "length"
+    assert follow_up.stats.reused_prompt_tokens == min(
+        common_prefix_length(prompt, engine.chat_ids(messages[:1]) + first.token_ids[:-1]), len(prompt) - 1)
+    assert from_scratch.stats.reused_prompt_tokens == 0
+
+
+def test_a_stopped_prefill_is_picked_up_where_it_stopped(tiny_engine_parts, monkeypatch):
+    from specchat.core import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 16)
+    engine = engine_with(tiny_engine_parts)
+    cancel = threading.Event()
+    ids = engine.chat_ids(conversation("")[:1])
+    for event in engine.generate(ids, 8, SamplingParams(), "plain", cancel):
+        if isinstance(event, PrefillProgress):
+            cancel.set()
+    again, _ = run(engine, conversation("")[:1], max_new_tokens=8)
+    fresh, _ = run(engine_with(tiny_engine_parts), conversation("")[:1], max_new_tokens=8)
+    assert again.stats.reused_prompt_tokens == 16 and again.token_ids == fresh.token_ids
+
+
+def test_conversations_share_memory_under_the_budget(tiny_engine_parts):
+    probe = engine_with(tiny_engine_parts)
+    run(probe, conversation("")[:1])
+    one = probe.prefixes.nbytes
+    engine = engine_with(tiny_engine_parts, budget=int(2.5 * one))
+    firsts = {}
+    for topic in ("apples", "boats", "clouds"):
+        messages = [{"role": "user", "content": f"{DOCUMENT} Now tell me about {topic}."}]
+        firsts[topic], _ = run(engine, messages)
+        assert engine.prefixes.nbytes <= engine.prefixes.budget_bytes
+    reuse = {}
+    for topic in ("clouds", "apples"):
+        messages = [{"role": "user", "content": f"{DOCUMENT} Now tell me about {topic}."},
+                    {"role": "assistant", "content": firsts[topic].text}, {"role": "user", "content": "More."}]
+        result, _ = run(engine, messages)
+        reuse[topic] = result.stats.reused_prompt_tokens
+        assert engine.prefixes.nbytes <= engine.prefixes.budget_bytes
+    assert reuse["clouds"] >= firsts["clouds"].prompt_tokens  # still in memory
+    # "apples" was evicted; only the document part is shared, with another conversation.
+    assert reuse["apples"] < firsts["apples"].prompt_tokens - 1
+
+
+def test_a_saved_document_reloads_in_a_new_engine(tiny_engine_parts, tmp_path):
+    def store():
+        return DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED)
+
+    engine = engine_with(tiny_engine_parts, documents=store())
+    saved = document_tokens(engine, [], DOCUMENT)
+    first, _ = run(engine, conversation("")[:1], document_tokens=saved)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    # "Restart": nothing in memory, the same folder on disk; a different question about the document.
+    messages = [{"role": "user", "content": user_turn("Which line comes last?", DOCUMENT)}]
+    restarted, notices = run(engine_with(tiny_engine_parts, documents=store()), messages)
+    fresh, _ = run(engine_with(tiny_engine_parts), messages)
+    assert restarted.stats.reused_from == "disk" and restarted.stats.reused_prompt_tokens == saved
+    assert restarted.token_ids == fresh.token_ids and notices == []
+    # Another model's caches are not even considered.
+    other, _ = run(engine_with(tiny_engine_parts, documents=DocumentStore(tmp_path, "other:float64", UNLIMITED)),
+                   messages)
+    assert other.stats.reused_prompt_tokens == 0
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda path: path.write_bytes(path.read_bytes()[: path.stat().st_size // 2]), "unreadable"),
+    (lambda path: path.write_bytes(b"\x00" * 64), "unreadable"),
+    ("ids", "token ids do not match"),
+    ("shape", "shapes do not match"),
+])
+def test_a_damaged_or_mismatched_cache_file_is_reported_and_ignored(tiny_engine_parts, tmp_path, damage, reason):
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    engine = engine_with(tiny_engine_parts, documents=DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED))
+    saved = document_tokens(engine, [], DOCUMENT)
+    run(engine, conversation("")[:1], document_tokens=saved)
+    (path,) = tmp_path.glob("*.safetensors")
+    if callable(damage):
+        damage(path)
+    else:  # rewrite it consistently but wrongly, keeping the metadata that makes it match the prompt
+        with safe_open(path, "pt") as file:
+            metadata = file.metadata()
+        tensors = load_file(path)
+        if damage == "ids":
+            tensors["token_ids"] = tensors["token_ids"].flip(0)
+        else:
+            tensors = {name: (t[:, :1] if name != "token_ids" else t) for name, t in tensors.items()}
+        save_file(tensors, path, metadata=metadata)
+    messages = [{"role": "user", "content": user_turn("Which line comes last?", DOCUMENT)}]
+    result, notices = run(engine_with(tiny_engine_parts, documents=DocumentStore(tmp_path, "tiny@1:float64",
+                                                                                 UNLIMITED)), messages)
+    fresh, _ = run(engine_with(tiny_engine_parts), messages)
+    assert result.stats.reused_prompt_tokens == 0 and result.token_ids == fresh.token_ids
+    assert len(notices) == 1 and reason in notices[0].text and not path.exists()
+
+
+def test_the_document_folder_stays_within_its_disk_budget(tiny_engine_parts, tmp_path):
+    store = DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED)
+    engine = engine_with(tiny_engine_parts, documents=store)
+    for index in range(3):
+        document = f"{DOCUMENT} Version {index}."
+        run(engine, [{"role": "user", "content": user_turn("What is it?", document)}],
+            document_tokens=document_tokens(engine, [], document))
+        if index == 0:
+            store.budget_bytes = int(1.5 * next(tmp_path.glob("*.safetensors")).stat().st_size)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+
+
+def test_terminal_chat_about_a_document_reuses_the_conversation(tiny_engine_parts, tmp_path):
+    engine = engine_with(tiny_engine_parts, documents=DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED))
+    args = SimpleNamespace(system=None, max_new_tokens=6, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+                           mode="plain", document="doc.txt", cache_document=True)
+    stdout = io.StringIO()
+    assert run_chat(engine, args, DOCUMENT, stdin=io.StringIO("What is it?\nAnd then?\n/exit\n"), stdout=stdout) == 0
+    answers = [line for line in stdout.getvalue().splitlines() if line.startswith("[")]
+    assert len(answers) == 2 and "reused" not in answers[0] and "prompt tokens reused" in answers[1]
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+
+
+@pytest.mark.slow
+def test_embedded_model_follow_up_and_reloaded_document_on_a_7k_document(embedded_engine, tmp_path):
+    """The issue's acceptance test: on a 7K-token document the follow-up reuses the whole first
+    turn and a restarted engine reloads the saved document, both answering exactly as a
+    from-scratch run. (Times are reported by `specchat bench --suite prefill`.)"""
+    model, tokenizer = embedded_engine.model, embedded_engine.tokenizer
+    key = "embedded-test:float32"
+
+    def fresh_engine(documents=True):
+        return Engine(model, tokenizer, "embedded", prefixes=PrefixStore(UNLIMITED),
+                      documents=DocumentStore(tmp_path, key, UNLIMITED) if documents else None)
+
+    document = (DATA / "gpl-3.0.txt").read_text()
+    engine = fresh_engine()
+    first_turn = [{"role": "user", "content": user_turn("Summarize this document in two sentences.", document)}]
+    saved = document_tokens(engine, [], document)
+    first, _ = run(engine, first_turn, "chain", 24, document_tokens=saved)
+    assert first.prompt_tokens > 7000
+    messages = first_turn + [{"role": "assistant", "content": first.text},
+                             {"role": "user", "content": "Who publishes this licence?"}]
+    follow_up, _ = run(engine, messages, "chain", 24)
+    reference, _ = run(fresh_engine(documents=False), messages, "chain", 24)
+    assert follow_up.token_ids == reference.token_ids
+    assert follow_up.stats.reused_prompt_tokens >= first.prompt_tokens
+    assert follow_up.prompt_tokens - follow_up.stats.reused_prompt_tokens < 100  # only the new turn ran
+
+    restarted, notices = run(fresh_engine(), messages, "chain", 24)
+    assert restarted.stats.reused_from == "disk" and restarted.stats.reused_prompt_tokens == saved > 7000
+    assert restarted.token_ids == reference.token_ids and notices == []
