@@ -142,7 +142,8 @@ def download_pair(pair: ModelPair, progress: ProgressCallback | None = None, tok
                   offline: bool | None = None, endpoint: str | None = None) -> dict[str, Path]:
     """Make every model of a hub pair available locally: {"target": path, "draft": path}.
 
-    Offline (the argument, or `HF_HUB_OFFLINE=1`) it only looks in the cache. Online it lists
+    A pair already downloaded and verified is returned from the cache without any request.
+    Offline (the argument, or `HF_HUB_OFFLINE=1`) it only looks in the cache. Otherwise it lists
     the needed files, checks the disk has room for what is still missing, fetches the missing
     files (resuming partial ones) with progress, and verifies each one.
     """
@@ -150,7 +151,8 @@ def download_pair(pair: ModelPair, progress: ProgressCallback | None = None, tok
         raise InputError(f"{pair.id} is not downloaded from the Hub ({pair.source} model)")
     offline = is_offline() if offline is None else offline
     roles = {"target": pair.target} if pair.draft is None else {"target": pair.target, "draft": pair.draft}
-    if offline:
+    if offline or all(model_status(model).complete for model in roles.values()):
+        # A complete, verified download needs no network: it loads while the Hub is down.
         return {role: local_model_path(model, pair.id) for role, model in roles.items()}
     hub = _Hub(pair, token, endpoint)
     plans = {role: _plan(model, hub) for role, model in roles.items()}
