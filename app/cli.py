@@ -114,6 +114,9 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=argparse.SUPPRESS, help="port (default 7860)")
     parser.add_argument("--no-browser", action="store_true", default=argparse.SUPPRESS,
                         help="do not open a browser tab")
+    parser.add_argument("--api-key", default=argparse.SUPPRESS,
+                        help="require this key (Authorization: Bearer KEY) on the /v1 API "
+                             "(default: $SPECCHAT_API_KEY, else no key)")
     _add_model_option(parser)
 
 
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         from .ui import launch
         registry(args)  # a bad registry or --models-file fails here, before the server starts
         launch(lambda: _load(args), host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
-               open_browser=not getattr(args, "no_browser", False))
+               open_browser=not getattr(args, "no_browser", False),
+               api_key=getattr(args, "api_key", None) or os.environ.get("SPECCHAT_API_KEY") or None)
         return 0
     except SpecchatError as error:
         print(f"specchat: error: {error}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import webbrowser
 from typing import Callable
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -133,13 +134,24 @@ def build_ui(handle: EngineHandle) -> gr.Blocks:
 
 
 def launch(load: Callable[[], object], host: str = DEFAULT_HOST, port: int = 7860,
-           open_browser: bool = True) -> None:
-    """Serve the chat; `load` loads the engine (in the background, so the page is up at once)."""
+           open_browser: bool = True, api_key: str | None = None) -> None:
+    """Serve the chat at / and the OpenAI-compatible API at /v1 on one server; `load` loads the
+    engine (in the background, so the page is up at once)."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from .api import add_api
+
     if host not in (DEFAULT_HOST, "localhost", "::1"):
-        print(f"specchat: warning: listening on {host}: other computers on the network can use this chat",
-              file=sys.stderr)
-    demo = build_ui(EngineHandle(load))
-    print(f"specchat: the chat is at http://{host}:{port}", file=sys.stderr)
-    demo.queue(default_concurrency_limit=1).launch(
-        server_name=host, server_port=port, inbrowser=open_browser, share=False,
-        ssr_mode=False, quiet=True, footer_links=[])
+        print(f"specchat: warning: listening on {host}: other computers on the network can use this chat"
+              + ("" if api_key else " and its API (set --api-key)"), file=sys.stderr)
+    handle = EngineHandle(load)
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    add_api(app, handle.get, api_key)
+    demo = build_ui(handle).queue(default_concurrency_limit=1)
+    app = gr.mount_gradio_app(app, demo, path="/", ssr_mode=False, footer_links=[])
+    url = f"http://{host}:{port}"
+    print(f"specchat: the chat is at {url}/ and the OpenAI-compatible API at {url}/v1", file=sys.stderr)
+    if open_browser:
+        threading.Timer(1.5, webbrowser.open, args=(f"{url}/",)).start()
+    uvicorn.run(app, host=host, port=port, log_level="warning")

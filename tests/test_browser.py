@@ -3,16 +3,12 @@
 answer stream in. Screenshots land in artifacts/ (git-ignored)."""
 
 import os
-import socket
-import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import DATA
-from test_cli import SPECCHAT
+from live_server import running_specchat
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parent.parent / "artifacts"
@@ -33,33 +29,10 @@ def browser_or_skip():
     return sync_playwright
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(embedded_dir):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
-    process = subprocess.Popen([SPECCHAT, "--no-browser", "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=2)
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    process.kill()
-                    pytest.fail(f"specchat did not start:\n{process.communicate()[0]}")
-                time.sleep(0.5)
+    with running_specchat() as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
