@@ -50,9 +50,11 @@ FINISH_REASONS = {"stop": "done", "length": "reached the token limit", "cancelle
 
 
 def _stats_line(stats, mode: str) -> str:
+    reused = f" ({stats.reused_prompt_tokens:,} prompt tokens reused)" if stats.reused_prompt_tokens else ""
     return (f"**{stats.tokens_per_second:.1f} tok/s** · "
             f"**{stats.mean_accepted_per_forward:.2f}** tokens per target forward · "
-            f"{stats.target_forwards} target forwards · mode `{mode}`")
+            f"{stats.target_forwards} target forwards · first token after {stats.prefill_seconds:.2f} s{reused} · "
+            f"mode `{mode}`")
 
 
 def build_ui(handle: EngineHandle) -> gr.Blocks:
