@@ -146,9 +146,12 @@ def _complete(first, events: Iterator, model: str) -> dict:
 def _stream(first, events: Iterator, model: str, include_usage: bool) -> Iterator[str]:
     completion_id, created = _completion_id(), int(time.time())
 
-    def chunk(delta: dict, finish_reason: str | None = None, **extra) -> str:
+    def chunk(delta: dict, finish_reason: str | None = None) -> str:
+        return message([{"index": 0, "delta": delta, "finish_reason": finish_reason}])
+
+    def message(choices: list, **extra) -> str:
         payload = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}], **extra}
+                   "choices": choices, **extra}
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     try:
@@ -159,9 +162,7 @@ def _stream(first, events: Iterator, model: str, include_usage: bool) -> Iterato
             elif isinstance(event, Finished):
                 yield chunk({}, _finish_reason(event.result))
                 if include_usage:
-                    payload = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                               "model": model, "choices": [], "usage": _usage(event.result)}
-                    yield f"data: {json.dumps(payload)}\n\n"
+                    yield message([], usage=_usage(event.result))
         yield "data: [DONE]\n\n"
     except SpecchatError as error:
         yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'server_error'}})}\n\n"

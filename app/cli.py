@@ -13,7 +13,7 @@ from dataclasses import asdict
 import os
 import sys
 
-from ..core.errors import InputError, SpecchatError
+from ..core.errors import InputError, SpecchatError, first_line
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
@@ -164,14 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # the last line of defence: one line, never a traceback
         if os.environ.get("SPECCHAT_DEBUG"):
             raise
-        print(f"specchat: unexpected error: {type(error).__name__}: {_first_line(error)} "
+        print(f"specchat: unexpected error: {type(error).__name__}: {first_line(error)} "
               "(set SPECCHAT_DEBUG=1 for details)", file=sys.stderr)
         return EXIT_FAILURE
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def model_id(args) -> str:

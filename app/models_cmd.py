@@ -7,6 +7,7 @@ import sys
 import time
 
 from ..core.download import DownloadProgress, download_pair, model_status, remove_pair
+from ..core.files import human_size
 from ..core.fit import estimate_fit, this_machine
 from ..core.registry import ModelPair, Registry
 
@@ -56,10 +57,10 @@ def _row(pair: ModelPair, machine) -> dict:
         statuses = [model_status(model) for model in pair.models]
         present = sum(status.present_bytes for status in statuses)
         downloaded = "yes" if all(status.complete for status in statuses) else \
-            f"partly ({_size(present)})" if present else "no"
+            f"partly ({human_size(present)})" if present else "no"
     return {"id": pair.id, "name": pair.name, "source": pair.source, "context_length": pair.context_length,
             "license": pair.license, "gated": pair.gated,
-            "download_bytes": pair.download_bytes, "download": _size(pair.download_bytes) if pair.download_bytes else "-",
+            "download_bytes": pair.download_bytes, "download": human_size(pair.download_bytes) if pair.download_bytes else "-",
             "fits": fit.fits, "fit": fit.verdict, "fit_reason": fit.reason,
             "downloaded": downloaded == "yes" or pair.source == "embedded", "present_bytes": present,
             "status": downloaded}
@@ -90,14 +91,10 @@ class ProgressLine:
         eta = f", {left / 60:.0f} min left" if left is not None and left >= 90 else \
             f", {left:.0f} s left" if left is not None else ""
         percent = 100 * progress.done_bytes / progress.total_bytes if progress.total_bytes else 100
-        line = (f"{progress.model} {progress.filename}: {_size(progress.done_bytes)} of "
-                f"{_size(progress.total_bytes)} ({percent:.0f}%), {_size(rate)}/s{eta}")
+        line = (f"{progress.model} {progress.filename}: {human_size(progress.done_bytes)} of "
+                f"{human_size(progress.total_bytes)} ({percent:.0f}%), {human_size(rate)}/s{eta}")
         if self.live:
             self.stream.write(f"\r{line}\033[K" + ("\n" if finished else ""))
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
-
-
-def _size(size: float) -> str:
-    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .embedded import cache_root
-from .errors import InputError, ModelUnavailable, SpecchatError
-from .files import write_atomically
+from .errors import InputError, ModelUnavailable, SpecchatError, first_line
+from .files import human_size, write_atomically
 from .registry import ModelPair, ModelSpec, Registry
 
 ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.jinja", "tokenizer.model"]
@@ -91,6 +91,11 @@ def _read_manifest(model: ModelSpec) -> dict | None:
         return None
 
 
+def _write_manifest(model: ModelSpec, sizes: dict[str, int], verified: bool) -> None:
+    write_atomically(manifest_path(model), json.dumps(
+        {"repo": model.repo, "revision": model.revision, "files": sizes, "verified": verified}, indent=1))
+
+
 def _repo_folder(model: ModelSpec) -> Path:
     return hub_cache() / f"models--{model.repo.replace('/', '--')}"
 
@@ -134,7 +139,7 @@ def local_model_path(model: ModelSpec, pair_id: str) -> Path:
         raise NotDownloaded(f"{model.repo} is not fully downloaded: missing {listed} "
                             f"(in {hub_cache()}); run `specchat models download {pair_id}` while online")
     what = "only partly downloaded" if status.present_bytes else "not downloaded"
-    raise NotDownloaded(f"{model.repo} is {what} (needs {_gb(model.download_bytes)} in {hub_cache()}); "
+    raise NotDownloaded(f"{model.repo} is {what} (needs {human_size(model.download_bytes)} in {hub_cache()}); "
                         f"run `specchat models download {pair_id}` while online")
 
 
@@ -218,9 +223,7 @@ def _plan(model: ModelSpec, hub: _Hub) -> _Plan:
                             "never loads pickled weights: choose another revision or model")
     sizes = {file.name: file.size for file in files}
     manifest = _read_manifest(model) or {}
-    write_atomically(manifest_path(model), json.dumps(
-        {"repo": model.repo, "revision": model.revision, "files": sizes,
-         "verified": bool(manifest.get("verified")) and manifest.get("files") == sizes}, indent=1))
+    _write_manifest(model, sizes, verified=bool(manifest.get("verified")) and manifest.get("files") == sizes)
     snapshot = snapshot_folder(model)
     to_fetch = tuple(file for file in files if not _has_file(snapshot / file.name, file.size))
     return _Plan(model, files, to_fetch)
@@ -238,9 +241,7 @@ def _fetch(plan: _Plan, hub: _Hub, counter: _ProgressCounter) -> Path:
     folder = Path(hub.call(model, lambda: snapshot_download(
         model.repo, revision=model.revision, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS,
         cache_dir=hub_cache(), token=hub.token, endpoint=hub.endpoint)))
-    write_atomically(manifest_path(model), json.dumps(
-        {"repo": model.repo, "revision": model.revision, "files": {file.name: file.size for file in plan.files},
-         "verified": True}, indent=1))
+    _write_manifest(model, {file.name: file.size for file in plan.files}, verified=True)
     return folder
 
 
@@ -307,7 +308,7 @@ def _transfer(model: ModelSpec, file: _RemoteFile, part: Path, hub: _Hub, counte
             if pause is None:
                 raise DownloadError(
                     f"downloading {model.repo} {file.name} failed after {attempt + 1} tries ({type(error).__name__}); "
-                    f"{_gb(part.stat().st_size if part.exists() else 0)} are kept: run the download again to "
+                    f"{human_size(part.stat().st_size if part.exists() else 0)} are kept: run the download again to "
                     "resume") from None
         if pause is not None:
             time.sleep(pause)
@@ -347,8 +348,8 @@ def _check_disk_space(needed: int) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if needed + DISK_MARGIN_BYTES > free:
-        raise DownloadError(f"not enough disk space: the download needs {_gb(needed)} (plus {_gb(DISK_MARGIN_BYTES)} "
-                            f"to spare) but {folder} has {_gb(free)} free; free some space or point "
+        raise DownloadError(f"not enough disk space: the download needs {human_size(needed)} (plus {human_size(DISK_MARGIN_BYTES)} "
+                            f"to spare) but {folder} has {human_size(free)} free; free some space or point "
                             "HF_HUB_CACHE at a larger disk")
 
 
@@ -377,8 +378,8 @@ def _hub_call(call, model: ModelSpec, pair: ModelPair):
         raise DownloadError(f"cannot reach the Hub to download {model.repo}; check the connection, or use "
                             "what is cached with HF_HUB_OFFLINE=1") from None
     except (errors.HfHubHTTPError, OSError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DownloadError(f"downloading {model.repo} failed: {first}; run the download again to resume") from None
+        raise DownloadError(f"downloading {model.repo} failed: {first_line(error) or type(error).__name__}; "
+                            "run the download again to resume") from None
 
 
 class _ProgressCounter:
@@ -446,7 +447,3 @@ def _remove_revision(model: ModelSpec) -> None:
 
 def _linked_blobs(folder: Path) -> set[Path]:
     return {link.resolve() for link in folder.rglob("*") if link.is_symlink()} if folder.is_dir() else set()
-
-
-def _gb(size: int) -> str:
-    return f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"

@@ -181,7 +181,7 @@ class Engine:
         """A cache already holding the longest available prefix of the prompt: from a recent
         answer in memory, or a saved document on disk when that is longer."""
         in_memory = self.prefixes.best_length(prompt_ids)
-        if self.documents is not None:
+        if self.documents is not None and in_memory < len(prompt_ids) - 1:  # the disk could offer more
             loaded = self.documents.load(prompt_ids, self.model.new_cache(), at_least=in_memory)
             if loaded is not None:
                 return loaded.cache, loaded.length, "disk"

@@ -15,3 +15,9 @@ class InputError(SpecchatError):
 
 class ModelUnavailable(SpecchatError):
     """The model cannot be found or loaded."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message ("" when it has none), for one-line reports."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""

@@ -18,3 +18,8 @@ def write_atomically(path: Path, text: str) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def human_size(size: float) -> str:
+    """Bytes for people: GB from one gigabyte up, MB below."""
+    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .files import human_size
 from .registry import ModelPair
 
 GPU_OVERHEAD_BYTES = int(1.5e9)
@@ -58,19 +59,15 @@ def estimate_fit(pair: ModelPair, machine: Machine) -> Fit:
     full_kv = per_token * context
     if context < min(MIN_CONTEXT, pair.context_length):
         return Fit(False, "too big (RAM)", f"even a {MIN_CONTEXT:,}-token KV cache needs more than "
-                                           f"{RAM_SHARE:.0%} of this machine's {_gb(machine.ram_bytes)} of RAM")
+                                           f"{RAM_SHARE:.0%} of this machine's {human_size(machine.ram_bytes)} of RAM")
     shorter = f" up to {context // 1024}K tokens" if context < pair.context_length else ""
     if machine.gpu_bytes == 0:
-        return Fit(False, "no GPU", f"needs a CUDA GPU with about {_gb(gpu_bytes_needed(pair, 4))} "
+        return Fit(False, "no GPU", f"needs a CUDA GPU with about {human_size(gpu_bytes_needed(pair, 4))} "
                                     "(4-bit weights); this machine has none")
     for bits, label in ((None, "fits (bf16)"), (4, "fits (4-bit)")):
         needed = gpu_bytes_needed(pair, bits)
         if needed <= machine.gpu_bytes:
-            return Fit(True, label + shorter, f"about {_gb(needed)} of {_gb(machine.gpu_bytes)} GPU memory, "
-                                              f"{_gb(full_kv)} of KV for {context:,} tokens in CPU memory")
-    return Fit(False, "too big (GPU)", f"needs about {_gb(gpu_bytes_needed(pair, 4))} of GPU memory even with "
-                                       f"4-bit weights; the GPU has {_gb(machine.gpu_bytes)}")
-
-
-def _gb(size: float) -> str:
-    return f"{size / 1e9:.1f} GB"
+            return Fit(True, label + shorter, f"about {human_size(needed)} of {human_size(machine.gpu_bytes)} GPU memory, "
+                                              f"{human_size(full_kv)} of KV for {context:,} tokens in CPU memory")
+    return Fit(False, "too big (GPU)", f"needs about {human_size(gpu_bytes_needed(pair, 4))} of GPU memory even with "
+                                       f"4-bit weights; the GPU has {human_size(machine.gpu_bytes)}")

@@ -10,7 +10,7 @@ from pathlib import Path
 from . import embedded
 from .download import ProgressCallback, download_pair
 from .engine import Engine
-from .errors import ModelUnavailable
+from .errors import ModelUnavailable, first_line
 from .kv.document_store import DocumentStore
 from .model import TransformersLM
 from .registry import Registry, UnknownPair, load_registry
@@ -58,7 +58,7 @@ def _load(path: Path, name: str, weights_key: str) -> Engine:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = TransformersLM.from_pretrained(path)
     except (OSError, ValueError) as error:
-        raise ModelUnavailable(f"cannot load the model at {path}: {_first_line(error)}") from None
+        raise ModelUnavailable(f"cannot load the model at {path}: {first_line(error) or type(error).__name__}") from None
     documents = DocumentStore(embedded.cache_root() / "documents", f"{weights_key}:{model.hf.dtype}",
                               DOCUMENT_CACHE_BYTES)
     return Engine(model, tokenizer, name, documents=documents)
@@ -80,10 +80,5 @@ def _attach_draft(engine: Engine, path: Path, name: str) -> None:
             raise ModelUnavailable(f"the draft {name} does not share the target's tokenizer: not a speculation pair")
         draft = TransformersLM.from_pretrained(path, vocab_size=engine.model.vocab_size)
     except (OSError, ValueError) as error:
-        raise ModelUnavailable(f"cannot load the draft at {path}: {_first_line(error)}") from None
+        raise ModelUnavailable(f"cannot load the draft at {path}: {first_line(error) or type(error).__name__}") from None
     engine.draft, engine.draft_name = draft, name
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
