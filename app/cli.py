@@ -70,13 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="side-by-side decoding benchmark -> bench/ (JSON, PNG)")
     _add_model_option(bench)
-    bench.add_argument("--document", metavar="FILE", required=True, help="the document to answer about")
+    bench.add_argument("--document", metavar="FILE", help="the document to answer about (trees, prefill, longctx)")
     bench.add_argument("--prompt", default="Summarize this document.")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--draft-layers", type=int, default=24)
-    bench.add_argument("--suite", choices=("trees", "prefill"), default="trees",
+    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload"), default="trees",
                        help="trees: decoding modes side by side (default); prefill: time to first token "
-                            "for a first question, a follow-up and a reloaded document")
+                            "for a first question, a follow-up and a reloaded document; longctx: every mode "
+                            "including triforce on a long document; offload: a full "
+                            "verification against a 128K offloaded KV cache on a CUDA GPU, random weights "
+                            "of Llama-3.1-8B's shape (no document, no download)")
     bench.add_argument("--out", default="bench", help="folder for the results (default: bench)")
 
     models = commands.add_parser("models", help="model pairs: list, download, remove")
@@ -92,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     remove.add_argument("pair", help="a pair id from `specchat models list`")
     for action in (listing, download, remove):
         _add_models_file_option(action)
+    from .plan_cmd import add_parsers as add_plan_parsers
+    add_plan_parsers(commands, _add_models_file_option)
     return parser
 
 
@@ -129,8 +134,15 @@ def _add_generation_options(parser: argparse.ArgumentParser, mode: bool = True) 
     parser.add_argument("--top-k", type=int, default=0, help="0 (default): no top-k filter")
     parser.add_argument("--seed", type=int)
     if mode:
-        parser.add_argument("--mode", choices=("plain", "chain", "tree", "auto"), default="auto",
-                            help="plain decoding, chain or tree speculation, or auto (the plan's choice)")
+        parser.add_argument("--mode", choices=("plain", "chain", "tree", "triforce", "auto"), default="auto",
+                            help="plain decoding, chain or tree speculation, triforce (a draft, the target "
+                                 "over a retrieval cache, the target over the full cache), or auto "
+                                 "(the plan's choice)")
+        parser.add_argument("--triforce-draft", default="lookup", metavar="DRAFT",
+                            help="with --mode triforce, the first stage: lookup (prompt lookup, default), "
+                                 "skipN (the target's first N layers), pair (the pair's draft model) or none")
+        parser.add_argument("--retrieval-budget", type=int, default=1024, metavar="N",
+                            help="with --mode triforce, positions of the retrieval cache (default 1024)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             return _calibrate(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command in ("profile", "plan"):
+            from .plan_cmd import run_plan, run_profile
+            return run_profile(args) if args.command == "profile" else run_plan(args)
         if args.command == "models":
             from .models_cmd import run_models
             return run_models(args, registry(args))
@@ -223,11 +238,13 @@ def _generate(args) -> int:
 
     if args.draft_layers is not None and args.mode != "tree":
         raise InputError("--draft-layers goes with --mode tree")
+    triforce = triforce_settings(args)
     if args.cache_document and not (document and document.strip()):
         raise InputError("--cache-document needs a non-empty --document FILE")
     from ..core.engine import Finished, Notice, TextDelta
 
     engine = _load(args)
+    engine.triforce = _check_triforce(engine, triforce)
     system = [{"role": "system", "content": args.system}] if args.system else []
     prompt_ids = engine.chat_ids(system + [{"role": "user", "content": content}])
     saved_tokens = document_tokens(engine, system, document) if args.cache_document else 0
@@ -257,10 +274,33 @@ def _generate(args) -> int:
     return 0
 
 
-def _check_draft_layers(engine, draft_layers: int) -> None:
+def triforce_settings(args):
+    """`--triforce-draft` and `--retrieval-budget`, checked before the model loads."""
+    import re
+
+    from ..core.decoding import TriforceSettings
+
+    draft = "" if args.triforce_draft == "none" else args.triforce_draft
+    if draft not in ("", "lookup", "pair") and not re.fullmatch(r"skip[1-9][0-9]*", draft):
+        raise InputError(f"--triforce-draft must be lookup, skipN (N layers), pair or none, got {args.triforce_draft!r}")
+    settings = TriforceSettings(draft=draft, budget=args.retrieval_budget)
+    if args.retrieval_budget < 2 * settings.chunk_size + settings.recent:
+        raise InputError(f"--retrieval-budget must be at least {2 * settings.chunk_size + settings.recent}")
+    return settings
+
+
+def _check_triforce(engine, settings):
+    if settings.draft.startswith("skip"):
+        _check_draft_layers(engine, int(settings.draft[len("skip"):]), "the N of --triforce-draft skipN")
+    if settings.draft == "pair" and engine.draft is None:
+        raise InputError(f"--triforce-draft pair: {engine.name} has no draft model (use lookup or skipN)")
+    return settings
+
+
+def _check_draft_layers(engine, draft_layers: int, option: str = "--draft-layers") -> None:
     layers = engine.model.num_layers
     if not 1 <= draft_layers < layers:
-        raise InputError(f"--draft-layers must be between 1 and {layers - 1} for {engine.name}")
+        raise InputError(f"{option} must be between 1 and {layers - 1} for {engine.name}")
 
 
 def _draft(engine, draft_layers: int | None):
@@ -308,6 +348,15 @@ def _bench(args) -> int:
 
     from .documents import read_text_file, user_turn
 
+    if args.suite == "offload":
+        from ..core.bench import write_report
+        from ..core.bench_offload import draw_offload, run_offload_bench
+
+        for path in write_report(run_offload_bench(), Path(args.out), "gpu-offload", draw_offload):
+            print(path)
+        return 0
+    if args.document is None:
+        raise InputError(f"the {args.suite} suite needs --document FILE")
     document = read_text_file(args.document)
     engine = _load(args)
     if args.suite == "prefill":
@@ -320,9 +369,11 @@ def _bench(args) -> int:
     else:
         _check_draft_layers(engine, args.draft_layers)
         from ..core.bench import run_bench
+        from ..core.bench_longctx import run_longctx_bench
 
         prompt_ids = engine.chat_ids([{"role": "user", "content": user_turn(args.prompt, document)}])
-        paths = run_bench(engine, prompt_ids, args.max_new_tokens, args.draft_layers, Path(args.out))
+        run = run_longctx_bench if args.suite == "longctx" else run_bench
+        paths = run(engine, prompt_ids, args.max_new_tokens, args.draft_layers, Path(args.out))
     for path in paths:
         print(path)
     return 0

@@ -39,19 +39,22 @@ def tree_growth(acceptance: list[float], sizes: list[int], max_depth: int,
 
 
 def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
-                  runs: dict[str, tuple[str, object]]) -> dict[str, dict]:
-    """Greedy answers to one prompt per run {label: (mode, tree_draft)}, measured in turn.
-    Each row: tok/s, tokens per target forward, forwards, and whether its tokens equal the first
-    run's (the plain baseline: speculation must not change a single token)."""
+                  runs: dict[str, tuple]) -> dict[str, dict]:
+    """Greedy answers to one prompt per run {label: (mode, tree_draft[, triforce settings])},
+    measured in turn. Each row: tok/s, tokens per target forward, forwards, per-stage counts, and
+    whether its tokens equal the first run's (the plain baseline: speculation must not change a
+    single token)."""
     rows: dict[str, dict] = {}
     baseline = None
-    for label, (mode, tree_draft) in runs.items():
+    default_triforce = engine.triforce
+    for label, (mode, tree_draft, *triforce) in runs.items():
         engine.tree_draft = tree_draft
+        engine.triforce = triforce[0] if triforce else default_triforce
         try:
             result = next(e.result for e in engine.generate(prompt_ids, max_new_tokens, SamplingParams(), mode)
                           if isinstance(e, Finished))
         finally:
-            engine.tree_draft = None
+            engine.tree_draft, engine.triforce = None, default_triforce
         baseline = baseline or result.token_ids
         stats = result.stats
         rows[label] = {
@@ -60,7 +63,7 @@ def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
             "mean_accepted_per_forward": stats.mean_accepted_per_forward,
             "target_forwards": stats.target_forwards, "tree_size": stats.tree_size,
             "tree_depth": stats.tree_depth, "decode_seconds": stats.decode_seconds,
-            "identical_to_plain": result.token_ids == baseline,
+            "stages": stats.stages, "identical_to_plain": result.token_ids == baseline,
         }
     return rows
 

@@ -6,20 +6,23 @@ between steps: the cache holds every committed token but the last, whose logits 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Generator, Iterator, Protocol
+from typing import Callable, Generator, Iterator, Protocol
 
 import torch
 
 from .kv.full import FullCache
+from .kv.queries import record_queries
 from .model import CausalLM
 from .sampling import SamplingParams, sample, warp
 from .spec.drafters import PromptLookupDrafter
+from .spec.hierarchy import Drafter, ModelDrafter, RetrievalStage
 from .spec.tree import Tree
 from .spec.tree_drafters import ModelTreeDrafter, PromptLookupTreeDrafter, TreeProposal
 from .spec.verify import verify_chain, verify_tree
 
-MODES = ("plain", "chain", "tree")
+MODES = ("plain", "chain", "tree", "triforce")
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class ChainDecoder:
     step with no proposal is a plain step, so drafting that finds nothing costs nothing.
     """
 
-    def __init__(self, drafter: PromptLookupDrafter, lookahead: int = 4,
+    def __init__(self, drafter: Drafter, lookahead: int = 4,
                  min_lookahead: int = 1, max_lookahead: int = 16):
         self.drafter = drafter
         self.lookahead = lookahead
@@ -75,21 +78,37 @@ class ChainDecoder:
 
     def step(self, state: DecodeState, budget: int) -> Step:
         # The forward yields one token beyond the draft, so draft at most budget - 1.
-        proposal = self.drafter.propose(state.ids, min(self.lookahead, budget - 1))
-        if proposal is None or len(proposal) == 0:
+        proposal = self.drafter.draft(state, state.ids, min(self.lookahead, budget - 1))
+        observe = getattr(self.drafter, "observe_queries", None)
+        if (proposal is None or len(proposal) == 0) and observe is None:
             return self._plain.step(state, budget)
+        draft = proposal.tokens if proposal is not None else state.ids[:0]
         start = state.ids.shape[0] - 1
-        inputs = torch.cat([state.ids[-1:], proposal.tokens])
-        logits = state.model.forward(inputs, torch.arange(start, start + inputs.shape[0]), state.cache)
-        verdict = verify_chain(proposal.tokens, proposal.q, warp(logits, state.params), state.generator)
-        state.cache.trim(start + 1 + verdict.accepted)
-        tokens = proposal.tokens[:verdict.accepted].tolist() + [verdict.next_token]
-        state.commit(tokens)
-        if verdict.accepted == len(proposal):
-            self.lookahead = min(self.max_lookahead, self.lookahead + 2)
+        inputs = torch.cat([state.ids[-1:], draft])
+        with record_queries() if observe else contextlib.nullcontext() as queries:
+            logits = state.model.forward(inputs, torch.arange(start, start + inputs.shape[0]), state.cache)
+        p = warp(logits, state.params)
+        if draft.numel():
+            verdict = verify_chain(draft, proposal.q, p, state.generator)
+            accepted, next_token = verdict.accepted, verdict.next_token
         else:
-            self.lookahead = max(self.min_lookahead, self.lookahead - 1)
-        return Step(tokens, drafted=len(proposal), accepted=verdict.accepted, depth=len(proposal))
+            accepted, next_token = 0, sample(p[0], state.generator)
+        state.cache.trim(start + 1 + accepted)
+        if observe:
+            # The queries of the last committed token that ran: the retrieval stage scores with them.
+            observe({layer: q[0, :, accepted] for layer, q in queries.items()})
+        tokens = draft[:accepted].tolist() + [next_token]
+        state.commit(tokens)
+        if draft.numel():
+            if accepted == len(draft):
+                self.lookahead = min(self.max_lookahead, self.lookahead + 2)
+            else:
+                self.lookahead = max(self.min_lookahead, self.lookahead - 1)
+        return Step(tokens, drafted=len(draft), accepted=accepted, depth=len(draft))
+
+    def stage_counts(self) -> dict[str, dict[str, int]]:
+        """Forwards and acceptance of the stages below the target (TriForce), for the stats."""
+        return self.drafter.counts()
 
 
 class TreeDrafter(Protocol):
@@ -122,9 +141,63 @@ class TreeDecoder:
         return Step(tokens, drafted=tree.size - 1, accepted=len(verdict.path), depth=tree.depth)
 
 
-def make_decoder(mode: str, vocab_size: int, tree_draft: tuple[CausalLM, Tree] | None = None) -> Decoder:
+@dataclass(frozen=True)
+class TriforceSettings:
+    """TriForce's knobs (algorithms.md section 5). `draft`: the first stage, "lookup" (prompt
+    lookup), "skipN" (the target's first N layers) or "pair" (the pair's draft model), each but
+    lookup over a StreamingLLM cache of `sinks` + `window`; "" for none (the retrieval stage
+    drafts by itself)."""
+    draft: str = "lookup"
+    gamma1: int = 2  # first-stage tokens per retrieval-stage verification
+    gamma2: int = 6  # retrieval-stage tokens per full verification
+    budget: int = 1024  # retrieval cache positions
+    chunk_size: int = 8
+    recent: int = 64  # newest positions always in the retrieval cache
+    stride: int = 1  # committed tokens between retrieval rebuilds (1: after every full verification)
+    sinks: int = 4
+    window: int = 256
+
+
+def triforce_decoder(target: CausalLM, settings: TriforceSettings, pair_draft: CausalLM | None = None) -> ChainDecoder:
+    """draft -> target over a retrieval cache -> target over the full cache (the final chain)."""
+    first: Drafter | None
+    if settings.draft == "lookup":
+        first = PromptLookupDrafter(target.vocab_size)
+    elif settings.draft.startswith("skip"):
+        layers = int(settings.draft[len("skip"):])
+        first = ModelDrafter(target.truncated(layers), settings.sinks, settings.window, True, settings.draft)
+    elif settings.draft == "pair":
+        if pair_draft is None:
+            raise ValueError("the triforce draft 'pair' needs a pair with a draft model")
+        first = ModelDrafter(pair_draft, settings.sinks, settings.window, False, "pair")
+    elif settings.draft == "":
+        first = None
+    else:
+        raise ValueError(f"unknown triforce draft {settings.draft!r}: lookup, skipN, pair or none")
+    middle = RetrievalStage(first or _NoDraft(), target, settings.gamma1, settings.budget,
+                            settings.chunk_size, settings.recent, settings.stride)
+    return ChainDecoder(middle, lookahead=settings.gamma2, min_lookahead=settings.gamma2,
+                        max_lookahead=settings.gamma2)
+
+
+class _NoDraft:
+    """No first stage: the retrieval stage samples its own tokens, one forward each."""
+
+    def draft(self, state, seq, max_tokens):
+        return None
+
+    def counts(self):
+        return {}
+
+
+def make_decoder(mode: str, vocab_size: int, tree_draft: tuple[CausalLM, Tree] | None = None,
+                 triforce: Callable[[], Decoder] | None = None) -> Decoder:
     """A fresh decoder for one answer. Tree mode grows `tree_draft`'s template with its draft
-    model when one is given, else prompt-lookup branches."""
+    model when one is given, else prompt-lookup branches; `triforce` builds the triforce decoder."""
+    if mode == "triforce":
+        if triforce is None:
+            raise ValueError("triforce mode needs its settings and models")
+        return triforce()
     if mode == "plain":
         return PlainDecoder()
     if mode == "chain":

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .decoding import MODES, DecodeState, decode, make_decoder, prefill
+from .decoding import MODES, DecodeState, TriforceSettings, decode, make_decoder, prefill, triforce_decoder
 from .errors import InputError
 from .kv.document_store import DocumentStore
 from .kv.full import FullCache
@@ -48,6 +48,8 @@ class Stats:
     decode_seconds: float = 0.0  # from the end of prefill to the last token
     reused_prompt_tokens: int = 0  # prompt tokens whose KV came from an earlier turn or a saved document
     reused_from: str = ""  # "memory" (an earlier answer), "disk" (a saved document cache) or ""
+    # TriForce: per stage below the target, its forwards, draft tokens verified, accepted, builds.
+    stages: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,6 +114,7 @@ class Engine:
         self.documents = documents  # saved document caches on disk (None: off)
         self.stop_ids = _stop_ids(tokenizer, model)
         self.tree_draft: tuple[CausalLM, Tree] | None = None  # tree mode's draft model and shape
+        self.triforce = TriforceSettings()  # triforce mode's stages and budgets
         self._lock = threading.Lock()  # one generation at a time per loaded model
 
     @property
@@ -193,7 +196,9 @@ class Engine:
     def _run(self, state: DecodeState, max_new_tokens: int, mode: str, cancel: threading.Event,
              started: float, reused: int, source: str) -> Iterator[Event]:
         prompt_length = state.ids.shape[0]
-        decoder = make_decoder(mode, self.model.vocab_size, self.tree_draft)
+        decoder = make_decoder(mode, self.model.vocab_size, self.tree_draft,
+                               lambda: triforce_decoder(self.model, self.triforce, self.draft))
+        stage_counts = getattr(decoder, "stage_counts", None)
         stats = Stats(reused_prompt_tokens=reused, reused_from=source)
         chunks = prefill(self.model, state.cache, state.ids, PREFILL_CHUNK)
         while True:
@@ -228,6 +233,8 @@ class Engine:
                 stats.tree_size = max(stats.tree_size, step.drafted + 1)
                 stats.tree_depth = max(stats.tree_depth, step.depth)
             _update_rates(stats, committed, len(new_ids), time.perf_counter() - decode_started)
+            if stage_counts is not None:
+                stats.stages = stage_counts()
             yield TextDelta(stream.add(tokens), tokens, replace(stats))
             if finish_reason == "stop":
                 break

@@ -14,6 +14,8 @@ from typing import Protocol
 import torch
 
 from .kv.full import FullCache
+from .kv.offload import OffloadedCache
+from .kv.queries import ATTENTION
 
 # With grouped-query attention, transformers' SDPA path copies every layer's whole KV
 # (`repeat_kv`) for multi-token forwards unless SDPA's own GQA is forced: measured 5x slower
@@ -43,6 +45,8 @@ class TransformersLM:
 
     def __init__(self, hf_model, vocab_size: int | None = None):
         self.hf = hf_model.eval()
+        # SDPA that can also record queries, which the retrieval cache scores with (kv/queries.py).
+        self.hf.set_attn_implementation(ATTENTION)
         config = hf_model.config
         own_width = hf_model.get_output_embeddings().weight.shape[0]
         # A draft whose embeddings are padded less than its target's answers with the target's
@@ -52,6 +56,8 @@ class TransformersLM:
         self.context_length = int(config.max_position_embeddings)
         eos = getattr(hf_model.generation_config, "eos_token_id", None)
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        # Positions of full KV kept in (pinned) CPU memory and streamed per layer; None: on the device.
+        self.offload_capacity: int | None = None
 
     @classmethod
     def from_pretrained(cls, path: Path | str, dtype: torch.dtype = torch.float32,
@@ -95,7 +101,9 @@ class TransformersLM:
     def device(self) -> torch.device:
         return self.hf.device
 
-    def new_cache(self) -> FullCache:
+    def new_cache(self) -> FullCache | OffloadedCache:
+        if self.offload_capacity is not None:
+            return OffloadedCache(self.hf.config, self.offload_capacity, self.device, self.hf.dtype)
         return FullCache(self.hf.config)
 
     @torch.inference_mode()
@@ -108,5 +116,5 @@ class TransformersLM:
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
         )
-        logits = out.logits[0].float()
+        logits = out.logits[0].float().cpu()  # verification and sampling run on the CPU
         return torch.nn.functional.pad(logits, (0, self._pad), value=-torch.inf) if self._pad else logits

@@ -10,18 +10,25 @@ import torch
 from transformers import DynamicCache
 
 
+@torch.inference_mode()
+def hf_cache(hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A transformers cache holding the given per-layer (keys, values)."""
+    cache = DynamicCache(config=hf_config)
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys, values, index)
+    return cache
+
+
 class FullCache:
     def __init__(self, hf_config):
         self.config = hf_config
         self.hf = DynamicCache(config=hf_config)
 
     @classmethod
-    @torch.inference_mode()
     def from_layers(cls, hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> FullCache:
         """A cache holding the given per-layer (keys, values), each [1, kv_heads, length, head_dim]."""
         cache = cls(hf_config)
-        for index, (keys, values) in enumerate(layers):
-            cache.hf.update(keys, values, index)
+        cache.hf = hf_cache(hf_config, layers)
         return cache
 
     def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -45,6 +45,13 @@ class PromptLookupDrafter:
                 return [ids[s + n:s + n + max_tokens] for s in starts.flip(0)[:max_matches].tolist()]
         return []
 
+    def draft(self, state, seq: torch.Tensor, max_tokens: int) -> Proposal | None:
+        """The `Drafter` interface (spec/hierarchy.py): lookup needs nothing but the text."""
+        return self.propose(seq, max_tokens)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {}
+
     def propose(self, ids: torch.Tensor, max_tokens: int) -> Proposal | None:
         """ids [L]: prompt plus generated tokens so far. None when nothing matches."""
         found = self.continuations(ids, max_tokens, max_matches=1)

@@ -1,0 +1,124 @@
+"""`specchat profile` (what this machine has) and `specchat plan` (how a pair would run on it)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from ..core.errors import InputError
+from ..core.files import human_size
+
+CONTEXT = re.compile(r"(\d+)([kKmM]?)")
+
+
+def add_parsers(commands, add_models_file_option) -> None:
+    """Add `profile` and `plan` to the CLI's subparsers."""
+    profile = commands.add_parser("profile", help="this machine's GPUs, CPU, RAM and measured bandwidths (cached)")
+    profile.add_argument("--json", action="store_true", help="print one JSON object")
+    profile.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
+
+    plan = commands.add_parser("plan", help="how a model pair would run here: weights, caches, speculation, memory")
+    plan.add_argument("--pair", required=True, help="a pair id from `specchat models list`")
+    plan.add_argument("--context", required=True, metavar="N",
+                      help="tokens of prompt and answer: 32768, 32K or 128K")
+    plan.add_argument("--profile", metavar="FILE",
+                      help="plan for a saved or synthetic profile (`specchat profile --json`) instead of this machine")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    add_models_file_option(plan)
+
+
+def parse_context(text: str) -> int:
+    """32768, 32K or 32k (K = 1,024 tokens), 1M; InputError otherwise."""
+    found = CONTEXT.fullmatch(text.strip())
+    if not found or int(found.group(1)) == 0:
+        raise InputError(f"--context {text!r}: give a positive number of tokens such as 32768, 32K or 128K")
+    return int(found.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[found.group(2).lower()]
+
+
+def run_profile(args) -> int:
+    from ..core.hardware import load_or_probe
+
+    profile = load_or_probe(refresh=args.refresh)
+    if args.json:
+        print(profile.to_json())
+        return 0
+    for line in profile_lines(profile):
+        print(line)
+    return 0
+
+
+def profile_lines(profile) -> list[str]:
+    lines = [f"CPU   {profile.cpu.model}: {profile.cpu.logical_cores} logical cores"
+             + (f", {profile.cpu.physical_cores} physical" if profile.cpu.physical_cores else ""),
+             f"RAM   {human_size(profile.ram_total_bytes)} ({human_size(profile.ram_available_bytes)} available)",
+             f"torch {profile.torch_version}" + (f", CUDA {profile.cuda_version}" if profile.cuda_version else ", no CUDA")]
+    if not profile.gpus:
+        lines.append("GPU   none: models run on the CPU")
+    for gpu in profile.gpus:
+        rates = ", ".join(f"{label} {human_size(rate)}/s" for label, rate in (
+            ("host->GPU", gpu.host_to_device_bytes_per_s), ("GPU->host", gpu.device_to_host_bytes_per_s),
+            ("on-GPU copy", gpu.memory_bytes_per_s)) if rate) or "bandwidth not measured"
+        lines.append(f"GPU {gpu.index} {gpu.name}: {human_size(gpu.vram_total_bytes)} "
+                     f"({human_size(gpu.vram_free_bytes)} free), compute {gpu.compute_capability[0]}."
+                     f"{gpu.compute_capability[1]}, bf16 {'yes' if gpu.bf16 else 'no'}; {rates}")
+    for curves in profile.curves:
+        for times in curves.times:
+            points = ", ".join(f"t({n})={ratio:.2f}" for n, ratio in zip(times.sizes, times.ratios))
+            lines.append(f"t(n)  {curves.model_key} at {times.context:,} context on {times.device}: "
+                         f"{times.one_token_seconds * 1e3:.1f} ms per token; {points}")
+    lines.append(f"measured {profile.measured_on}, machine key {profile.machine_key()}")
+    return lines
+
+
+def run_plan(args) -> int:
+    from ..core.hardware import HardwareProfile, load_or_probe
+    from ..core.plan import PlanRefused, make_plan
+    from ..core.registry import load_registry
+
+    context = parse_context(args.context)
+    registry = load_registry(getattr(args, "models_file", None))
+    pair = registry.get(args.pair)
+    if args.profile:
+        try:
+            profile = HardwareProfile.load(args.profile)
+        except ValueError as error:
+            raise InputError(f"--profile {error}") from None
+    else:
+        profile = load_or_probe()
+    try:
+        plan = make_plan(profile, pair, context, registry=registry)
+    except PlanRefused as refusal:
+        if not args.json:
+            raise
+        print(json.dumps({"pair_id": pair.id, "context": context, "refused": str(refusal),
+                          "alternatives": [vars(alternative) for alternative in refusal.alternatives]}, indent=1))
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0
+    for line in plan_lines(plan):
+        print(line)
+    return 0
+
+
+def plan_lines(plan) -> list[str]:
+    """The plan for people: the choices with their reasons, then the memory table."""
+    draft = f"{plan.draft_weights} on {plan.draft_device}" if plan.draft_device else "none"
+    speculation = {"chain": f"gamma {plan.gamma1}", "tree": f"tree n={plan.tree_size}, d={plan.tree_depth}",
+                   "triforce": (f"gamma1 {plan.gamma1}, " if plan.gamma1 else "") + f"gamma2 {plan.gamma2}", "plain": "no drafts"}[plan.mode]
+    headline = (f"{plan.pair_id} at {plan.context:,} tokens: {plan.mode} ({speculation}), {plan.weights} weights "
+                f"on {'+'.join(plan.target_devices)}, draft {draft}, full KV on {plan.kv_device}")
+    lines = [headline, ""]
+    width = max(map(len, plan.reasons))
+    lines += [f"  {choice.ljust(width)}  {reason}" for choice, reason in plan.reasons.items()]
+    lines += ["", "  MEMORY"]
+    what_width = max(len(item.what) for item in plan.memory)
+    for device in plan.devices:
+        items = [item for item in plan.memory if item.where == device.device]
+        if not items:
+            continue
+        lines += [f"  {item.what.ljust(what_width)}  {item.where:7} {human_size(item.bytes):>9}" for item in items]
+        lines.append(f"  {('total on ' + device.device).ljust(what_width)}  {device.device:7} "
+                     f"{human_size(device.used_bytes):>9}  of {human_size(device.capacity_bytes)}, margin "
+                     f"{human_size(device.margin_bytes)} kept free, headroom {human_size(device.headroom_bytes)}")
+    return lines

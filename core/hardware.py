@@ -1,0 +1,324 @@
+"""What this machine has: CUDA GPUs, CPU, RAM, measured copy bandwidths and forward-time curves.
+
+The planner (core/plan.py) is a pure function of a `HardwareProfile`, so a profile is plain data:
+it round-trips through JSON, and a synthetic one (tests, `specchat plan --profile FILE`) plans
+exactly like a measured one. Measuring bandwidth takes a second per GPU and a t(n) curve up to a
+minute per model, so both are cached on disk under a key of what determines them (GPU names, CUDA
+and torch versions, RAM size); `load_or_probe(refresh=True)` measures again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import platform
+import re
+import statistics
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+from .files import write_atomically
+from .spec.optimizer import ForwardTimes, measure_forward_times
+
+FORMAT_VERSION = 1  # of the profile and curve files; bump when a field changes meaning
+BANDWIDTH_BYTES = 256 * 2**20  # one timed copy: large enough that launch overhead is noise
+BANDWIDTH_REPEATS = 5
+CURVE_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One CUDA device. Bandwidths are None when not measured (a probe without measurement)."""
+
+    index: int
+    name: str
+    vram_total_bytes: int
+    vram_free_bytes: int  # at probe time: other processes (a desktop) may hold the rest
+    compute_capability: tuple[int, int]
+    bf16: bool  # native bfloat16 (compute capability 8.0 and up)
+    host_to_device_bytes_per_s: float | None  # pinned host memory -> this GPU, median copy
+    device_to_host_bytes_per_s: float | None
+    memory_bytes_per_s: float | None  # on-device copy: bytes read + bytes written per second
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str
+    logical_cores: int
+    physical_cores: int | None  # psutil cannot always tell
+
+
+@dataclass(frozen=True)
+class ModelCurves:
+    """Measured t(n) of one model (weights, revision and dtype in `model_key`) at a few context
+    lengths, ascending: attention's share of a forward grows with the context."""
+
+    model_key: str
+    times: tuple[ForwardTimes, ...]
+
+    def at(self, context: int) -> ForwardTimes:
+        """The curve measured nearest to `context` on a log scale (8K is as near to 4K as 16K)."""
+        return min(self.times, key=lambda times: abs(math.log(max(times.context, 1) / max(context, 1))))
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    gpus: tuple[GpuInfo, ...]  # empty on a CPU-only machine
+    cpu: CpuInfo
+    ram_total_bytes: int
+    ram_available_bytes: int
+    torch_version: str
+    cuda_version: str | None  # the CUDA runtime torch was built with; None without CUDA
+    measured_on: str  # ISO date of the probe
+    curves: tuple[ModelCurves, ...] = ()
+
+    def machine_key(self) -> str:
+        """What the cached measurements depend on: GPU names, CUDA and torch versions, RAM size
+        (in GB, so a reading that wobbles by a page does not invalidate the cache), CPU model."""
+        parts = [str(FORMAT_VERSION), *(gpu.name for gpu in self.gpus), self.cuda_version or "no-cuda",
+                 self.torch_version, str(round(self.ram_total_bytes / 1e9)), self.cpu.model]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+    def curves_for(self, model_key: str) -> ModelCurves | None:
+        return next((curves for curves in self.curves if curves.model_key == model_key), None)
+
+    def with_curves(self, new: ModelCurves) -> HardwareProfile:
+        """This profile with `new` replacing any curves of the same model."""
+        kept = tuple(curves for curves in self.curves if curves.model_key != new.model_key)
+        return dataclasses.replace(self, curves=kept + (new,))
+
+    def to_json(self) -> str:
+        return json.dumps({"version": FORMAT_VERSION, **dataclasses.asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> HardwareProfile:
+        """Parse `to_json`'s output (or a hand-written synthetic profile); ValueError saying what
+        is wrong otherwise."""
+        try:
+            data = json.loads(text)
+            if data.pop("version", None) != FORMAT_VERSION:
+                raise ValueError(f"format version is not {FORMAT_VERSION}")
+            gpus = tuple(GpuInfo(**{**gpu, "compute_capability": tuple(gpu["compute_capability"])})
+                         for gpu in data.pop("gpus"))
+            cpu = CpuInfo(**data.pop("cpu"))
+            curves = tuple(_curves_from_dict(item) for item in data.pop("curves", ()))
+            profile = cls(gpus=gpus, cpu=cpu, curves=curves, **data)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"not a hardware profile: {error}") from None
+        _check(profile)
+        return profile
+
+    @classmethod
+    def load(cls, path: Path) -> HardwareProfile:
+        """Read a profile file; ValueError naming the file if it is missing or not a profile."""
+        try:
+            return cls.from_json(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            raise ValueError(f"{path}: {error}") from None
+
+
+def _check(profile: HardwareProfile) -> None:
+    if profile.ram_total_bytes <= 0 or not 0 <= profile.ram_available_bytes <= profile.ram_total_bytes:
+        raise ValueError("RAM sizes must be positive, available at most total")
+    for gpu in profile.gpus:
+        if gpu.vram_total_bytes <= 0 or not 0 <= gpu.vram_free_bytes <= gpu.vram_total_bytes:
+            raise ValueError(f"GPU {gpu.index}: VRAM sizes must be positive, free at most total")
+        rates = (gpu.host_to_device_bytes_per_s, gpu.device_to_host_bytes_per_s, gpu.memory_bytes_per_s)
+        if any(rate is not None and not rate > 0 for rate in rates):
+            raise ValueError(f"GPU {gpu.index}: bandwidths must be positive (or null: not measured)")
+
+
+def _curves_from_dict(data: dict) -> ModelCurves:
+    times = tuple(ForwardTimes(**{**item, "sizes": tuple(item["sizes"]), "ratios": tuple(map(float, item["ratios"]))})
+                  for item in data["times"])
+    if not times:
+        raise ValueError(f"curves of {data['model_key']} hold no measurement")
+    return ModelCurves(data["model_key"], times)
+
+
+def curve_key(repo: str, revision: str, weights: str) -> str:
+    """The name a model's curves are stored under: t(n) depends on the weights and their format
+    (a 4-bit forward dequantizes on the fly), so all three are in it."""
+    return f"{repo}@{revision[:12] or 'local'}:{weights}"
+
+
+# ---- probing -------------------------------------------------------------------------------
+
+
+def probe(measure_bandwidth: bool = True) -> HardwareProfile:
+    """This machine now. CPU-only (or a torch without CUDA): `gpus` is empty."""
+    import psutil
+    import torch
+
+    memory = psutil.virtual_memory()
+    cuda = torch.cuda.is_available()
+    gpus = tuple(_probe_gpu(index, measure_bandwidth) for index in range(torch.cuda.device_count())) if cuda else ()
+    cpu = CpuInfo(_cpu_model(), psutil.cpu_count(logical=True) or 1, psutil.cpu_count(logical=False))
+    return HardwareProfile(gpus=gpus, cpu=cpu, ram_total_bytes=memory.total, ram_available_bytes=memory.available,
+                           torch_version=torch.__version__, cuda_version=torch.version.cuda if cuda else None,
+                           measured_on=date.today().isoformat())
+
+
+def _probe_gpu(index: int, measure_bandwidth: bool) -> GpuInfo:
+    import torch
+
+    properties = torch.cuda.get_device_properties(index)
+    free, total = torch.cuda.mem_get_info(index)
+    rates = measure_copy_bandwidth(index, free) if measure_bandwidth else (None, None, None)
+    return GpuInfo(index=index, name=properties.name, vram_total_bytes=total, vram_free_bytes=free,
+                   compute_capability=(properties.major, properties.minor), bf16=properties.major >= 8,
+                   host_to_device_bytes_per_s=rates[0], device_to_host_bytes_per_s=rates[1],
+                   memory_bytes_per_s=rates[2])
+
+
+def measure_copy_bandwidth(index: int, free_bytes: int) -> tuple[float, float, float]:
+    """(host-to-device, device-to-host, on-device) bytes per second on GPU `index`.
+
+    Why pinned memory and events: an offloaded KV streams from pinned host memory with
+    `copy_(non_blocking=True)` on a side stream, so that is what is timed, on the GPU's own clock.
+    One untimed copy each way first (allocation, driver warm-up), then the median of
+    BANDWIDTH_REPEATS. On-device counts the bytes read plus written, as a memory-bound forward does.
+    """
+    import torch
+
+    size = min(BANDWIDTH_BYTES, free_bytes // 4)  # never crowd out what is already running
+    device = torch.device("cuda", index)
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(size, dtype=torch.uint8, device=device)
+    other = torch.empty(size, dtype=torch.uint8, device=device)
+
+    def seconds(destination: torch.Tensor, source: torch.Tensor) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        destination.copy_(source, non_blocking=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+
+    with torch.cuda.device(device):
+        rates = []
+        for destination, source, moved in ((on_device, host, size), (host, on_device, size),
+                                           (other, on_device, 2 * size)):
+            seconds(destination, source)  # warm-up
+            rates.append(moved / statistics.median(seconds(destination, source) for _ in range(BANDWIDTH_REPEATS)))
+    del host, on_device, other
+    torch.cuda.empty_cache()
+    return rates[0], rates[1], rates[2]
+
+
+def _cpu_model() -> str:
+    """The CPU's marketing name: /proc/cpuinfo on Linux, else what `platform` knows."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        found = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+        if found:
+            return found.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+# ---- the cache on disk ---------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    from .embedded import cache_root
+
+    return cache_root() / "hardware"
+
+
+def load_or_probe(refresh: bool = False, root: Path | None = None) -> HardwareProfile:
+    """The profile of this machine: measured bandwidths and curves from the cache when this
+    machine's key has them (unless `refresh`), else measured now and saved. Free VRAM and
+    available RAM change from minute to minute, so they are always read fresh."""
+    current = probe(measure_bandwidth=False)
+    folder = (root or cache_dir()) / current.machine_key()
+    path = folder / "profile.json"
+    saved = None
+    if not refresh and path.is_file():
+        try:
+            saved = HardwareProfile.load(path)
+        except ValueError:
+            saved = None  # an old or damaged file is measured again, never trusted
+    if saved is None:
+        saved = probe(measure_bandwidth=True)
+        write_atomically(path, dataclasses.replace(saved, curves=()).to_json())
+    profile = _with_fresh_free_memory(saved, current)
+    for curves_path in sorted((folder / "curves").glob("*.json")):
+        try:
+            profile = profile.with_curves(_read_curves(curves_path))
+        except ValueError:
+            curves_path.unlink(missing_ok=True)
+    return profile
+
+
+def probe_key() -> str:
+    """This machine's key from a probe without measurement (cheap)."""
+    return probe(measure_bandwidth=False).machine_key()
+
+
+def _with_fresh_free_memory(saved: HardwareProfile, current: HardwareProfile) -> HardwareProfile:
+    gpus = tuple(dataclasses.replace(gpu, vram_free_bytes=now.vram_free_bytes)
+                 for gpu, now in zip(saved.gpus, current.gpus))
+    return dataclasses.replace(saved, gpus=gpus, ram_available_bytes=current.ram_available_bytes)
+
+
+def _curves_path(folder: Path, model_key: str) -> Path:
+    return folder / "curves" / (hashlib.sha256(model_key.encode()).hexdigest()[:16] + ".json")
+
+
+def _read_curves(path: Path) -> ModelCurves:
+    try:
+        data = json.loads(path.read_text())
+        if data.pop("version") != FORMAT_VERSION:
+            raise ValueError(f"format version is not {FORMAT_VERSION}")
+        return _curves_from_dict(data)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is not a curves file: {error}") from None
+
+
+def measure_curves(model, model_key: str, contexts: list[int], sizes: list[int], refresh: bool = False,
+                   root: Path | None = None, repeats: int = CURVE_REPEATS) -> ModelCurves:
+    """t(n) of `model` (a core.model.CausalLM) at each of `contexts`, from this machine's cache
+    when measured before (unless `refresh`), else measured with optimizer.measure_forward_times
+    and saved. Contexts are capped by what fits: those past the model's positions are skipped,
+    and on a GPU the first that runs out of memory ends the series (the longer ones would too).
+    Use `curve_key` for `model_key`, so the planner finds the curves again."""
+    path = _curves_path((root or cache_dir()) / probe_key(), model_key)
+    if not refresh and path.is_file():
+        try:
+            cached = _read_curves(path)
+            if cached.model_key == model_key and [t.context for t in cached.times] == _fitting(model, contexts, sizes):
+                return cached
+        except ValueError:
+            pass
+    times = []
+    for context in _fitting(model, contexts, sizes):
+        try:
+            times.append(measure_forward_times(model, context, sizes, repeats))
+        except MemoryError:
+            break
+        except RuntimeError as error:  # torch.cuda.OutOfMemoryError is a RuntimeError
+            if "out of memory" not in str(error):
+                raise
+            _release_gpu_memory()
+            break
+    if not times:
+        raise ValueError(f"no context of {contexts} fits {model_key}")
+    curves = ModelCurves(model_key, tuple(times))
+    write_atomically(path, json.dumps({"version": FORMAT_VERSION, **dataclasses.asdict(curves)}))
+    return curves
+
+
+def _fitting(model, contexts: list[int], sizes: list[int]) -> list[int]:
+    return sorted(context for context in set(contexts) if context + max(sizes, default=1) <= model.context_length)
+
+
+def _release_gpu_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

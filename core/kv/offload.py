@@ -1,0 +1,227 @@
+"""The full KV cache in CPU memory, streamed to the GPU one layer at a time (TriForce's offloading,
+algorithms.md section 5), for contexts whose KV does not fit next to the weights.
+
+On a CUDA device the KV lives in pinned host memory, token-major ([capacity, kv_heads, head_dim]
+per layer, so that any prefix is one contiguous block: one DMA, no staging copy). Two GPU
+buffers take turns: while layer i attends over one, layer i+1's KV is copied into the other on a
+side stream (double buffering), and the last layer's turn prefetches layer 0 for the next forward.
+The new entries of each forward are written back to host memory asynchronously. A full
+verification then costs about `KV bytes / host-to-device bandwidth`, hidden behind nothing else.
+TriForce's reference copies without any overlap.
+
+On the CPU the same class keeps the KV in place (nothing to stream), which is what the tests run.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class OffloadedCache:
+    """Same interface as `FullCache` (`length`, `trim`, `keep`, `layers`, `hf`), fixed capacity."""
+
+    def __init__(self, hf_config, capacity: int, device: torch.device | str, dtype: torch.dtype,
+                 overlap: bool = True):
+        self.config = hf_config
+        self.device = torch.device(device)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        shape = (capacity, hf_config.num_key_value_heads, head_dim)
+        streamed = self.device.type == "cuda"
+        self._host = [(torch.empty(shape, dtype=dtype, pin_memory=streamed),
+                       torch.empty(shape, dtype=dtype, pin_memory=streamed))
+                      for _ in range(hf_config.num_hidden_layers)]
+        self.capacity = capacity
+        self._length = 0
+        self.fetched_bytes = 0  # host-to-device traffic, so tests and benchmarks can account for it
+        # overlap=False copies each layer when it is needed (TriForce's reference): a baseline.
+        self._streamer = _Streamer(self, shape, dtype, overlap) if streamed else None
+        self.hf = _StreamedKV(self)
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def overlap(self) -> bool:
+        return self._streamer is not None and self._streamer.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        """Prefetch the next layer during compute (the default), or copy each layer when needed."""
+        if self._streamer is not None:
+            self._settle()
+            self._streamer.overlap = on
+            self._streamer.staged = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._host)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(2 * keys[:self._length].numel() * keys.element_size() for keys, _ in self._host)
+
+    def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values) [1, kv_heads, length, head_dim], as views of host memory."""
+        self._settle()
+        length = self._length if length is None else length
+        return [(k[:length].transpose(0, 1)[None], v[:length].transpose(0, 1)[None]) for k, v in self._host]
+
+    @torch.inference_mode()
+    def fill(self, layers: Iterable[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        """Replace the contents with per-layer (keys, values) [1, kv_heads, length, head_dim],
+        taken one layer at a time (a generator keeps only one layer in memory)."""
+        self._check_room(length)
+        self._settle()
+        for (host_k, host_v), (keys, values) in zip(self._host, layers, strict=True):
+            host_k[:length].copy_(keys[0].transpose(0, 1))
+            host_v[:length].copy_(values[0].transpose(0, 1))
+        self._length = length
+        self._changed()
+
+    def trim(self, length: int) -> None:
+        if length > self._length:
+            raise ValueError(f"cannot trim a cache of {self._length} positions to {length}")
+        self._length = length  # a prefetched prefix stays valid: the first `length` are unchanged
+
+    @torch.inference_mode()
+    def keep(self, positions: torch.Tensor) -> None:
+        """Keep only `positions` (ascending) in consecutive slots (a tree's accepted path)."""
+        self._settle()
+        positions = positions.to(torch.long)
+        unchanged = int((positions == torch.arange(positions.shape[0])).cumprod(0).sum())
+        moved = positions[unchanged:]
+        if moved.numel():
+            for keys, values in self._host:
+                keys[unchanged:unchanged + moved.shape[0]] = keys[moved]
+                values[unchanged:unchanged + moved.shape[0]] = values[moved]
+            self._changed()
+        self._length = positions.shape[0]
+
+    def _check_room(self, length: int) -> None:
+        if length > self.capacity:
+            raise ValueError(f"the offloaded KV cache holds {self.capacity} positions; {length} do not fit")
+
+    def _settle(self) -> None:
+        """Wait for the asynchronous write-backs, before host memory is read or changed."""
+        if self._streamer is not None:
+            self._streamer.settle()
+
+    def _changed(self) -> None:
+        if self._streamer is not None:
+            self._streamer.invalidate()
+
+    def _attend(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a forward's new entries [1, kv_heads, n, head_dim] of `layer`; return all of the
+        layer's keys and values for attention."""
+        start, end = self._length, self._length + keys.shape[2]
+        self._check_room(end)
+        if self._streamer is not None:
+            result = self._streamer.attend(layer, start, end, keys, values)
+        else:
+            host_k, host_v = self._host[layer]
+            host_k[start:end] = keys[0].transpose(0, 1)
+            host_v[start:end] = values[0].transpose(0, 1)
+            result = host_k[:end].transpose(0, 1)[None], host_v[:end].transpose(0, 1)[None]
+        if layer == self.num_layers - 1:
+            self._length = end
+        return result
+
+
+class _Streamer:
+    """The CUDA side: two staging buffers, a copy stream, events."""
+
+    def __init__(self, cache: OffloadedCache, shape: tuple[int, ...], dtype: torch.dtype, overlap: bool):
+        self.cache = cache
+        self.overlap = overlap
+        device = cache.device
+        self.buffers = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+                        for _ in range(2)]
+        self.copy_stream = torch.cuda.Stream(device)
+        self.ready = [torch.cuda.Event() for _ in range(2)]
+        self.turn = 0  # which buffer the next layer to run reads
+        self.staged: tuple[int, int] | None = None  # (layer, positions) in buffers[turn], if prefetched
+        self.written = torch.cuda.Event()
+
+    def attend(self, layer: int, start: int, end: int, keys: torch.Tensor, values: torch.Tensor):
+        compute = torch.cuda.current_stream(self.cache.device)
+        if self.staged is None or self.staged[0] != layer or self.staged[1] < start:
+            self._fetch(layer, start, self.turn)  # nothing usable was prefetched (first forward)
+            if not self.overlap:
+                compute.wait_stream(self.copy_stream)
+        compute.wait_event(self.ready[self.turn])
+        buffer_k, buffer_v = self.buffers[self.turn]
+        buffer_k[start:end] = keys[0].transpose(0, 1)
+        buffer_v[start:end] = values[0].transpose(0, 1)
+        host_k, host_v = self.cache._host[layer]
+        host_k[start:end].copy_(buffer_k[start:end], non_blocking=True)
+        host_v[start:end].copy_(buffer_v[start:end], non_blocking=True)
+        self.written.record(compute)
+        self.turn ^= 1
+        if self.overlap:
+            # The other buffer was last read by the previous layer, queued before this point.
+            self.copy_stream.wait_stream(compute)
+            following = (layer + 1) % self.cache.num_layers
+            following_length = start if following else end  # the next forward's layer 0 sees this one's tokens
+            self._fetch(following, following_length, self.turn)
+        else:
+            self.staged = None
+        return buffer_k[:end].transpose(0, 1)[None], buffer_v[:end].transpose(0, 1)[None]
+
+    def _fetch(self, layer: int, length: int, turn: int) -> None:
+        host_k, host_v = self.cache._host[layer]
+        buffer_k, buffer_v = self.buffers[turn]
+        with torch.cuda.stream(self.copy_stream):
+            buffer_k[:length].copy_(host_k[:length], non_blocking=True)
+            buffer_v[:length].copy_(host_v[:length], non_blocking=True)
+            self.ready[turn].record(self.copy_stream)
+        self.cache.fetched_bytes += 2 * host_k[:length].numel() * host_k.element_size()
+        self.staged = (layer, length)
+
+    def settle(self) -> None:
+        self.written.synchronize()
+        self.copy_stream.synchronize()  # a prefetch may still be reading host memory
+
+    def invalidate(self) -> None:
+        self.staged = None
+
+
+class _StreamedLayer(CacheLayerMixin):
+    """What transformers' mask builder asks of a layer: how many positions are attended."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, cache: OffloadedCache):
+        super().__init__()
+        self.cache = cache
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("the offloaded cache is updated through its Cache")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.length
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity
+
+
+class _StreamedKV(Cache):
+    """The transformers face of an `OffloadedCache`: each layer's `update` goes to `_attend`."""
+
+    def __init__(self, cache: OffloadedCache):
+        super().__init__(layers=[_StreamedLayer(cache) for _ in range(cache.num_layers)])
+        self.cache = cache
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.cache._attend(layer_idx, key_states, value_states)

@@ -1,0 +1,81 @@
+"""StreamingLLM cache (Xiao et al.; TriForce's first stage): the first `sinks` positions, which
+attention leans on whatever the text, and a recent window; everything between is dropped.
+
+For a small draft model over a long document: its attention cost and memory stay fixed however
+long the context grows. Keys keep the rotary positions they were computed at (absolute
+positions, within the model's trained context), so a dropped span is simply not attended.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .full import hf_cache
+
+
+class StreamingCache:
+    """Slots hold sorted positions: the sinks, then the window, then the newest tokens; `compact`
+    drops the middle. `trim(n)` rolls back to the first n positions (dropping the slots at or
+    after n), which works at any length since slots are sorted."""
+
+    def __init__(self, hf_config, sinks: int, window: int,
+                 layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 positions: torch.Tensor | None = None):
+        if sinks < 0 or window < 1:
+            raise ValueError(f"a streaming cache needs sinks >= 0 and window >= 1, got {sinks}, {window}")
+        self.config = hf_config
+        self.sinks, self.window = sinks, window
+        self.hf = hf_cache(hf_config, layers or [])
+        self._positions = positions if positions is not None else torch.empty(0, dtype=torch.long)
+
+    @classmethod
+    @torch.inference_mode()
+    def from_layers(cls, hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]], sinks: int,
+                    window: int) -> StreamingCache:
+        """The streaming view of a whole cache's (keys, values) [1, kv_heads, length, head_dim]:
+        a layer-skip draft shares the target's first layers, hence their KV."""
+        length = layers[0][0].shape[2] if layers else 0
+        kept = streaming_positions(length, sinks, window)
+        return cls(hf_config, sinks, window, [(k[:, :, kept], v[:, :, kept]) for k, v in layers], kept)
+
+    @property
+    def length(self) -> int:
+        """Positions covered: one past the newest slot's position."""
+        self._sync_positions()
+        return int(self._positions[-1]) + 1 if self._positions.numel() else 0
+
+    @property
+    def slots(self) -> int:
+        return self.hf.get_seq_length()
+
+    def trim(self, length: int) -> None:
+        self._sync_positions()
+        kept = int((self._positions < length).sum())
+        if kept < self.slots:
+            self.hf.crop(kept - self.slots)
+        self._positions = self._positions[:kept]
+
+    @torch.inference_mode()
+    def compact(self) -> None:
+        """Drop everything but the sinks and the window (called between drafts, never mid-draft)."""
+        self._sync_positions()
+        if self.slots <= self.sinks + self.window:
+            return
+        kept = torch.cat([torch.arange(self.sinks), torch.arange(self.slots - self.window, self.slots)])
+        for layer in self.hf.layers:
+            layer.keys, layer.values = layer.keys[:, :, kept], layer.values[:, :, kept]
+        self._positions = self._positions[kept]
+
+    def _sync_positions(self) -> None:
+        """Forwards append slots for consecutive positions after the newest one; account for them."""
+        appended = self.slots - self._positions.numel()
+        if appended > 0:
+            start = int(self._positions[-1]) + 1 if self._positions.numel() else 0
+            self._positions = torch.cat([self._positions, torch.arange(start, start + appended)])
+
+
+def streaming_positions(length: int, sinks: int, window: int) -> torch.Tensor:
+    """The positions a streaming cache keeps of `length`: [0, sinks) and the last `window`."""
+    if length <= sinks + window:
+        return torch.arange(length)
+    return torch.cat([torch.arange(sinks), torch.arange(length - window, length)])

@@ -1,0 +1,223 @@
+"""TriForce's hierarchy as a composition of stages (algorithms.md section 5; seed 004).
+
+A drafter proposes draft tokens with the distributions Q they were drawn from. A `VerifiedStage`
+is a model with a cache of its own that verifies a drafter's tokens by speculative sampling
+(`verify_chain`: accept with min(1, P/Q), else a recovered token from the residual; TriForce's
+reference samples P there, which is not lossless) until it holds enough tokens, and is itself a
+drafter for the next stage: every token it emits is distributed exactly as its own P, so P is
+the Q it hands on. The last stage is the target with the full cache (`ChainDecoder`), so the
+text is distributed exactly as the target's, whatever the stages below it do.
+
+    small draft (StreamingLLM cache) -> target (retrieval cache) -> target (full cache)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ..kv.retrieval import RetrievalCache
+from ..kv.streaming import StreamingCache
+from ..model import CausalLM
+from ..sampling import sample, warp
+from .drafters import Proposal
+from .verify import verify_chain
+
+if TYPE_CHECKING:
+    from ..decoding import DecodeState
+
+PREFILL_CHUNK = 1024  # a separate draft model reads the prompt in chunks this long
+
+
+class Drafter(Protocol):
+    def draft(self, state: DecodeState, seq: torch.Tensor, max_tokens: int) -> Proposal | None:
+        """Up to `max_tokens` draft tokens continuing `seq` (the committed text, then any tokens
+        of stages above), or None. `state` holds the committed text, sampling and generator."""
+        ...
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per stage: forwards run, draft tokens verified, accepted (for the stats)."""
+        ...
+
+
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(a.shape[0], b.shape[0])
+    differs = (a[:n] != b[:n]).nonzero()
+    return int(differs[0]) if differs.numel() else n
+
+
+class CacheFollower:
+    """A model with a cache of its own that follows a token sequence which grows and is rolled
+    back: each call rolls the cache back to what still matches, then runs the rest."""
+
+    def __init__(self, model: CausalLM, cache, ids: torch.Tensor | None = None):
+        self.model = model
+        self.cache = cache
+        self.ids = ids if ids is not None else torch.empty(0, dtype=torch.long)  # whose KV the cache holds
+        self.forwards = 0
+
+    def logits(self, seq: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        """Logits after `seq[-1]` and after each of `extra`: [len(extra) + 1, vocab]."""
+        self.cache.trim(common_prefix(self.ids, seq[:-1]))
+        start = self.cache.length  # a streaming cache may hold less than it was rolled back to
+        run = torch.cat([seq[start:], extra])
+        logits = self.model.forward(run, torch.arange(start, start + run.shape[0]), self.cache)
+        self.ids = torch.cat([seq, extra])
+        self.forwards += 1
+        return logits[-(extra.shape[0] + 1):]
+
+
+class ModelDrafter:
+    """A draft model sampling one token per forward from its warped distribution, over a
+    StreamingLLM cache (sinks and a recent window).
+
+    `shares_target_kv`: the draft is the target's first layers (layer-skip), whose KV over the
+    committed text is the target's own, so its cache starts as a streaming view of the target's
+    full cache; otherwise the draft reads the prompt itself, in chunks, compacting as it goes.
+    """
+
+    def __init__(self, model: CausalLM, sinks: int, window: int, shares_target_kv: bool, name: str):
+        self.model = model
+        self.sinks, self.window = sinks, window
+        self.shares_target_kv = shares_target_kv
+        self.name = name
+        self.follower: CacheFollower | None = None
+
+    def draft(self, state: DecodeState, seq: torch.Tensor, max_tokens: int) -> Proposal | None:
+        if max_tokens < 1:
+            return None
+        if self.follower is None:
+            self.follower = self._start(state)
+        tokens: list[int] = []
+        rows = []
+        for _ in range(max_tokens):
+            logits = self.follower.logits(seq, torch.tensor(tokens, dtype=torch.long))[-1]
+            if not tokens:
+                self.follower.cache.compact()  # between drafts only: rollback stays within the window
+            rows.append(warp(logits, state.params))
+            tokens.append(sample(rows[-1], state.generator))
+        return Proposal(torch.tensor(tokens), torch.stack(rows))
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {self.name: {"forwards": self.follower.forwards if self.follower else 0}}
+
+    def _start(self, state: DecodeState) -> CacheFollower:
+        config = self.model.hf.config
+        if self.shares_target_kv:
+            device = self.model.device
+            layers = [(k.to(device), v.to(device)) for k, v in state.cache.layers()[:self.model.num_layers]]
+            cache = StreamingCache.from_layers(config, layers, self.sinks, self.window)
+            return CacheFollower(self.model, cache, state.ids[:state.cache.length])
+        follower = CacheFollower(self.model, StreamingCache(config, self.sinks, self.window))
+        committed = state.ids[:-1]
+        for end in range(PREFILL_CHUNK, committed.shape[0] + 1, PREFILL_CHUNK):
+            follower.logits(committed[:end], committed[:0])
+            follower.cache.compact()
+        return follower
+
+
+class VerifiedStage:
+    """A model over its own cache verifies `drafter`'s tokens, `gamma` at a time, and hands on
+    what it accepted and recovered, with its own P as their distributions."""
+
+    def __init__(self, drafter: Drafter, follower: CacheFollower, gamma: int, name: str):
+        if gamma < 1:
+            raise ValueError(f"gamma must be at least 1, got {gamma}")
+        self.drafter = drafter
+        self.follower = follower
+        self.gamma = gamma
+        self.name = name
+        self.drafted = self.accepted = 0
+
+    def draft(self, state: DecodeState, seq: torch.Tensor, max_tokens: int) -> Proposal | None:
+        if max_tokens < 1:
+            return None
+        self.prepare(state, seq)
+        tokens: list[int] = []
+        rows = []
+        while len(tokens) < max_tokens:
+            current = torch.cat([seq, torch.tensor(tokens, dtype=torch.long)])
+            # This stage's forward yields one token beyond the draft: draft at most remaining - 1.
+            proposal = self.drafter.draft(state, current, min(self.gamma, max_tokens - len(tokens) - 1))
+            draft_tokens = proposal.tokens if proposal is not None else current[:0]
+            p = warp(self.follower.logits(current, draft_tokens), state.params)  # [g + 1, vocab]
+            if proposal is None or len(proposal) == 0:
+                tokens.append(sample(p[0], state.generator))
+                rows.append(p[:1])
+                continue
+            verdict = verify_chain(proposal.tokens, proposal.q, p, state.generator)
+            tokens += proposal.tokens[:verdict.accepted].tolist() + [verdict.next_token]
+            rows.append(p[:verdict.accepted + 1])
+            self.drafted += len(proposal)
+            self.accepted += verdict.accepted
+        return Proposal(torch.tensor(tokens), torch.cat(rows))
+
+    def prepare(self, state: DecodeState, seq: torch.Tensor) -> None:
+        """Called before each proposal; the retrieval stage refreshes its cache here."""
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        own = {self.name: {"forwards": self.follower.forwards, "drafted": self.drafted, "accepted": self.accepted}}
+        return {**self.drafter.counts(), **own}
+
+
+class RetrievalStage(VerifiedStage):
+    """The target over a retrieval cache of `budget` positions of its full cache.
+
+    The cache is rebuilt from the full cache when `stride` tokens have been committed since the
+    last build, and sooner when fewer than `min_acceptance` of this stage's recent tokens survive
+    the full verification. It scores with the queries the full verification just computed
+    (`observe_queries`), so a rebuild costs no forward; before the first verification there are
+    none, and the first step is a plain one. Between builds the tokens it verifies are appended
+    after the retrieved slots.
+    """
+
+    def __init__(self, drafter: Drafter, model: CausalLM, gamma: int, budget: int, chunk_size: int,
+                 recent: int, stride: int, min_acceptance: float = 0.5, name: str = "retrieval"):
+        super().__init__(drafter, CacheFollower(model, None), gamma, name)
+        self.budget, self.chunk_size, self.recent = budget, chunk_size, recent
+        self.stride, self.min_acceptance = stride, min_acceptance
+        self.builds = 0
+        self._queries: dict[int, torch.Tensor] | None = None  # per layer [heads, head_dim]
+        self._survival = 1.0  # moving average of the share of its tokens the full stage accepted
+        self._offered: tuple[int, torch.Tensor] | None = None  # (committed length, tokens handed on)
+
+    def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
+        """The full verification's queries of the last committed token it ran, per layer."""
+        self._queries = queries
+
+    def draft(self, state: DecodeState, seq: torch.Tensor, max_tokens: int) -> Proposal | None:
+        if self._queries is None:
+            return None
+        proposal = super().draft(state, seq, max_tokens)
+        if proposal is not None:
+            self._offered = (seq.shape[0], proposal.tokens)
+        return proposal
+
+    def prepare(self, state: DecodeState, seq: torch.Tensor) -> None:
+        self._track_survival(seq)
+        cache = self.follower.cache
+        committed = seq.shape[0] - 1  # the full cache holds all committed tokens but the last
+        if (cache is None or committed - cache.base_length >= self.stride
+                or self._survival < self.min_acceptance):
+            full = state.cache
+            device = self.follower.model.device
+            self.follower.cache = RetrievalCache.build(
+                full.config, [(k.to(device), v.to(device)) for k, v in full.layers()], self._queries,
+                self.budget, self.chunk_size, self.recent)
+            self.follower.ids = seq[:full.length]
+            self.builds += 1
+            self._survival = 1.0
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        counts = super().counts()
+        counts[self.name]["builds"] = self.builds
+        return counts
+
+    def _track_survival(self, seq: torch.Tensor) -> None:
+        if self._offered is None:
+            return
+        start, offered = self._offered
+        survived = common_prefix(seq[start:], offered)
+        self._survival = 0.7 * self._survival + 0.3 * survived / offered.shape[0]
+        self._offered = None

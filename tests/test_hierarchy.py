@@ -1,0 +1,70 @@
+"""TriForce's hierarchy on tiny random models: lossless against plain decoding at every stage."""
+
+import pytest
+import torch
+
+from chisquare import chi_square_p_value
+from conftest import tiny_llama
+from test_decoding import exact_sequence_probs, prompts, run
+from test_tree_decoding import noisy_copy
+from specchat.core.decoding import TriforceSettings, triforce_decoder
+from specchat.core.sampling import SamplingParams
+
+# Prompts of about 40 tokens against a 24-position retrieval cache: the middle stage really
+# reads less than the target, and rebuilds every 8 committed tokens.
+SMALL = dict(budget=24, chunk_size=4, recent=8, stride=8, sinks=2, window=16)
+
+
+@pytest.mark.parametrize("first_stage", ["lookup", "skip1", "pair", ""])
+def test_greedy_triforce_equals_greedy_plain(first_stage):
+    final_drafted = final_accepted = 0
+    stages: dict[str, dict[str, int]] = {}
+    for seed in range(3):
+        target = tiny_llama(seed, weight_scale=8.0)
+        pair = noisy_copy(seed, 0.3, weight_scale=8.0)
+        for name, prompt in prompts(seed).items():
+            plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
+            decoder = triforce_decoder(target, TriforceSettings(draft=first_stage, **SMALL), pair)
+            speculative, steps = run(target, prompt, "triforce", SamplingParams(), 40, decoder)
+            assert speculative == plain, (first_stage, seed, name)
+            final_drafted += sum(s.drafted for s in steps)
+            final_accepted += sum(s.accepted for s in steps)
+            for stage, counts in decoder.stage_counts().items():
+                for key, value in counts.items():
+                    stages.setdefault(stage, {}).setdefault(key, 0)
+                    stages[stage][key] += value
+    assert 0 < final_accepted < final_drafted  # the full stage accepted and rejected
+    assert stages["retrieval"]["builds"] >= 6 * 3  # rebuilt as the text moved on
+    if first_stage in ("skip1", "pair"):
+        assert 0 < stages["retrieval"]["accepted"] < stages["retrieval"]["drafted"]
+        assert stages[first_stage]["forwards"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)])
+def test_sampled_triforce_samples_from_the_target(params):
+    """Three different models in the chain (a noisy draft over a streaming cache, the target over
+    a 10-position retrieval cache of a 24-token prompt, the target over everything): the first
+    four tokens follow the target's exact sequence distribution."""
+    target = tiny_llama(7, vocab_size=5, weight_scale=20.0)
+    draft = noisy_copy(7, 0.5, vocab_size=5, weight_scale=20.0)
+    prompt = [0, 1, 2, 3, 4, 4, 3, 2, 1, 0, 0, 2, 4, 1, 3, 1, 1, 0, 3, 3, 2, 4, 0, 1]
+    settings = TriforceSettings(draft="pair", gamma1=2, gamma2=3, budget=10, chunk_size=2, recent=4,
+                                stride=2, sinks=1, window=6)
+    exact = exact_sequence_probs(target, prompt, params, 4)
+    counts = torch.zeros_like(exact)
+    totals = {"final drafted": 0, "final accepted": 0, "middle drafted": 0, "middle accepted": 0}
+    for sample in range(2000):
+        run_params = SamplingParams(params.temperature, params.top_k, params.top_p, seed=sample)
+        decoder = triforce_decoder(target, settings, draft)
+        tokens, steps = run(target, prompt, "triforce", run_params, 4, decoder)
+        counts[tuple(tokens)] += 1
+        totals["final drafted"] += sum(s.drafted for s in steps)
+        totals["final accepted"] += sum(s.accepted for s in steps)
+        middle = decoder.stage_counts()["retrieval"]
+        totals["middle drafted"] += middle["drafted"]
+        totals["middle accepted"] += middle["accepted"]
+    # Both verifications rejected often enough for their residual paths to matter.
+    assert 0.1 * totals["final drafted"] < totals["final accepted"] < 0.95 * totals["final drafted"], totals
+    assert 0.1 * totals["middle drafted"] < totals["middle accepted"] < 0.9 * totals["middle drafted"], totals
+    assert chi_square_p_value(counts, exact) > 1e-3

@@ -1,0 +1,148 @@
+"""The streaming, retrieval and offloaded caches on tiny random models: each attends exactly the
+positions it claims to, and rolls back like the full cache."""
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from test_decoding import prompts, run
+from specchat.core.decoding import TriforceSettings, triforce_decoder
+from specchat.core.kv.offload import OffloadedCache
+from specchat.core.kv.queries import record_queries
+from specchat.core.kv.retrieval import RetrievalCache, select_positions
+from specchat.core.kv.streaming import StreamingCache, streaming_positions
+from specchat.core.sampling import SamplingParams
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def masked_logits(model, ids, visible: torch.Tensor, new: torch.Tensor):
+    """Reference: the full model over `ids` then `new`, each new token attending only the
+    `visible` positions of `ids` and the new tokens up to itself."""
+    cache = model.new_cache()
+    model.forward(ids, torch.arange(len(ids)), cache)
+    allowed = torch.zeros(len(new), len(ids) + len(new), dtype=torch.bool)
+    allowed[:, visible] = True
+    allowed[:, len(ids):] = torch.ones(len(new), len(new), dtype=torch.bool).tril()
+    mask = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
+    return model.forward(new, torch.arange(len(ids), len(ids) + len(new)), cache, mask=mask[None, None])
+
+
+def full_layers(model, ids):
+    cache = model.new_cache()
+    model.forward(ids, torch.arange(len(ids)), cache)
+    return cache.layers()
+
+
+def test_streaming_cache_attends_sinks_and_window_only():
+    model = tiny_llama(0)
+    ids, new = torch.arange(40) % 97, torch.tensor([5, 6, 7])
+    cache = StreamingCache.from_layers(model.hf.config, full_layers(model, ids), sinks=3, window=10)
+    assert cache.length == 40 and cache.slots == 13
+    got = model.forward(new, torch.arange(40, 43), cache)
+    torch.testing.assert_close(got, masked_logits(model, ids, streaming_positions(40, 3, 10), new))
+
+
+def test_streaming_cache_rolls_back_and_compacts():
+    model = tiny_llama(1)
+    ids = torch.arange(30) % 97
+    cache = StreamingCache(model.hf.config, sinks=2, window=6)
+    model.forward(ids[:20], torch.arange(20), cache)
+    cache.compact()
+    assert (cache.length, cache.slots) == (20, 8)
+    model.forward(ids[20:25], torch.arange(20, 25), cache)
+    cache.trim(22)  # drop three of the new tokens
+    assert (cache.length, cache.slots) == (22, 10)
+    cache.trim(15)  # into the window: the slots before 15 remain
+    assert (cache.length, cache.slots) == (15, 3)  # sinks 0, 1 and position 14
+    cache.trim(1)
+    assert (cache.length, cache.slots) == (1, 1)
+
+
+def test_selection_keeps_sink_recent_and_each_kv_heads_own_chunks():
+    kv_heads, length, head_dim = 2, 64, 4
+    keys = torch.zeros(kv_heads, length, head_dim)
+    keys[0, 16:20, 0] = 5.0  # KV head 0: chunk 4 (positions 16-19) answers direction 0
+    keys[1, 40:44, 1] = 5.0  # KV head 1: chunk 10 answers direction 1
+    queries = torch.zeros(4, head_dim)  # two query heads per KV head (grouped-query attention)
+    queries[0:2, 0] = 3.0
+    queries[2:4, 1] = 3.0
+    kept = select_positions(queries, keys, budget=16, chunk_size=4, recent=8)  # one chunk each
+    assert kept.shape == (2, 16)
+    for head, chunk in ((0, range(16, 20)), (1, range(40, 44))):
+        row = kept[head].tolist()
+        assert row == sorted(row)
+        assert set(range(4)) <= set(row) and set(range(56, 64)) <= set(row)  # sink and recent
+        assert set(chunk) <= set(row)
+    assert not set(range(40, 44)) <= set(kept[0].tolist())  # head 0 did not take head 1's chunk
+    assert torch.equal(select_positions(queries, keys, budget=64, chunk_size=4, recent=8),
+                       torch.arange(64).expand(2, 64))
+
+
+def test_retrieval_cache_attends_its_selection_and_rolls_back_to_its_build():
+    model = tiny_llama(2)
+    ids, new = torch.arange(3, 60) % 97, torch.tensor([1, 2, 3, 4])
+    cache = model.new_cache()
+    with record_queries() as queries:
+        model.forward(ids, torch.arange(len(ids)), cache)
+    queries = {layer: q[0, :, -1] for layer, q in queries.items()}
+    retrieval = RetrievalCache.build(model.hf.config, cache.layers(), queries, budget=24, chunk_size=4, recent=8)
+    assert retrieval.length == len(ids) and 16 < retrieval.base_slots <= 24
+    got = model.forward(new, torch.arange(len(ids), len(ids) + 4), retrieval)
+    # Per layer and KV head the selections differ, so compare with a budget that keeps everything:
+    whole = RetrievalCache.build(model.hf.config, cache.layers(), queries, budget=64, chunk_size=4, recent=8)
+    torch.testing.assert_close(model.forward(new, torch.arange(len(ids), len(ids) + 4), whole),
+                               masked_logits(model, ids, torch.arange(len(ids)), new))
+    assert not torch.allclose(got, masked_logits(model, ids, torch.arange(len(ids)), new))
+    retrieval.trim(len(ids) + 1)
+    assert retrieval.length == len(ids) + 1
+    with pytest.raises(ValueError):
+        retrieval.trim(len(ids) - 1)
+
+
+def offloaded_like_full(model, device):
+    ids = (torch.arange(50) * 7 % 97).to(torch.long)
+    full, offloaded = model.new_cache(), OffloadedCache(model.hf.config, 64, device, model.hf.dtype)
+    for cache in (full, offloaded):
+        model.forward(ids[:30], torch.arange(30), cache)
+    steps = [(ids[30:33], None), (ids[33:34], None)]
+    for new, _ in steps:
+        start = full.length
+        expected = model.forward(new, torch.arange(start, start + len(new)), full)
+        got = model.forward(new, torch.arange(start, start + len(new)), offloaded)
+        torch.testing.assert_close(got, expected)
+    for cache in (full, offloaded):
+        cache.trim(31)
+        cache.keep(torch.tensor(list(range(29)) + [30]))  # drop position 29, as a tree path would
+    assert offloaded.length == full.length == 30
+    new = ids[40:45]
+    torch.testing.assert_close(model.forward(new, torch.arange(30, 35), offloaded),
+                               model.forward(new, torch.arange(30, 35), full))
+    for (k1, v1), (k2, v2) in zip(full.layers(), offloaded.layers()):
+        torch.testing.assert_close(k1.cpu(), k2.cpu())
+        torch.testing.assert_close(v1.cpu(), v2.cpu())
+    return offloaded
+
+
+def test_offloaded_cache_matches_the_full_cache_on_cpu():
+    offloaded_like_full(tiny_llama(3), "cpu")
+
+
+@CUDA
+def test_offloaded_cache_streams_layers_and_matches_the_full_cache_on_cuda():
+    model = tiny_llama(3, dtype=torch.float32)
+    model.hf.to("cuda")
+    offloaded = offloaded_like_full(model, "cuda")
+    assert offloaded._host[0][0].is_pinned() and offloaded.fetched_bytes > 0
+
+
+@CUDA
+def test_greedy_triforce_over_an_offloaded_cache_equals_plain_on_cuda():
+    model = tiny_llama(4, dtype=torch.float32, weight_scale=8.0)
+    model.hf.to("cuda")
+    prompt = prompts(4)["n-gram hits"]
+    plain, _ = run(model, prompt, "plain", SamplingParams(), 30)
+    model.offload_capacity = 128
+    settings = TriforceSettings(draft="skip1", budget=24, chunk_size=4, recent=8, stride=8, sinks=2, window=16)
+    speculative, _ = run(model, prompt, "triforce", SamplingParams(), 30, triforce_decoder(model, settings))
+    assert speculative == plain

@@ -1,0 +1,257 @@
+"""The planner against synthetic machines (tests/data/profiles) and every pair of models.toml,
+and `specchat plan` through app.plan_cmd. All pure arithmetic: no model is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+from conftest import DATA
+from specchat.app.plan_cmd import add_parsers, parse_context, run_plan
+from specchat.core.errors import InputError
+from specchat.core.hardware import HardwareProfile, ModelCurves, curve_key
+from specchat.core.plan import (
+    NF4_BITS,
+    RAM_MARGIN_SHARE,
+    VRAM_MARGIN_SHARE,
+    Overrides,
+    PlanRefused,
+    make_plan,
+)
+from specchat.core.registry import DTYPE_BYTES, load_registry
+from specchat.core.spec.optimizer import ForwardTimes, choose_tree
+
+PROFILES = {path.stem: HardwareProfile.load(path) for path in sorted((DATA / "profiles").glob("*.json"))}
+REGISTRY = load_registry()
+CONTEXTS = (32 * 1024, 128 * 1024)
+
+
+def test_the_synthetic_machines_are_the_issues():
+    assert set(PROFILES) == {"laptop-rtx4060-8gb", "rtx3060-12gb", "rtx4080-16gb", "rtx4090-24gb", "2x-rtx4090",
+                             "cpu-only-32gb"}
+    assert [len(profile.gpus) for profile in PROFILES.values()] == [2, 0, 1, 1, 1, 1]
+
+
+def _plan_or_refusal(profile, pair_id, context, overrides=None):
+    try:
+        return make_plan(profile, REGISTRY.get(pair_id), context, overrides, registry=REGISTRY)
+    except PlanRefused as refusal:
+        return refusal
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("pair_id", sorted(REGISTRY.pairs))
+@pytest.mark.parametrize("profile_name", sorted(PROFILES))
+def test_every_pair_on_every_machine(profile_name, pair_id, context):
+    profile, pair = PROFILES[profile_name], REGISTRY.get(pair_id)
+    result = _plan_or_refusal(profile, pair_id, context)
+    if isinstance(result, PlanRefused):
+        _check_refusal(profile, result)
+        return
+    plan = result
+    _check_memory(profile, plan)
+    _check_reasons(plan, pair)
+    # The weights: 4-bit only where neither bf16 nor 8-bit fits, 8-bit only where bf16 does not.
+    finer = {"nf4": ("none", "int8"), "int8": ("none",)}.get(plan.weights, ())
+    for quantization in finer:
+        with pytest.raises(PlanRefused):
+            make_plan(profile, pair, context, Overrides(quantization=quantization))
+    # The full KV: the registry's shapes, every token, wherever it lives.
+    dtype_bytes = 2 if profile.gpus else DTYPE_BYTES[pair.target.dtype]
+    full_kv = context * 2 * pair.target.layers * pair.target.kv_heads * pair.target.head_dim * dtype_bytes
+    assert sum(item.bytes for item in plan.memory if "full KV" in item.what) == pytest.approx(full_kv, abs=64)
+    _check_weights(plan, pair, dtype_bytes)
+
+
+def _check_memory(profile, plan):
+    """Each device's total is the sum of its items and stays under its capacity by the margin."""
+    names = {device.device for device in plan.devices}
+    assert {item.where for item in plan.memory} <= names
+    for device in plan.devices:
+        assert device.used_bytes == sum(item.bytes for item in plan.memory if item.where == device.device)
+        assert device.used_bytes + device.margin_bytes <= device.capacity_bytes
+        assert device.headroom_bytes >= 0
+        share = RAM_MARGIN_SHARE if device.device == "cpu" else VRAM_MARGIN_SHARE
+        assert device.margin_bytes >= int(share * device.capacity_bytes)
+    gpu_capacity = {f"cuda:{gpu.index}": gpu.vram_total_bytes for gpu in profile.gpus}
+    for name, total in gpu_capacity.items():
+        used = sum(item.bytes for item in plan.memory if item.where == name)
+        assert used <= (1 - VRAM_MARGIN_SHARE) * total
+    assert sum(plan.target_layers) == REGISTRY.get(plan.pair_id).target.layers
+
+
+def _check_weights(plan, pair, dtype_bytes):
+    """The target's weights recomputed from params, vocabulary and hidden size."""
+    target = pair.target
+    matrix = target.vocab_size * target.hidden_size
+    bits = {"nf4": NF4_BITS, "int8": 8 + 32 / target.hidden_size}.get(plan.weights, 8 * dtype_bytes)
+    expected = 2 * matrix * dtype_bytes + max(0.0, target.params_b * 1e9 - 2 * matrix) * bits / 8
+    items = [item for item in plan.memory if item.what.startswith(("target weights", "target embedding",
+                                                                   "target output head"))
+             or item.what.startswith("target layers") and "weights" in item.what]
+    assert sum(item.bytes for item in items) == pytest.approx(expected, rel=1e-6)
+    if plan.weights in ("bfloat16", "float32"):  # unquantized: exactly params x dtype bytes
+        assert sum(item.bytes for item in items) == pytest.approx(target.params_b * 1e9 * dtype_bytes, rel=1e-6)
+
+
+def _check_reasons(plan, pair):
+    needed = {"mode", "weights", "placement", "kv", "tree", "prefill_chunk"}
+    needed |= {"gammas"} if plan.mode in ("chain", "triforce") else set()
+    needed |= {"retrieval"} if plan.mode == "triforce" else set()
+    needed |= {"draft_cache"} if plan.draft_device else set()
+    assert needed <= set(plan.reasons)
+    assert all(reason.strip() and "\n" not in reason for reason in plan.reasons.values())
+    assert plan.reasons["mode"].startswith(plan.mode)
+    assert plan.reasons["weights"].startswith(plan.weights)
+
+
+def _check_refusal(profile, refusal):
+    message = str(refusal)
+    assert "\n" not in message and refusal.alternatives
+    assert f"nearest that fits: {refusal.alternatives[0].summary}" in message
+    for alternative in refusal.alternatives:  # each alternative plans
+        plan = make_plan(profile, REGISTRY.get(alternative.pair_id), alternative.context,
+                         Overrides(quantization=alternative.quantization))
+        _check_memory(profile, plan)
+
+
+def test_what_each_machine_gets():
+    """The headline outcomes, stated so a change of policy shows up here."""
+    big = make_plan(PROFILES["rtx4090-24gb"], REGISTRY.get("llama3.1-8b"), 131072)
+    assert (big.weights, big.kv_device, big.mode, big.draft_device) == ("bfloat16", "cpu-pinned", "triforce", "cuda:0")
+    two = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("llama3.1-8b"), 131072)
+    assert two.kv_device == "cuda:0+cuda:1" and two.target_devices == ("cuda:0", "cuda:1")
+    assert "split in layer order" in two.reasons["placement"] and two.draft_device == "cuda:1"
+    short = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("qwen2.5-7b"), 32768)
+    assert short.target_devices == ("cuda:0",) and "keeps the other GPU" in short.reasons["placement"]
+    small = make_plan(PROFILES["rtx3060-12gb"], REGISTRY.get("llama3.1-8b"), 131072)
+    assert small.weights == "nf4" and "bfloat16 weights need" in small.reasons["weights"]
+    cpu = make_plan(PROFILES["cpu-only-32gb"], REGISTRY.get("embedded"), 8192)
+    assert (cpu.weights, cpu.mode, cpu.kv_device, cpu.target_devices) == ("float32", "chain", "cpu", ("cpu",))
+    with pytest.raises(PlanRefused, match="nearest that fits"):
+        make_plan(PROFILES["laptop-rtx4060-8gb"], REGISTRY.get("llama3.1-8b"), 131072, registry=REGISTRY)
+
+
+def test_a_context_past_the_pair_is_refused_with_its_limit():
+    refusal = _plan_or_refusal(PROFILES["cpu-only-32gb"], "embedded", 32768)
+    assert isinstance(refusal, PlanRefused) and "at most 8,192 tokens" in str(refusal)
+    assert (refusal.alternatives[0].pair_id, refusal.alternatives[0].context) == ("embedded", 8192)
+
+
+def test_a_forced_precision_that_does_not_fit_suggests_4_bit_first():
+    refusal = _plan_or_refusal(PROFILES["rtx3060-12gb"], "llama3.1-8b", 32768, Overrides(quantization="none"))
+    assert isinstance(refusal, PlanRefused)
+    assert refusal.alternatives[0].quantization == "nf4" and refusal.alternatives[0].context == 32768
+    forced = make_plan(PROFILES["rtx4090-24gb"], REGISTRY.get("llama3.1-8b"), 32768, Overrides(quantization="nf4"))
+    assert forced.weights == "nf4" and "as requested" in forced.reasons["weights"]
+
+
+def test_gamma2_grows_as_the_offloaded_verification_gets_dearer():
+    profile, pair = PROFILES["rtx4090-24gb"], REGISTRY.get("qwen2.5-7b")
+    offloaded = make_plan(profile, pair, 131072)
+    on_chip = make_plan(PROFILES["2x-rtx4090"], pair, 131072)
+    assert offloaded.kv_device == "cpu-pinned" and on_chip.kv_device.startswith("cuda")
+    assert offloaded.gamma2 > on_chip.gamma2
+    slow_link = dataclasses.replace(profile, gpus=tuple(
+        dataclasses.replace(gpu, host_to_device_bytes_per_s=gpu.host_to_device_bytes_per_s / 4) for gpu in profile.gpus))
+    assert make_plan(slow_link, pair, 131072).gamma2 > offloaded.gamma2
+    unmeasured = dataclasses.replace(profile, gpus=tuple(
+        dataclasses.replace(gpu, host_to_device_bytes_per_s=None) for gpu in profile.gpus))
+    default = make_plan(unmeasured, pair, 131072)
+    assert default.gamma2 == 6 and "not measured" in default.reasons["gammas"]
+
+
+def test_the_tree_comes_from_the_optimizer_when_t_n_and_acceptance_are_known():
+    profile, pair = PROFILES["cpu-only-32gb"], REGISTRY.get("embedded")
+    times = ForwardTimes(sizes=(1, 8, 16, 32), ratios=(1.0, 1.1, 1.3, 1.8), one_token_seconds=0.05, context=2048,
+                         device="cpu (synthetic)")
+    key = curve_key(pair.target.repo, pair.target.revision, "float32")
+    measured = profile.with_curves(ModelCurves(key, (times,)))
+    acceptance = (0.6, 0.2, 0.1, 0.05)
+    plan = make_plan(measured, pair, 4096, Overrides(acceptance=acceptance, draft_cost=0.1))
+    expected = choose_tree(list(acceptance), times, 0.1, 32, 12)
+    assert (plan.mode, plan.tree_size, plan.tree_depth) == ("tree", expected.size, expected.depth)
+    assert "beats the best chain" in plan.reasons["mode"]
+    default = make_plan(profile, pair, 4096)
+    assert (default.mode, default.tree_size, default.tree_depth) == ("chain", 16, 4)
+    assert "stated default" in default.reasons["tree"]
+
+
+def test_overrides_and_bad_requests():
+    profile, pair = PROFILES["rtx4090-24gb"], REGISTRY.get("qwen2.5-7b")
+    plain = make_plan(profile, pair, 32768, Overrides(mode="plain"))
+    assert plain.mode == "plain" and plain.draft_device is None and plain.gamma1 is None and plain.gamma2 is None
+    narrow = make_plan(profile, pair, 131072, Overrides(retrieval_budget=2048))
+    assert narrow.retrieval_budget == 2048
+    for bad in (Overrides(quantization="int3"), Overrides(mode="fast"), Overrides(retrieval_budget=0),
+                Overrides(retrieval_acceptance=1.5)):
+        with pytest.raises(InputError):
+            make_plan(profile, pair, 32768, bad)
+    with pytest.raises(InputError):
+        make_plan(profile, pair, 0)
+    assert make_plan(profile, pair, 32768) == make_plan(profile, pair, 32768)  # pure
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="specchat")
+    commands = parser.add_subparsers(dest="command")
+    add_parsers(commands, lambda sub: sub.add_argument("--models-file", default=argparse.SUPPRESS))
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("text, tokens", [("32768", 32768), ("32K", 32768), ("128k", 131072), ("1M", 1048576)])
+def test_parse_context(text, tokens):
+    assert parse_context(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["", "0", "12Q", "-5", "32 KB", "1.5K"])
+def test_parse_context_rejects(text):
+    with pytest.raises(InputError, match="--context"):
+        parse_context(text)
+
+
+def test_plan_command_json(capsys):
+    profile = str(DATA / "profiles" / "rtx4090-24gb.json")
+    args = _parse(["plan", "--pair", "llama3.1-8b", "--context", "128K", "--profile", profile, "--json"])
+    assert run_plan(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"pair_id", "context", "mode", "weights", "target_devices", "kv_device", "gamma1", "gamma2", "tree_size",
+            "tree_depth", "prefill_chunk", "memory", "devices", "reasons"} <= set(data)
+    assert data["context"] == 131072 and data["weights"] == "bfloat16"
+    assert all({"what", "where", "bytes"} == set(item) for item in data["memory"])
+    assert all(device["headroom_bytes"] >= 0 for device in data["devices"])
+
+
+def test_plan_command_text(capsys):
+    profile = str(DATA / "profiles" / "2x-rtx4090.json")
+    assert run_plan(_parse(["plan", "--pair", "qwen3-8b", "--context", "32768", "--profile", profile])) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("qwen3-8b at 32,768 tokens: triforce")
+    assert "MEMORY" in out and "total on cuda:0" in out and "margin" in out and "weights " in out
+
+
+def test_plan_command_refusal_json_exits_2(capsys):
+    profile = str(DATA / "profiles" / "laptop-rtx4060-8gb.json")
+    args = _parse(["plan", "--pair", "qwen3-8b", "--context", "128K", "--profile", profile, "--json"])
+    assert run_plan(args) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert "does not fit" in data["refused"] and data["alternatives"][0]["pair_id"] == "qwen2.5-7b"
+
+
+def test_plan_command_bad_input_is_an_input_error(tmp_path):
+    good = str(DATA / "profiles" / "rtx3060-12gb.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"version": 1, "gpus": []}')
+    for argv in (["plan", "--pair", "nope", "--context", "32K", "--profile", good],
+                 ["plan", "--pair", "qwen3-8b", "--context", "lots", "--profile", good],
+                 ["plan", "--pair", "qwen3-8b", "--context", "32K", "--profile", str(broken)],
+                 ["plan", "--pair", "qwen3-8b", "--context", "32K", "--profile", str(tmp_path / "missing.json")],
+                 ["plan", "--pair", "embedded", "--context", "32K", "--profile", good]):  # refused, no --json
+        with pytest.raises(InputError) as error:
+            run_plan(_parse(argv))
+        assert "\n" not in str(error.value)
