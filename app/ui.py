@@ -95,7 +95,7 @@ def build_ui(handle: EngineHandle) -> gr.Blocks:
                     answer += event.text
                     shown[-1] = {"role": "assistant", "content": answer}
                     yield (turn + [{"role": "assistant", "content": answer}], shown, *unchanged,
-                           _stats_line(event.stats, resolve_mode(mode)))
+                           _stats_line(event.stats, resolve_mode(mode, engine.auto_mode)))
                 elif isinstance(event, Finished):
                     result = event.result
                     yield (turn + [{"role": "assistant", "content": result.text}], shown, *unchanged,
@@ -123,7 +123,7 @@ def build_ui(handle: EngineHandle) -> gr.Blocks:
         with gr.Accordion("Settings", open=False):
             max_new_tokens = gr.Slider(16, 2048, value=512, step=16, label="Max new tokens")
             temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature (0 = greedy)")
-            mode = gr.Radio(["auto", "chain", "plain"], value="auto", label="Decoding")
+            mode = gr.Radio(["auto", "chain", "tree", "triforce", "plain"], value="auto", label="Decoding")
         clear = gr.Button("New conversation", size="sm")
 
         inputs = [message, document, upload, max_new_tokens, temperature, mode, conversation, chatbot]

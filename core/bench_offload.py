@@ -4,8 +4,8 @@
 Measured side by side in one process:
 - the pinned host-to-device bandwidth B, and the floor of one full verification, KV bytes / B;
 - one full verification (n tokens against the offloaded KV of `context` positions), with the
-  layer-by-layer prefetch overlapping compute, and without it (each layer copied when needed,
-  as TriForce's reference does);
+  layer-by-layer prefetch overlapping compute, without it (each layer copied when needed, as
+  TriForce's reference does), and with attention over the stored KV computed on the CPU;
 - drafting: the target over a retrieval cache of `budget` positions and a Llama-3.2-1B-shaped
   draft over a StreamingLLM cache, both on the GPU; the bytes they fetch from host memory
   (must be zero);
@@ -129,6 +129,12 @@ def run_offload_bench(capacity: int = 131072, sizes: tuple[int, ...] = (1, 7, 16
                 "seconds": seconds, "vs_floor": seconds / floor,
                 "fetched_bytes_per_forward": (cache.fetched_bytes - before) / (repeats + 1)}
     cache.overlap = True
+    cache.cpu_attention = True  # attention over the stored KV on the CPU, merged by log-sum-exp
+    for n in (1, 7):
+        seconds = _timed_forward(target, cache, n, repeats=2)
+        verify[f"CPU attention n={n}"] = {"seconds": seconds, "vs_floor": seconds / floor,
+                                          "fetched_bytes_per_forward": 0}
+    cache.cpu_attention = False
 
     fetched_before_drafting = cache.fetched_bytes
     retrieval = RetrievalCache(config, list(_random_layers(config, budget, device, dtype, generator)), context)

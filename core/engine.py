@@ -93,13 +93,13 @@ class Notice:
 Event = PrefillProgress | TextDelta | Finished | Notice
 
 
-def resolve_mode(mode: str) -> str:
-    """`auto` picks the mode for this machine; until the planner exists that is chain speculation
-    with prompt lookup, which falls back to plain steps when nothing matches (measured faster
-    than plain on documents on this CPU; see README)."""
+def resolve_mode(mode: str, auto: str = "chain") -> str:
+    """`auto` is the mode the plan chose for this machine (`Engine.auto_mode`); without a plan
+    (a local model directory) it is chain speculation with prompt lookup, which falls back to
+    plain steps when nothing matches."""
     if mode not in REQUEST_MODES:
         raise InputError(f"unknown mode {mode!r}: choose from {', '.join(REQUEST_MODES)}")
-    return "chain" if mode == "auto" else mode
+    return auto if mode == "auto" else mode
 
 
 class Engine:
@@ -115,6 +115,8 @@ class Engine:
         self.stop_ids = _stop_ids(tokenizer, model)
         self.tree_draft: tuple[CausalLM, Tree] | None = None  # tree mode's draft model and shape
         self.triforce = TriforceSettings()  # triforce mode's stages and budgets
+        self.plan = None  # core.plan.Plan for this machine, when the model is a registry pair
+        self.auto_mode = "chain"  # what `auto` means here: the plan's mode
         self._lock = threading.Lock()  # one generation at a time per loaded model
 
     @property
@@ -138,7 +140,7 @@ class Engine:
         `document_tokens`: the prompt's first tokens hold a document whose KV should be saved to
         disk for later runs (needs a document store).
         """
-        mode = resolve_mode(mode)
+        mode = resolve_mode(mode, self.auto_mode)
         max_new_tokens = self._check_request(prompt_ids, max_new_tokens)
         with self._lock:
             yield from self._generate(prompt_ids, max_new_tokens, sampling, mode, cancel, document_tokens)

@@ -74,6 +74,9 @@ class HardwareProfile:
     cuda_version: str | None  # the CUDA runtime torch was built with; None without CUDA
     measured_on: str  # ISO date of the probe
     curves: tuple[ModelCurves, ...] = ()
+    # KV bytes per second the CPU attends over (bf16, grouped heads): offloaded attention can run
+    # where the KV lies instead of streaming it to the GPU (kv/split_attention.py). None: unmeasured.
+    cpu_attention_bytes_per_s: float | None = None
 
     def machine_key(self) -> str:
         """What the cached measurements depend on: GPU names, CUDA and torch versions, RAM size
@@ -159,7 +162,30 @@ def probe(measure_bandwidth: bool = True) -> HardwareProfile:
     cpu = CpuInfo(_cpu_model(), psutil.cpu_count(logical=True) or 1, psutil.cpu_count(logical=False))
     return HardwareProfile(gpus=gpus, cpu=cpu, ram_total_bytes=memory.total, ram_available_bytes=memory.available,
                            torch_version=torch.__version__, cuda_version=torch.version.cuda if cuda else None,
-                           measured_on=date.today().isoformat())
+                           measured_on=date.today().isoformat(),
+                           cpu_attention_bytes_per_s=measure_cpu_attention() if measure_bandwidth else None)
+
+
+def measure_cpu_attention(positions: int = 32768, repeats: int = 3) -> float:
+    """KV bytes per second of one query token's attention on the CPU over Llama-3-shaped KV
+    (8 KV heads of 128, 32 query heads, bf16): the median of `repeats` after a warm-up."""
+    import time
+
+    import torch
+
+    from .kv.split_attention import attention_with_lse
+
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(8, positions, 128, generator=generator).to(torch.bfloat16) for _ in range(2))
+    queries = torch.randn(32, 1, 128, generator=generator)
+
+    def seconds() -> float:
+        begin = time.perf_counter()
+        attention_with_lse(queries, keys, values, 128 ** -0.5)
+        return time.perf_counter() - begin
+
+    seconds()
+    return 2 * keys.numel() * keys.element_size() / statistics.median(seconds() for _ in range(repeats))
 
 
 def _probe_gpu(index: int, measure_bandwidth: bool) -> GpuInfo:

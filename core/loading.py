@@ -38,8 +38,9 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
         raise UnknownPair(f"{registry.unknown_message(model_id)}, or give a local model directory")
     pair = registry.get(model_id)
     if pair.source == "embedded":
-        return _load(embedded.ensure_converted(progress), embedded.EMBEDDED_ID,
-                     f"{embedded.EMBEDDED_ID}@conversion-{embedded.CONVERSION_VERSION}")
+        engine = _load(embedded.ensure_converted(progress), embedded.EMBEDDED_ID,
+                       f"{embedded.EMBEDDED_ID}@conversion-{embedded.CONVERSION_VERSION}")
+        return _apply_plan(engine, pair, registry)
     progress(f"Checking {pair.name}...")
     paths = download_pair(pair, download_progress)
     progress(f"Loading {pair.target.repo}...")
@@ -47,6 +48,28 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
     if "draft" in paths:
         progress(f"Loading the draft {pair.draft.repo}...")
         _attach_draft(engine, paths["draft"], pair.draft.repo)
+    return _apply_plan(engine, pair, registry)
+
+
+def _apply_plan(engine: Engine, pair, registry: Registry) -> Engine:
+    """What `--mode auto` does on this machine: the plan's mode, and for TriForce its budgets.
+    A pair the plan refuses at its full context still runs (the request is checked against the
+    context later); auto then keeps chain speculation."""
+    from .decoding import TriforceSettings
+    from .hardware import load_or_probe
+    from .plan import PlanRefused, make_plan
+
+    try:
+        plan = make_plan(load_or_probe(), pair, engine.context_length, registry=registry)
+    except PlanRefused:
+        return engine
+    engine.plan, engine.auto_mode = plan, plan.mode
+    if plan.mode == "triforce":
+        engine.triforce = TriforceSettings(
+            draft="pair" if engine.draft is not None and plan.draft_device else "lookup",
+            gamma1=plan.gamma1 or TriforceSettings.gamma1, gamma2=plan.gamma2 or TriforceSettings.gamma2,
+            budget=plan.retrieval_budget, chunk_size=plan.retrieval_chunk,
+            sinks=plan.draft_sinks or TriforceSettings.sinks, window=plan.draft_window or TriforceSettings.window)
     return engine
 
 

@@ -138,6 +138,8 @@ class Plan:
     memory: tuple[MemoryItem, ...]
     devices: tuple[DeviceMemory, ...]
     reasons: dict[str, str] = field(default_factory=dict)  # choice -> one line
+    # With the full KV offloaded: "gpu" streams it to the GPU per layer, "cpu" attends where it lies.
+    kv_attention: str = "gpu"
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -459,7 +461,8 @@ def _finish(layout: _Layout, tried: list[_Layout], reasons: dict) -> Plan:
         draft_sinks=DRAFT_SINKS if layout.draft is not None else None,
         draft_window=layout.draft_window if layout.draft is not None else None,
         gamma1=gamma1, gamma2=gamma2, tree_size=tree[0], tree_depth=tree[1],
-        prefill_chunk=layout.prefill_chunk, memory=tuple(layout.items), devices=layout.devices, reasons=reasons)
+        prefill_chunk=layout.prefill_chunk, memory=tuple(layout.items), devices=layout.devices, reasons=reasons,
+        kv_attention=_kv_attention(layout, reasons))
 
 
 def _weights_reason(layout: _Layout, tried: list[_Layout]) -> str:
@@ -506,6 +509,22 @@ def _kv_reason(layout: _Layout) -> str:
         if h2d else ""
     return (f"full KV ({size}) offloaded to pinned CPU memory and streamed layer by layer: it does not fit "
             f"next to the weights{cost}")
+
+
+def _kv_attention(layout: _Layout, reasons: dict) -> str:
+    """Where attention over an offloaded KV runs: streamed to the GPU, or on the CPU, whichever
+    the profile measured faster (both read every KV byte once per full verification)."""
+    if layout.kv_on_chip or not layout.profile.gpus:
+        return "gpu" if layout.profile.gpus else "cpu"
+    h2d, cpu = _slowest(layout, "host_to_device_bytes_per_s"), layout.profile.cpu_attention_bytes_per_s
+    if not h2d or not cpu:
+        reasons["kv_attention"] = "offloaded KV streamed to the GPU: the CPU's attention speed was not measured"
+        return "gpu"
+    faster = "cpu" if cpu > h2d else "gpu"
+    reasons["kv_attention"] = (
+        f"attention over the offloaded KV {'on the CPU, where it lies' if faster == 'cpu' else 'on the GPU, streamed'}: "
+        f"the CPU attends over {human_size(cpu)}/s of KV, the link streams {human_size(h2d)}/s (measured)")
+    return faster
 
 
 def _slowest(layout: _Layout, rate: str) -> float | None:

@@ -100,9 +100,10 @@ def test_retrieval_cache_attends_its_selection_and_rolls_back_to_its_build():
         retrieval.trim(len(ids) - 1)
 
 
-def offloaded_like_full(model, device):
+def offloaded_like_full(model, device, cpu_attention=False):
     ids = (torch.arange(50) * 7 % 97).to(torch.long)
-    full, offloaded = model.new_cache(), OffloadedCache(model.hf.config, 64, device, model.hf.dtype)
+    full = model.new_cache()
+    offloaded = OffloadedCache(model.hf.config, 64, device, model.hf.dtype, cpu_attention=cpu_attention)
     for cache in (full, offloaded):
         model.forward(ids[:30], torch.arange(30), cache)
     steps = [(ids[30:33], None), (ids[33:34], None)]
@@ -124,16 +125,19 @@ def offloaded_like_full(model, device):
     return offloaded
 
 
-def test_offloaded_cache_matches_the_full_cache_on_cpu():
-    offloaded_like_full(tiny_llama(3), "cpu")
+@pytest.mark.parametrize("cpu_attention", [False, True])
+def test_offloaded_cache_matches_the_full_cache_on_cpu(cpu_attention):
+    offloaded_like_full(tiny_llama(3), "cpu", cpu_attention)
 
 
 @CUDA
-def test_offloaded_cache_streams_layers_and_matches_the_full_cache_on_cuda():
+@pytest.mark.parametrize("cpu_attention", [False, True])
+def test_offloaded_cache_matches_the_full_cache_on_cuda(cpu_attention):
     model = tiny_llama(3, dtype=torch.float32)
     model.hf.to("cuda")
-    offloaded = offloaded_like_full(model, "cuda")
-    assert offloaded._host[0][0].is_pinned() and offloaded.fetched_bytes > 0
+    offloaded = offloaded_like_full(model, "cuda", cpu_attention)
+    assert offloaded._host[0][0].is_pinned()
+    assert (offloaded.fetched_bytes > 0) != cpu_attention  # attention on the CPU streams nothing
 
 
 @CUDA

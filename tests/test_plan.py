@@ -255,3 +255,15 @@ def test_plan_command_bad_input_is_an_input_error(tmp_path):
         with pytest.raises(InputError) as error:
             run_plan(_parse(argv))
         assert "\n" not in str(error.value)
+
+
+def test_offloaded_attention_runs_where_it_measured_faster():
+    profile = PROFILES["rtx4090-24gb"]
+    link = profile.gpus[0].host_to_device_bytes_per_s
+    for cpu_rate, expected in ((None, "gpu"), (link / 4, "gpu"), (link * 2, "cpu")):
+        measured = dataclasses.replace(profile, cpu_attention_bytes_per_s=cpu_rate)
+        plan = make_plan(measured, REGISTRY.get("llama3.1-8b"), 128 * 1024)
+        assert plan.kv_device == "cpu-pinned" and plan.kv_attention == expected
+        assert "measured" in plan.reasons["kv_attention"] or cpu_rate is None
+    on_chip = make_plan(profile, REGISTRY.get("qwen2.5-7b"), 32 * 1024)
+    assert on_chip.kv_device.startswith("cuda") and on_chip.kv_attention == "gpu"

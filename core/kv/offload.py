@@ -1,8 +1,9 @@
 """The full KV cache in CPU memory, streamed to the GPU one layer at a time (TriForce's offloading,
 algorithms.md section 5), for contexts whose KV does not fit next to the weights.
 
-On a CUDA device the KV lives in pinned host memory, token-major ([capacity, kv_heads, head_dim]
-per layer, so that any prefix is one contiguous block: one DMA, no staging copy). Two GPU
+On a CUDA device the KV lives in pinned host memory, head-major ([kv_heads, capacity, head_dim]
+per layer: each head's prefix is one contiguous block, so streaming is one DMA per head and the
+CPU can attend over it in place, kv/split_attention.py). Two GPU
 buffers take turns: while layer i attends over one, layer i+1's KV is copied into the other on a
 side stream (double buffering), and the last layer's turn prefetches layer 0 for the next forward.
 The new entries of each forward are written back to host memory asynchronously. A full
@@ -19,16 +20,18 @@ from typing import Iterable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .queries import cpu_prefix
+
 
 class OffloadedCache:
     """Same interface as `FullCache` (`length`, `trim`, `keep`, `layers`, `hf`), fixed capacity."""
 
     def __init__(self, hf_config, capacity: int, device: torch.device | str, dtype: torch.dtype,
-                 overlap: bool = True):
+                 overlap: bool = True, cpu_attention: bool = False):
         self.config = hf_config
         self.device = torch.device(device)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        shape = (capacity, hf_config.num_key_value_heads, head_dim)
+        shape = (hf_config.num_key_value_heads, capacity, head_dim)
         streamed = self.device.type == "cuda"
         self._host = [(torch.empty(shape, dtype=dtype, pin_memory=streamed),
                        torch.empty(shape, dtype=dtype, pin_memory=streamed))
@@ -38,6 +41,9 @@ class OffloadedCache:
         self.fetched_bytes = 0  # host-to-device traffic, so tests and benchmarks can account for it
         # overlap=False copies each layer when it is needed (TriForce's reference): a baseline.
         self._streamer = _Streamer(self, shape, dtype, overlap) if streamed else None
+        # Attention over the stored prefix computed on the CPU where it lies, merged with the new
+        # tokens' on the GPU (queries.py): nothing streamed. The plan picks it where it measures faster.
+        self.cpu_attention = cpu_attention
         self.hf = _StreamedKV(self)
 
     @property
@@ -62,13 +68,13 @@ class OffloadedCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(2 * keys[:self._length].numel() * keys.element_size() for keys, _ in self._host)
+        return sum(2 * keys[:, :self._length].numel() * keys.element_size() for keys, _ in self._host)
 
     def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) [1, kv_heads, length, head_dim], as views of host memory."""
         self._settle()
         length = self._length if length is None else length
-        return [(k[:length].transpose(0, 1)[None], v[:length].transpose(0, 1)[None]) for k, v in self._host]
+        return [(k[:, :length][None], v[:, :length][None]) for k, v in self._host]
 
     @torch.inference_mode()
     def fill(self, layers: Iterable[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
@@ -77,8 +83,8 @@ class OffloadedCache:
         self._check_room(length)
         self._settle()
         for (host_k, host_v), (keys, values) in zip(self._host, layers, strict=True):
-            host_k[:length].copy_(keys[0].transpose(0, 1))
-            host_v[:length].copy_(values[0].transpose(0, 1))
+            host_k[:, :length].copy_(keys[0])
+            host_v[:, :length].copy_(values[0])
         self._length = length
         self._changed()
 
@@ -96,8 +102,8 @@ class OffloadedCache:
         moved = positions[unchanged:]
         if moved.numel():
             for keys, values in self._host:
-                keys[unchanged:unchanged + moved.shape[0]] = keys[moved]
-                values[unchanged:unchanged + moved.shape[0]] = values[moved]
+                keys[:, unchanged:unchanged + moved.shape[0]] = keys[:, moved]
+                values[:, unchanged:unchanged + moved.shape[0]] = values[:, moved]
             self._changed()
         self._length = positions.shape[0]
 
@@ -119,16 +125,37 @@ class OffloadedCache:
         layer's keys and values for attention."""
         start, end = self._length, self._length + keys.shape[2]
         self._check_room(end)
-        if self._streamer is not None:
+        if self.cpu_attention:
+            result = self._attend_on_cpu(layer, start, end, keys, values)
+        elif self._streamer is not None:
             result = self._streamer.attend(layer, start, end, keys, values)
         else:
             host_k, host_v = self._host[layer]
-            host_k[start:end] = keys[0].transpose(0, 1)
-            host_v[start:end] = values[0].transpose(0, 1)
-            result = host_k[:end].transpose(0, 1)[None], host_v[:end].transpose(0, 1)[None]
+            host_k[:, start:end] = keys[0]
+            host_v[:, start:end] = values[0]
+            result = host_k[:, :end][None], host_v[:, :end][None]
         if layer == self.num_layers - 1:
             self._length = end
         return result
+
+
+    def _attend_on_cpu(self, layer: int, start: int, end: int, keys: torch.Tensor, values: torch.Tensor):
+        if layer == 0:
+            self._settle()  # the previous forward's new entries are in host memory before the CPU reads them
+        host_k, host_v = self._host[layer]
+        _write_back(host_k[:, start:end], keys[0])
+        _write_back(host_v[:, start:end], values[0])
+        if self._streamer is not None:
+            self._streamer.written.record(torch.cuda.current_stream(self.device))
+        cpu_prefix.set((host_k[:, :start], host_v[:, :start]))
+        return keys, values
+
+
+def _write_back(host: torch.Tensor, new: torch.Tensor) -> None:
+    """Copy new entries [kv_heads, n, head_dim] into host memory, head by head (each a contiguous
+    block: asynchronous from a GPU, with no staging copy)."""
+    for head in range(host.shape[0]):
+        host[head].copy_(new[head], non_blocking=True)
 
 
 class _Streamer:
@@ -154,11 +181,11 @@ class _Streamer:
                 compute.wait_stream(self.copy_stream)
         compute.wait_event(self.ready[self.turn])
         buffer_k, buffer_v = self.buffers[self.turn]
-        buffer_k[start:end] = keys[0].transpose(0, 1)
-        buffer_v[start:end] = values[0].transpose(0, 1)
+        buffer_k[:, start:end] = keys[0]
+        buffer_v[:, start:end] = values[0]
         host_k, host_v = self.cache._host[layer]
-        host_k[start:end].copy_(buffer_k[start:end], non_blocking=True)
-        host_v[start:end].copy_(buffer_v[start:end], non_blocking=True)
+        _write_back(host_k[:, start:end], buffer_k[:, start:end])
+        _write_back(host_v[:, start:end], buffer_v[:, start:end])
         self.written.record(compute)
         self.turn ^= 1
         if self.overlap:
@@ -169,16 +196,17 @@ class _Streamer:
             self._fetch(following, following_length, self.turn)
         else:
             self.staged = None
-        return buffer_k[:end].transpose(0, 1)[None], buffer_v[:end].transpose(0, 1)[None]
+        return buffer_k[:, :end][None], buffer_v[:, :end][None]
 
     def _fetch(self, layer: int, length: int, turn: int) -> None:
         host_k, host_v = self.cache._host[layer]
         buffer_k, buffer_v = self.buffers[turn]
         with torch.cuda.stream(self.copy_stream):
-            buffer_k[:length].copy_(host_k[:length], non_blocking=True)
-            buffer_v[:length].copy_(host_v[:length], non_blocking=True)
+            for head in range(host_k.shape[0]):  # one contiguous block per head
+                buffer_k[head, :length].copy_(host_k[head, :length], non_blocking=True)
+                buffer_v[head, :length].copy_(host_v[head, :length], non_blocking=True)
             self.ready[turn].record(self.copy_stream)
-        self.cache.fetched_bytes += 2 * host_k[:length].numel() * host_k.element_size()
+        self.cache.fetched_bytes += 2 * host_k[:, :length].numel() * host_k.element_size()
         self.staged = (layer, length)
 
     def settle(self) -> None:

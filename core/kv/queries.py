@@ -22,11 +22,40 @@ _recording: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars
     "specchat_queries", default=None)
 
 
+# Set by an offloaded cache that leaves the attention over its CPU-resident prefix to the CPU:
+# (keys, values) [kv_heads, prefix, head_dim] in host memory, for the layer about to attend.
+cpu_prefix: contextvars.ContextVar[tuple[torch.Tensor, torch.Tensor] | None] = contextvars.ContextVar(
+    "specchat_cpu_prefix", default=None)
+
+
 def _sdpa_recording_queries(module, query, key, value, attention_mask, **kwargs):
     recorded = _recording.get()
     if recorded is not None:
         recorded[module.layer_idx] = query.detach()  # [1, heads, n, head_dim], after RoPE
+    prefix = cpu_prefix.get()
+    if prefix is not None:
+        cpu_prefix.set(None)
+        return _split_attention(module, query, key, value, attention_mask, prefix), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _split_attention(module, query, key, value, attention_mask, prefix) -> torch.Tensor:
+    """Attention over a CPU-resident prefix (on the CPU) and this forward's new keys (on the
+    device), merged by log-sum-exp (kv/split_attention.py). Returns [1, n, heads, head_dim]."""
+    from .split_attention import attention_with_lse, merge
+
+    prefix_keys, prefix_values = prefix
+    n, start = query.shape[2], prefix_keys.shape[1]
+    if attention_mask is None:  # transformers' causal shortcut
+        allowed = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+    else:
+        tail = attention_mask[0, 0, :, start:start + n]
+        allowed = tail if tail.dtype == torch.bool else tail == 0
+    scale = module.scaling
+    new_out, new_lse = attention_with_lse(query[0], key[0], value[0], scale, allowed)
+    old_out, old_lse = attention_with_lse(query[0].cpu(), prefix_keys, prefix_values, scale)
+    out = merge(old_out.to(query.device), old_lse.to(query.device), new_out, new_lse)
+    return out.to(query.dtype).transpose(0, 1)[None]
 
 
 AttentionInterface.register(ATTENTION, _sdpa_recording_queries)

@@ -21,15 +21,18 @@ def attention_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.
     and the log-sum-exp of its scores (-inf where a query sees none of them)."""
     heads, n, dim = queries.shape
     kv_heads = keys.shape[0]
-    grouped = queries.reshape(kv_heads, heads // kv_heads * n, dim).float()
-    scores = (grouped @ keys.float().transpose(1, 2)) * scale  # [kv_heads, group * n, length]
+    # Products in the keys' own dtype (bf16 on the CPU reads half the bytes; accumulation is fp32),
+    # softmax in fp32.
+    grouped = queries.reshape(kv_heads, heads // kv_heads * n, dim).to(keys.dtype)
+    scores = (grouped @ keys.transpose(1, 2)).float() * scale  # [kv_heads, group * n, length]
     scores = scores.reshape(heads, n, -1)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [heads, n]
     weights = torch.exp(scores - lse[..., None].clamp(min=torch.finfo(torch.float32).min))
     weights = torch.nan_to_num(weights, nan=0.0)  # rows that see no key here
-    out = (weights.reshape(kv_heads, -1, keys.shape[1]) @ values.float()).reshape(heads, n, dim)
+    weights = weights.reshape(kv_heads, heads // kv_heads * n, keys.shape[1]).to(values.dtype)
+    out = (weights @ values).float().reshape(heads, n, dim)
     return out, lse
 
 
