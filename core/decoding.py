@@ -19,7 +19,7 @@ from .sampling import SamplingParams, sample, warp
 from .spec.drafters import PromptLookupDrafter
 from .spec.hierarchy import Drafter, ModelDrafter, RetrievalStage
 from .spec.tree import Tree
-from .spec.tree_drafters import ModelTreeDrafter, PromptLookupTreeDrafter, TreeProposal
+from .spec.tree_drafters import ModelTreeDrafter, PromptLookupTreeDrafter, RetrievalTreeDrafter, TreeProposal
 from .spec.verify import verify_chain, verify_tree
 
 MODES = ("plain", "chain", "tree", "triforce")
@@ -110,6 +110,11 @@ class ChainDecoder:
         """Forwards and acceptance of the stages below the target (TriForce), for the stats."""
         return self.drafter.counts()
 
+    @property
+    def observe_queries(self):
+        """The drafter's, if it scores with the target's queries (see `prefill`)."""
+        return getattr(self.drafter, "observe_queries", None)
+
 
 class TreeDrafter(Protocol):
     def propose_tree(self, ids: torch.Tensor, params: SamplingParams, generator: torch.Generator,
@@ -127,18 +132,36 @@ class TreeDecoder:
         self._plain = PlainDecoder()
 
     def step(self, state: DecodeState, budget: int) -> Step:
+        prepare = getattr(self.drafter, "prepare", None)
+        if prepare is not None:
+            prepare(state)
         proposal = self.drafter.propose_tree(state.ids, state.params, state.generator, budget)
+        observe = getattr(self.drafter, "observe_queries", None)
         if proposal is None or proposal.tree.size == 1:
-            return self._plain.step(state, budget)
+            if observe is None:
+                return self._plain.step(state, budget)
+            proposal = TreeProposal(Tree((-1,)), state.ids[-1:], None)  # a plain step, queries recorded
         tree, start = proposal.tree, state.ids.shape[0] - 1
-        logits = state.model.forward(proposal.tokens, tree.positions(start), state.cache,
-                                     mask=tree.attention_mask(start))
+        with record_queries() if observe else contextlib.nullcontext() as queries:
+            logits = state.model.forward(proposal.tokens, tree.positions(start), state.cache,
+                                         mask=tree.attention_mask(start))
         verdict = verify_tree(tree, proposal.tokens, warp(logits, state.params), proposal.q, state.generator)
         state.cache.keep(torch.cat([torch.arange(start), start + torch.tensor([0] + verdict.path)]))
+        if observe:
+            last = verdict.path[-1] if verdict.path else 0  # the last committed token that ran
+            observe({layer: q[0, :, last] for layer, q in queries.items()})
         self.drafter.accept(verdict.path)
         tokens = proposal.tokens[verdict.path].tolist() + [verdict.next_token]
         state.commit(tokens)
         return Step(tokens, drafted=tree.size - 1, accepted=len(verdict.path), depth=tree.depth)
+
+    def stage_counts(self) -> dict[str, dict[str, int]]:
+        counts = getattr(self.drafter, "counts", None)
+        return counts() if counts else {}
+
+    @property
+    def observe_queries(self):
+        return getattr(self.drafter, "observe_queries", None)
 
 
 @dataclass(frozen=True)
@@ -156,10 +179,16 @@ class TriforceSettings:
     stride: int = 1  # committed tokens between retrieval rebuilds (1: after every full verification)
     sinks: int = 4
     window: int = 256
+    tree: Tree | None = None  # the final verification checks this Sequoia tree, grown by the retrieval stage
 
 
-def triforce_decoder(target: CausalLM, settings: TriforceSettings, pair_draft: CausalLM | None = None) -> ChainDecoder:
-    """draft -> target over a retrieval cache -> target over the full cache (the final chain)."""
+def triforce_decoder(target: CausalLM, settings: TriforceSettings,
+                     pair_draft: CausalLM | None = None) -> ChainDecoder | TreeDecoder:
+    """draft -> target over a retrieval cache -> target over the full cache (the final chain);
+    with `settings.tree`, the retrieval stage grows that tree and the full cache verifies it."""
+    if settings.tree is not None:
+        return TreeDecoder(RetrievalTreeDrafter(target, settings.tree, settings.budget, settings.chunk_size,
+                                                settings.recent))
     first: Drafter | None
     if settings.draft == "lookup":
         first = PromptLookupDrafter(target.vocab_size)
@@ -209,22 +238,30 @@ def make_decoder(mode: str, vocab_size: int, tree_draft: tuple[CausalLM, Tree] |
     raise ValueError(f"unknown decoding mode {mode!r} (choose from {', '.join(MODES)})")
 
 
-def prefill(model: CausalLM, cache: FullCache, ids: torch.Tensor,
-            chunk_size: int) -> Generator[int, None, torch.Tensor]:
+def prefill(model: CausalLM, cache: FullCache, ids: torch.Tensor, chunk_size: int,
+            decoder: Decoder | None = None) -> Generator[int, None, torch.Tensor]:
     """Run the prompt through the model in chunks, after the prefix `cache` already holds,
-    yielding the positions done after each; returns the last position's logits [vocab]."""
+    yielding the positions done after each; returns the last position's logits [vocab].
+
+    A `decoder` that scores with queries (TriForce's retrieval stage) gets the last prompt
+    token's, so its first step already speculates."""
     if cache.length >= ids.shape[0]:
         raise ValueError(f"the cache holds {cache.length} positions; the last prompt token must still run")
+    observe = getattr(decoder, "observe_queries", None)
     for start in range(cache.length, ids.shape[0], chunk_size):
         end = min(ids.shape[0], start + chunk_size)
-        logits = model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
+        with record_queries() if observe and end == ids.shape[0] else contextlib.nullcontext() as queries:
+            logits = model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
         yield end
+    if observe:
+        observe({layer: q[0, :, -1] for layer, q in queries.items()})
     return logits[-1]
 
 
-def prefill_all(model: CausalLM, cache: FullCache, ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
+def prefill_all(model: CausalLM, cache: FullCache, ids: torch.Tensor, chunk_size: int,
+                decoder: Decoder | None = None) -> torch.Tensor:
     """`prefill` for callers that need no progress: the last position's logits [vocab]."""
-    chunks = prefill(model, cache, ids, chunk_size)
+    chunks = prefill(model, cache, ids, chunk_size, decoder)
     while True:
         try:
             next(chunks)

@@ -202,7 +202,7 @@ class Engine:
                                lambda: triforce_decoder(self.model, self.triforce, self.draft))
         stage_counts = getattr(decoder, "stage_counts", None)
         stats = Stats(reused_prompt_tokens=reused, reused_from=source)
-        chunks = prefill(self.model, state.cache, state.ids, PREFILL_CHUNK)
+        chunks = prefill(self.model, state.cache, state.ids, PREFILL_CHUNK, decoder)
         while True:
             try:
                 done = next(chunks)

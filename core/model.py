@@ -9,13 +9,16 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from .kv.full import FullCache
 from .kv.offload import OffloadedCache
 from .kv.queries import ATTENTION
+
+if TYPE_CHECKING:
+    from .placement import LoadOptions
 
 # With grouped-query attention, transformers' SDPA path copies every layer's whole KV
 # (`repeat_kv`) for multi-token forwards unless SDPA's own GQA is forced: measured 5x slower
@@ -40,6 +43,14 @@ class CausalLM(Protocol):
         ...
 
 
+def _bitsandbytes(quantization: str, compute_dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
 class TransformersLM:
     """A transformers causal LM (batch of one) behind the `CausalLM` interface."""
 
@@ -60,13 +71,26 @@ class TransformersLM:
         self.offload_capacity: int | None = None
 
     @classmethod
-    def from_pretrained(cls, path: Path | str, dtype: torch.dtype = torch.float32,
+    def from_pretrained(cls, path: Path | str, options: LoadOptions | None = None,
                         vocab_size: int | None = None) -> "TransformersLM":
-        from transformers import AutoModelForCausalLM
+        """fp32 on the CPU by default; `options` (from the plan) set dtype, devices, bitsandbytes
+        quantization and rope scaling."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation="sdpa", use_safetensors=True)
-        return cls(hf_model, vocab_size)
+        kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa", "use_safetensors": True}
+        if options is not None:
+            kwargs["dtype"] = getattr(torch, options.dtype)
+            if options.device_map != "cpu":
+                kwargs["device_map"] = options.device_map
+            if options.quantization is not None:
+                kwargs["quantization_config"] = _bitsandbytes(options.quantization, kwargs["dtype"])
+            if options.rope_scaling is not None:
+                config = AutoConfig.from_pretrained(path)
+                config.rope_parameters = {**(config.rope_parameters or {}), **options.rope_scaling}
+                config.max_position_embeddings = int(
+                    options.rope_scaling["original_max_position_embeddings"] * options.rope_scaling["factor"])
+                kwargs["config"] = config
+        return cls(AutoModelForCausalLM.from_pretrained(path, **kwargs), vocab_size)
 
     def truncated(self, num_layers: int) -> "TransformersLM":
         """A layer-skip self-draft: the first `num_layers` decoder layers, then the final norm and
@@ -111,7 +135,7 @@ class TransformersLM:
         out = self.hf(
             input_ids=ids[None].to(self.device),
             position_ids=positions[None].to(self.device),
-            attention_mask=None if mask is None else mask.to(self.hf.dtype),
+            attention_mask=None if mask is None else mask.to(self.device, self.hf.dtype),
             past_key_values=cache.hf,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,

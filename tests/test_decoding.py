@@ -16,8 +16,8 @@ def run(model, prompt, mode, params, max_new_tokens, decoder=None):
     """Token ids generated and the steps that produced them."""
     ids = torch.tensor(prompt)
     state = DecodeState(model, model.new_cache(), ids, params, make_generator(params.seed))
-    first_logits = prefill_all(model, state.cache, ids, chunk_size=16)
     decoder = decoder or make_decoder(mode, model.vocab_size)
+    first_logits = prefill_all(model, state.cache, ids, chunk_size=16, decoder=decoder)
     steps = list(decode(state, decoder, first_logits, max_new_tokens))
     assert state.cache.length == state.ids.shape[0] - 1  # the cache holds all but the last token
     return [t for s in steps for t in s.tokens], steps

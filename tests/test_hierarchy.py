@@ -9,6 +9,7 @@ from test_decoding import exact_sequence_probs, prompts, run
 from test_tree_decoding import noisy_copy
 from specchat.core.decoding import TriforceSettings, triforce_decoder
 from specchat.core.sampling import SamplingParams
+from specchat.core.spec.tree import Tree
 
 # Prompts of about 40 tokens against a 24-position retrieval cache: the middle stage really
 # reads less than the target, and rebuilds every 8 committed tokens.
@@ -41,8 +42,7 @@ def test_greedy_triforce_equals_greedy_plain(first_stage):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)])
-def test_sampled_triforce_samples_from_the_target(params):
+def test_sampled_triforce_samples_from_the_target(params=SamplingParams(temperature=0.7, top_p=0.9)):
     """Three different models in the chain (a noisy draft over a streaming cache, the target over
     a 10-position retrieval cache of a 24-token prompt, the target over everything): the first
     four tokens follow the target's exact sequence distribution."""
@@ -67,4 +67,45 @@ def test_sampled_triforce_samples_from_the_target(params):
     # Both verifications rejected often enough for their residual paths to matter.
     assert 0.1 * totals["final drafted"] < totals["final accepted"] < 0.95 * totals["final drafted"], totals
     assert 0.1 * totals["middle drafted"] < totals["middle accepted"] < 0.9 * totals["middle drafted"], totals
+    assert chi_square_p_value(counts, exact) > 1e-3
+
+
+# Root with 3 children; the first has 2 children, the second 1; depth 3 on the first branch.
+TREE = Tree((-1, 0, 0, 0, 1, 1, 2, 4))
+
+
+def test_greedy_triforce_with_a_final_tree_equals_greedy_plain():
+    final_drafted = final_accepted = deeper = 0
+    for seed in range(3):
+        target = tiny_llama(seed, weight_scale=8.0)
+        for name, prompt in prompts(seed).items():
+            plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
+            decoder = triforce_decoder(target, TriforceSettings(tree=TREE, **SMALL))
+            speculative, steps = run(target, prompt, "triforce", SamplingParams(), 40, decoder)
+            assert speculative == plain, (seed, name)
+            final_drafted += sum(s.drafted for s in steps)
+            final_accepted += sum(s.accepted for s in steps)
+            deeper += sum(s.accepted >= 2 for s in steps)
+            assert decoder.stage_counts()["retrieval"]["builds"] == len(steps) - 1  # every step after the prefill
+    assert 0 < final_accepted < final_drafted and deeper > 0
+
+
+@pytest.mark.slow
+def test_sampled_triforce_with_a_final_tree_samples_from_the_target():
+    """The retrieval stage (10 of 24 positions) grows the tree by sampling without replacement;
+    the full cache verifies it: the first four tokens follow the target's exact distribution."""
+    params = SamplingParams(temperature=0.8)
+    target = tiny_llama(7, vocab_size=5, weight_scale=20.0)
+    prompt = [0, 1, 2, 3, 4, 4, 3, 2, 1, 0, 0, 2, 4, 1, 3, 1, 1, 0, 3, 3, 2, 4, 0, 1]
+    settings = TriforceSettings(tree=TREE, budget=10, chunk_size=2, recent=4)
+    exact = exact_sequence_probs(target, prompt, params, 4)
+    counts = torch.zeros_like(exact)
+    drafted = accepted = 0
+    for sample in range(1500):
+        tokens, steps = run(target, prompt, "triforce", SamplingParams(0.8, seed=sample), 4,
+                            triforce_decoder(target, settings))
+        counts[tuple(tokens)] += 1
+        drafted += sum(s.drafted for s in steps)
+        accepted += sum(s.accepted for s in steps)
+    assert 0.1 * drafted < accepted < 0.9 * drafted
     assert chi_square_p_value(counts, exact) > 1e-3

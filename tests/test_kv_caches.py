@@ -12,6 +12,7 @@ from specchat.core.kv.queries import record_queries
 from specchat.core.kv.retrieval import RetrievalCache, select_positions
 from specchat.core.kv.streaming import StreamingCache, streaming_positions
 from specchat.core.sampling import SamplingParams
+from specchat.core.spec.tree import Tree
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -141,12 +142,14 @@ def test_offloaded_cache_matches_the_full_cache_on_cuda(cpu_attention):
 
 
 @CUDA
-def test_greedy_triforce_over_an_offloaded_cache_equals_plain_on_cuda():
+@pytest.mark.parametrize("tree", [None, Tree((-1, 0, 0, 1, 1, 3))])
+def test_greedy_triforce_over_an_offloaded_cache_equals_plain_on_cuda(tree):
     model = tiny_llama(4, dtype=torch.float32, weight_scale=8.0)
     model.hf.to("cuda")
     prompt = prompts(4)["n-gram hits"]
     plain, _ = run(model, prompt, "plain", SamplingParams(), 30)
     model.offload_capacity = 128
-    settings = TriforceSettings(draft="skip1", budget=24, chunk_size=4, recent=8, stride=8, sinks=2, window=16)
+    settings = TriforceSettings(draft="skip1", budget=24, chunk_size=4, recent=8, stride=8, sinks=2, window=16,
+                                tree=tree)
     speculative, _ = run(model, prompt, "triforce", SamplingParams(), 30, triforce_decoder(model, settings))
     assert speculative == plain

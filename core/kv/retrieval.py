@@ -66,12 +66,15 @@ class RetrievalCache:
     @classmethod
     @torch.inference_mode()
     def build(cls, hf_config, full_layers: list[tuple[torch.Tensor, torch.Tensor]],
-              queries: dict[int, torch.Tensor], budget: int, chunk_size: int,
-              recent: int) -> RetrievalCache:
+              queries: dict[int, torch.Tensor], budget: int, chunk_size: int, recent: int,
+              device: torch.device | None = None) -> RetrievalCache:
         """From the full cache's per-layer (keys, values) [1, kv_heads, length, head_dim] and each
-        layer's latest queries [heads, head_dim]."""
+        layer's latest queries [heads, head_dim], on `device` (where the draft runs). An
+        offloaded layer moves there one at a time, to be scored and gathered."""
         layers = []
         for index, (keys, values) in enumerate(full_layers):
+            if device is not None:
+                keys, values = keys.to(device), values.to(device)
             kept = select_positions(queries[index].to(keys.device), keys[0], budget, chunk_size, recent)
             gather = kept.to(keys.device)[..., None].expand(-1, -1, keys.shape[-1])
             layers.append((keys[0].gather(1, gather)[None], values[0].gather(1, gather)[None]))
@@ -80,6 +83,19 @@ class RetrievalCache:
     @property
     def length(self) -> int:
         return self.base_length + self.hf.get_seq_length() - self.base_slots
+
+    @torch.inference_mode()
+    def keep(self, positions: torch.Tensor) -> None:
+        """Keep only `positions` (ascending, every one before `base_length` included) in
+        consecutive slots: after a tree, the accepted path's entries follow the committed text."""
+        positions = positions.to(torch.long)
+        if positions.shape[0] < self.base_length or not torch.equal(
+                positions[:self.base_length], torch.arange(self.base_length)):
+            raise ValueError("a retrieval cache keeps everything before its build")
+        slots = torch.cat([torch.arange(self.base_slots),
+                           self.base_slots + positions[self.base_length:] - self.base_length])
+        for layer in self.hf.layers:
+            layer.keys, layer.values = layer.keys[:, :, slots], layer.values[:, :, slots]
 
     def trim(self, length: int) -> None:
         if length < self.base_length:

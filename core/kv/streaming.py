@@ -31,12 +31,14 @@ class StreamingCache:
     @classmethod
     @torch.inference_mode()
     def from_layers(cls, hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]], sinks: int,
-                    window: int) -> StreamingCache:
-        """The streaming view of a whole cache's (keys, values) [1, kv_heads, length, head_dim]:
-        a layer-skip draft shares the target's first layers, hence their KV."""
+                    window: int, device: torch.device | None = None) -> StreamingCache:
+        """The streaming view of a whole cache's (keys, values) [1, kv_heads, length, head_dim]
+        (a layer-skip draft shares the target's first layers, hence their KV), gathered where
+        they lie and then moved to `device`: only the kept positions travel."""
         length = layers[0][0].shape[2] if layers else 0
         kept = streaming_positions(length, sinks, window)
-        return cls(hf_config, sinks, window, [(k[:, :, kept], v[:, :, kept]) for k, v in layers], kept)
+        gathered = [(k[:, :, kept].to(device or k.device), v[:, :, kept].to(device or v.device)) for k, v in layers]
+        return cls(hf_config, sinks, window, gathered, kept)
 
     @property
     def length(self) -> int:

@@ -105,9 +105,8 @@ class ModelDrafter:
     def _start(self, state: DecodeState) -> CacheFollower:
         config = self.model.hf.config
         if self.shares_target_kv:
-            device = self.model.device
-            layers = [(k.to(device), v.to(device)) for k, v in state.cache.layers()[:self.model.num_layers]]
-            cache = StreamingCache.from_layers(config, layers, self.sinks, self.window)
+            cache = StreamingCache.from_layers(config, state.cache.layers()[:self.model.num_layers],
+                                               self.sinks, self.window, self.model.device)
             return CacheFollower(self.model, cache, state.ids[:state.cache.length])
         follower = CacheFollower(self.model, StreamingCache(config, self.sinks, self.window))
         committed = state.ids[:-1]
@@ -167,9 +166,9 @@ class RetrievalStage(VerifiedStage):
     The cache is rebuilt from the full cache when `stride` tokens have been committed since the
     last build, and sooner when fewer than `min_acceptance` of this stage's recent tokens survive
     the full verification. It scores with the queries the full verification just computed
-    (`observe_queries`), so a rebuild costs no forward; before the first verification there are
-    none, and the first step is a plain one. Between builds the tokens it verifies are appended
-    after the retrieved slots.
+    (`observe_queries`), so a rebuild costs no forward; the first build uses the last prompt
+    token's, recorded during the prefill (without them the first step is a plain one). Between
+    builds the tokens it verifies are appended after the retrieved slots.
     """
 
     def __init__(self, drafter: Drafter, model: CausalLM, gamma: int, budget: int, chunk_size: int,
@@ -201,10 +200,9 @@ class RetrievalStage(VerifiedStage):
         if (cache is None or committed - cache.base_length >= self.stride
                 or self._survival < self.min_acceptance):
             full = state.cache
-            device = self.follower.model.device
             self.follower.cache = RetrievalCache.build(
-                full.config, [(k.to(device), v.to(device)) for k, v in full.layers()], self._queries,
-                self.budget, self.chunk_size, self.recent)
+                full.config, full.layers(), self._queries, self.budget, self.chunk_size, self.recent,
+                self.follower.model.device)
             self.follower.ids = seq[:full.length]
             self.builds += 1
             self._survival = 1.0

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv.retrieval import RetrievalCache
 from ..model import CausalLM
 from ..sampling import SamplingParams, sample_without_replacement, warp
 from .drafters import PromptLookupDrafter
@@ -146,6 +147,10 @@ class ModelTreeDrafter:
             self.model.forward(missing, torch.arange(common, len(target)), self.cache, last_only=True)
         self._cached_ids = target
 
+    def _committed_slots(self, committed: int) -> int:
+        """Cache slots holding the `committed` tokens' KV (all of them, in a full cache)."""
+        return committed
+
     def _forward_level(self, nodes: list[int], parents: list[int], tokens: list[int]) -> torch.Tensor:
         """Draft logits for `nodes` (one tree level), each attending to the committed prefix
         and its ancestors among the tree nodes already in the draft cache."""
@@ -153,7 +158,7 @@ class ModelTreeDrafter:
         tree = Tree(tuple(parents))
         cached_nodes = sorted(self._slots, key=self._slots.get)
         columns = torch.tensor(cached_nodes + nodes, dtype=torch.long)
-        allowed = torch.cat([torch.ones(len(nodes), prefix, dtype=torch.bool),
+        allowed = torch.cat([torch.ones(len(nodes), self._committed_slots(prefix), dtype=torch.bool),
                              tree.ancestors[nodes][:, columns]], dim=1)
         mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
         positions = prefix + torch.tensor([tree.depths[node] for node in nodes])
@@ -162,3 +167,46 @@ class ModelTreeDrafter:
         for offset, node in enumerate(nodes):
             self._slots[node] = prefix + len(cached_nodes) + offset
         return logits
+
+
+class RetrievalTreeDrafter(ModelTreeDrafter):
+    """TriForce with a Sequoia tree as the final verification: the target over a retrieval cache
+    of its full cache grows the tree. The retrieval cache is rebuilt before every proposal from
+    the queries of the last verification (`observe_queries`), the first time with the last
+    prompt token's from the prefill (without them the first step is a plain one)."""
+
+    def __init__(self, model: CausalLM, template: Tree, budget: int, chunk_size: int, recent: int):
+        super().__init__(model, template)
+        self.cache = None
+        self.budget, self.chunk_size, self.recent = budget, chunk_size, recent
+        self.builds = self.forwards = 0
+        self._queries: dict[int, torch.Tensor] | None = None
+
+    def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
+        self._queries = queries
+
+    def prepare(self, state) -> None:
+        if self._queries is None:
+            return
+        full = state.cache
+        self.cache = RetrievalCache.build(full.config, full.layers(), self._queries, self.budget,
+                                          self.chunk_size, self.recent, self.model.device)
+        self._cached_ids, self._slots = state.ids[:full.length].tolist(), {}
+        self.builds += 1
+
+    def propose_tree(self, ids: torch.Tensor, params: SamplingParams, generator, budget: int) -> TreeProposal | None:
+        return None if self.cache is None else super().propose_tree(ids, params, generator, budget)
+
+    def accept(self, path: list[int]) -> None:
+        if self.cache is not None:
+            super().accept(path)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {"retrieval": {"forwards": self.forwards, "builds": self.builds}}
+
+    def _committed_slots(self, committed: int) -> int:
+        return self.cache.base_slots + committed - self.cache.base_length
+
+    def _forward_level(self, nodes: list[int], parents: list[int], tokens: list[int]) -> torch.Tensor:
+        self.forwards += 1
+        return super()._forward_level(nodes, parents, tokens)

@@ -1,0 +1,69 @@
+"""From a plan to loading options (pure, on the synthetic machines), and loading with them."""
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from test_plan import PROFILES, REGISTRY
+from specchat.core.model import TransformersLM
+from specchat.core.placement import LoadOptions, draft_options, offload_capacity, target_options
+from specchat.core.plan import make_plan
+
+K = 1024
+
+
+def plan(profile, pair_id, context):
+    return make_plan(PROFILES[profile], REGISTRY.get(pair_id), context, registry=REGISTRY)
+
+
+def test_a_12_gb_card_loads_llama_in_4_bit_with_the_kv_offloaded():
+    chosen = plan("rtx3060-12gb", "llama3.1-8b", 128 * K)
+    options = target_options(chosen, REGISTRY.get("llama3.1-8b").target)
+    assert options == LoadOptions("bfloat16", "cuda:0", "nf4", None)
+    assert offload_capacity(chosen) == 128 * K
+    assert draft_options(chosen) is None  # the plan leaves the draft out
+
+
+def test_two_cards_split_the_layers_in_order():
+    chosen = plan("2x-rtx4090", "llama3.1-8b", 128 * K)
+    device_map = target_options(chosen, REGISTRY.get("llama3.1-8b").target).device_map
+    layers = [device_map[f"model.layers.{i}"] for i in range(32)]
+    assert layers == ["cuda:0"] * chosen.target_layers[0] + ["cuda:1"] * chosen.target_layers[1]
+    assert device_map["model.embed_tokens"] == "cuda:0" and device_map["lm_head"] == "cuda:1"
+    assert draft_options(chosen) == LoadOptions("bfloat16", "cuda:1", None, None)
+
+
+@pytest.mark.parametrize("context, scaled", [(32 * K, False), (128 * K, True)])
+def test_rope_scaling_only_past_the_configs_positions(context, scaled):
+    chosen = plan("rtx4090-24gb", "qwen2.5-7b", context)
+    options = target_options(chosen, REGISTRY.get("qwen2.5-7b").target)
+    assert (options.rope_scaling is not None) == scaled
+    if scaled:
+        assert options.rope_scaling["rope_type"] == "yarn" and options.rope_scaling["factor"] == 4.0
+
+
+def test_the_cpu_keeps_full_precision_in_place():
+    chosen = plan("cpu-only-32gb", "embedded", 8 * K)
+    assert target_options(chosen, REGISTRY.get("embedded").target) == LoadOptions("float32", "cpu", None, None)
+    assert offload_capacity(chosen) is None
+
+
+def test_loading_applies_dtype_and_rope_scaling(tmp_path):
+    tiny_llama(0, dtype=torch.float32).hf.save_pretrained(tmp_path)
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    model = TransformersLM.from_pretrained(tmp_path, LoadOptions("bfloat16", "cpu", None, rope))
+    assert model.hf.dtype == torch.bfloat16 and model.context_length == 2048
+    assert model.hf.config.rope_parameters["rope_type"] == "yarn"
+    cache = model.new_cache()
+    assert model.forward(torch.arange(5), torch.arange(5), cache).shape == (5, 97)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_loading_places_the_model_on_the_gpu(tmp_path):
+    tiny_llama(0, dtype=torch.float32).hf.save_pretrained(tmp_path)
+    model = TransformersLM.from_pretrained(tmp_path, LoadOptions("bfloat16", "cuda:0", None, None))
+    assert model.device.type == "cuda" and model.hf.dtype == torch.bfloat16
+    model.offload_capacity = 64
+    cache = model.new_cache()
+    logits = model.forward(torch.arange(5), torch.arange(5), cache)
+    assert logits.device.type == "cpu" and cache.length == 5 and cache.fetched_bytes >= 0
