@@ -18,6 +18,7 @@ from specchat.core.engine import Engine, Finished, Notice, PrefillProgress
 from specchat.core.kv.document_store import DocumentStore
 from specchat.core.kv.prefix_store import PrefixStore, common_prefix_length
 from specchat.core.model import TransformersLM
+from specchat.core.placement import LoadOptions
 from specchat.core.sampling import SamplingParams
 
 UNLIMITED = 10**12
@@ -82,7 +83,7 @@ def tiny_engine_parts(tiny_model_dir):
     """The tiny model in fp64 (so no near-tie can flip between batch shapes) and its tokenizer."""
     from transformers import AutoTokenizer
 
-    model = TransformersLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    model = TransformersLM.from_pretrained(tiny_model_dir, LoadOptions("float64", "cpu", None, None))
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
