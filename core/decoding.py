@@ -189,7 +189,7 @@ def triforce_decoder(target: CausalLM, settings: TriforceSettings,
     if settings.tree is not None:
         return TreeDecoder(RetrievalTreeDrafter(target, settings.tree, settings.budget, settings.chunk_size,
                                                 settings.recent))
-    first: Drafter | None
+    first: Drafter
     if settings.draft == "lookup":
         first = PromptLookupDrafter(target.vocab_size)
     elif settings.draft.startswith("skip"):
@@ -200,10 +200,10 @@ def triforce_decoder(target: CausalLM, settings: TriforceSettings,
             raise ValueError("the triforce draft 'pair' needs a pair with a draft model")
         first = ModelDrafter(pair_draft, settings.sinks, settings.window, False, "pair")
     elif settings.draft == "":
-        first = None
+        first = _NoDraft()
     else:
         raise ValueError(f"unknown triforce draft {settings.draft!r}: lookup, skipN, pair or none")
-    middle = RetrievalStage(first or _NoDraft(), target, settings.gamma1, settings.budget,
+    middle = RetrievalStage(first, target, settings.gamma1, settings.budget,
                             settings.chunk_size, settings.recent, settings.stride)
     return ChainDecoder(middle, lookahead=settings.gamma2, min_lookahead=settings.gamma2,
                         max_lookahead=settings.gamma2)

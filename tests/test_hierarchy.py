@@ -9,6 +9,7 @@ from test_decoding import exact_sequence_probs, prompts, run
 from test_tree_decoding import noisy_copy
 from specchat.core.decoding import TriforceSettings, triforce_decoder
 from specchat.core.sampling import SamplingParams
+from specchat.core.spec import hierarchy
 from specchat.core.spec.tree import Tree
 
 # Prompts of about 40 tokens against a 24-position retrieval cache: the middle stage really
@@ -17,7 +18,8 @@ SMALL = dict(budget=24, chunk_size=4, recent=8, stride=8, sinks=2, window=16)
 
 
 @pytest.mark.parametrize("first_stage", ["lookup", "skip1", "pair", ""])
-def test_greedy_triforce_equals_greedy_plain(first_stage):
+def test_greedy_triforce_equals_greedy_plain(first_stage, monkeypatch):
+    monkeypatch.setattr(hierarchy, "PREFILL_CHUNK", 16)  # a separate draft reads the prompt in chunks
     final_drafted = final_accepted = 0
     stages: dict[str, dict[str, int]] = {}
     for seed in range(3):

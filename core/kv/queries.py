@@ -16,6 +16,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from .split_attention import attention_with_lse, merge
+
 ATTENTION = "specchat_sdpa"
 
 _recording: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
@@ -42,8 +44,6 @@ def _sdpa_recording_queries(module, query, key, value, attention_mask, **kwargs)
 def _split_attention(module, query, key, value, attention_mask, prefix) -> torch.Tensor:
     """Attention over a CPU-resident prefix (on the CPU) and this forward's new keys (on the
     device), merged by log-sum-exp (kv/split_attention.py). Returns [1, n, heads, head_dim]."""
-    from .split_attention import attention_with_lse, merge
-
     prefix_keys, prefix_values = prefix
     n, start = query.shape[2], prefix_keys.shape[1]
     if attention_mask is None:  # transformers' causal shortcut

@@ -80,6 +80,12 @@ class RetrievalCache:
             layers.append((keys[0].gather(1, gather)[None], values[0].gather(1, gather)[None]))
         return cls(hf_config, layers, full_layers[0][0].shape[2])
 
+    @classmethod
+    def from_full(cls, full, queries: dict[int, torch.Tensor], budget: int, chunk_size: int, recent: int,
+                  device: torch.device) -> RetrievalCache:
+        """`build` over a `FullCache` or an `OffloadedCache`."""
+        return cls.build(full.config, full.layers(), queries, budget, chunk_size, recent, device)
+
     @property
     def length(self) -> int:
         return self.base_length + self.hf.get_seq_length() - self.base_slots

@@ -67,6 +67,12 @@ class CacheFollower:
         self.forwards += 1
         return logits[-(extra.shape[0] + 1):]
 
+    def read(self, seq: torch.Tensor) -> None:
+        """Bring the cache to all of `seq` without computing logits (a prompt chunk)."""
+        start = self.cache.length
+        self.model.forward(seq[start:], torch.arange(start, seq.shape[0]), self.cache, last_only=True)
+        self.ids = seq
+
 
 class ModelDrafter:
     """A draft model sampling one token per forward from its warped distribution, over a
@@ -111,7 +117,7 @@ class ModelDrafter:
         follower = CacheFollower(self.model, StreamingCache(config, self.sinks, self.window))
         committed = state.ids[:-1]
         for end in range(PREFILL_CHUNK, committed.shape[0] + 1, PREFILL_CHUNK):
-            follower.logits(committed[:end], committed[:0])
+            follower.read(committed[:end])
             follower.cache.compact()
         return follower
 
@@ -200,9 +206,8 @@ class RetrievalStage(VerifiedStage):
         if (cache is None or committed - cache.base_length >= self.stride
                 or self._survival < self.min_acceptance):
             full = state.cache
-            self.follower.cache = RetrievalCache.build(
-                full.config, full.layers(), self._queries, self.budget, self.chunk_size, self.recent,
-                self.follower.model.device)
+            self.follower.cache = RetrievalCache.from_full(full, self._queries, self.budget, self.chunk_size,
+                                                           self.recent, self.follower.model.device)
             self.follower.ids = seq[:full.length]
             self.builds += 1
             self._survival = 1.0

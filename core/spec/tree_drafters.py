@@ -189,8 +189,8 @@ class RetrievalTreeDrafter(ModelTreeDrafter):
         if self._queries is None:
             return
         full = state.cache
-        self.cache = RetrievalCache.build(full.config, full.layers(), self._queries, self.budget,
-                                          self.chunk_size, self.recent, self.model.device)
+        self.cache = RetrievalCache.from_full(full, self._queries, self.budget, self.chunk_size, self.recent,
+                                              self.model.device)
         self._cached_ids, self._slots = state.ids[:full.length].tolist(), {}
         self.builds += 1
 
