@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "verification against a 128K offloaded KV cache on a CUDA GPU, random weights "
                             "of Llama-3.1-8B's shape (no document, no download)")
     bench.add_argument("--out", default="bench", help="folder for the results (default: bench)")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="longctx: measure every mode N times in shuffled rounds; report medians (default 1)")
 
     models = commands.add_parser("models", help="model pairs: list, download, remove")
     _add_models_file_option(models)
@@ -166,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_chat(_load(args), args, document)
         from .ui import launch
         registry(args)  # a bad registry or --models-file fails here, before the server starts
-        launch(lambda: _load(args), host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
+        launch(lambda model: _load(args, model), model_id(args), getattr(args, "models_file", None),
+               host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
                open_browser=not getattr(args, "no_browser", False),
                api_key=getattr(args, "api_key", None) or os.environ.get("SPECCHAT_API_KEY") or None)
         return 0
@@ -205,14 +208,15 @@ def registry(args):
     return load_registry(getattr(args, "models_file", None))
 
 
-def _load(args):
+def _load(args, model: str | None = None):
+    """The engine for `model` (default: `--model`)."""
     from .models_cmd import ProgressLine
 
     reg = registry(args)  # a bad registry fails before transformers is imported
     _quiet_transformers()
     from ..core.loading import load_engine
 
-    return load_engine(model_id(args), progress=lambda message: print(message, file=sys.stderr),
+    return load_engine(model or model_id(args), progress=lambda message: print(message, file=sys.stderr),
                        registry=reg, download_progress=ProgressLine())
 
 
@@ -224,14 +228,14 @@ def _quiet_transformers() -> None:
 
 
 def _generate(args) -> int:
-    from .documents import document_tokens, read_text_file, user_turn
+    from .documents import document_tokens, read_document_or_text, read_text_file, user_turn
 
     # Check everything the user typed before the model loads: bad input fails in a second.
     params = sampling_params(args)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     question = args.prompt if args.prompt is not None else read_text_file(args.prompt_file)
-    document = read_text_file(args.document) if args.document else None
+    document = read_document_or_text(args.document) if args.document else None
     content = user_turn(question, document)
     if not question.strip():
         raise InputError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file")
@@ -346,7 +350,7 @@ def _calibrate(args) -> int:
 def _bench(args) -> int:
     from pathlib import Path
 
-    from .documents import read_text_file, user_turn
+    from .documents import read_document_or_text, user_turn
 
     if args.suite == "offload":
         from ..core.bench import write_report
@@ -355,9 +359,11 @@ def _bench(args) -> int:
         for path in write_report(run_offload_bench(), Path(args.out), "gpu-offload", draw_offload):
             print(path)
         return 0
+    if args.repeats < 1:
+        raise InputError(f"--repeats must be at least 1, got {args.repeats}")
     if args.document is None:
         raise InputError(f"the {args.suite} suite needs --document FILE")
-    document = read_text_file(args.document)
+    document = read_document_or_text(args.document)
     engine = _load(args)
     if args.suite == "prefill":
         from ..core.bench_prefill import run_prefill_bench
@@ -372,8 +378,11 @@ def _bench(args) -> int:
         from ..core.bench_longctx import run_longctx_bench
 
         prompt_ids = engine.chat_ids([{"role": "user", "content": user_turn(args.prompt, document)}])
-        run = run_longctx_bench if args.suite == "longctx" else run_bench
-        paths = run(engine, prompt_ids, args.max_new_tokens, args.draft_layers, Path(args.out))
+        if args.suite == "longctx":
+            paths = run_longctx_bench(engine, prompt_ids, args.max_new_tokens, args.draft_layers, Path(args.out),
+                                      args.repeats)
+        else:
+            paths = run_bench(engine, prompt_ids, args.max_new_tokens, args.draft_layers, Path(args.out))
     for path in paths:
         print(path)
     return 0

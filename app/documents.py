@@ -5,21 +5,42 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.errors import InputError
+from .document_formats import docx_text, html_text, pdf_text
 
 TEXT_SUFFIXES = (".txt", ".md")
+DOCUMENT_SUFFIXES = (".txt", ".md", ".pdf", ".docx", ".html", ".htm")
+
+
+def read_document(path: str | Path) -> str:
+    """The text of a document in any of `DOCUMENT_SUFFIXES`, or an `InputError` naming the file."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in DOCUMENT_SUFFIXES:
+        raise InputError(f"cannot read {path}: {suffix or 'a file without a suffix'} is not a supported "
+                         f"document type; use one of {', '.join(DOCUMENT_SUFFIXES)}")
+    if suffix == ".pdf":
+        text = pdf_text(read_bytes(path), path)
+    elif suffix == ".docx":
+        text = docx_text(read_bytes(path), path)
+    elif suffix in (".html", ".htm"):
+        text = html_text(read_text_file(path))
+    else:
+        text = read_text_file(path)
+    if not text.strip():
+        raise InputError(f"{path} is empty: give a document that contains some text")
+    return text
+
+
+def read_document_or_text(path: str | Path) -> str:
+    """A document given on the command line: the formats above by suffix, any other file as
+    plain text (a .log or a file without a suffix is fine; a binary one gets a clear error)."""
+    return read_document(path) if Path(path).suffix.lower() in DOCUMENT_SUFFIXES else read_text_file(path)
 
 
 def read_text_file(path: str | Path) -> str:
     """The UTF-8 text of a file, or an `InputError` that says what is wrong with it."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"cannot read {path}: no such file") from None
-    except IsADirectoryError:
-        raise InputError(f"cannot read {path}: it is a folder, not a file") from None
-    except OSError as error:
-        raise InputError(f"cannot read {path}: {error.strerror or error}") from None
+    data = read_bytes(path)
     if b"\x00" in data:
         raise InputError(f"{path} looks like a binary file: give a plain-text file (.txt or .md)")
     try:
@@ -27,6 +48,18 @@ def read_text_file(path: str | Path) -> str:
     except UnicodeDecodeError as error:
         raise InputError(f"{path} is not UTF-8 text (bad byte at offset {error.start}): "
                          "save it as UTF-8 and try again") from None
+
+
+def read_bytes(path: Path) -> bytes:
+    """The bytes of a file, or an `InputError` that says why it cannot be read."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"cannot read {path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"cannot read {path}: it is a folder, not a file") from None
+    except OSError as error:
+        raise InputError(f"cannot read {path}: {error.strerror or error}") from None
 
 
 def user_turn(question: str, document: str | None) -> str:

@@ -8,7 +8,7 @@ import time
 
 from ..core.download import DownloadProgress, download_pair, model_status, remove_pair
 from ..core.files import human_size
-from ..core.fit import estimate_fit, this_machine
+from ..core.fit import Machine, estimate_fit, this_machine
 from ..core.registry import ModelPair, Registry
 
 
@@ -34,7 +34,7 @@ def run_models(args, registry: Registry) -> int:
 
 def _list(registry: Registry, as_json: bool) -> int:
     machine = this_machine()
-    rows = [_row(pair, machine) for pair in registry.pairs.values()]
+    rows = [pair_row(pair, machine) for pair in registry.pairs.values()]
     if as_json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -49,7 +49,9 @@ def _list(registry: Registry, as_json: bool) -> int:
     return 0
 
 
-def _row(pair: ModelPair, machine) -> dict:
+def pair_row(pair: ModelPair, machine: Machine) -> dict:
+    """A pair for `specchat models list` and the app's Models & hardware tab: its size, fit
+    verdict for `machine` with the reason, and what of it is downloaded."""
     fit = estimate_fit(pair, machine)
     if pair.source == "embedded":
         downloaded, present = "built in", 0
@@ -87,14 +89,20 @@ class ProgressLine:
             return
         self.shown_at = now
         rate = (progress.done_bytes - self.first_done) / max(now - self.started, 1e-9)
-        left = (progress.total_bytes - progress.done_bytes) / rate if rate > 0 else None
-        eta = f", {left / 60:.0f} min left" if left is not None and left >= 90 else \
-            f", {left:.0f} s left" if left is not None else ""
-        percent = 100 * progress.done_bytes / progress.total_bytes if progress.total_bytes else 100
-        line = (f"{progress.model} {progress.filename}: {human_size(progress.done_bytes)} of "
-                f"{human_size(progress.total_bytes)} ({percent:.0f}%), {human_size(rate)}/s{eta}")
+        line = progress_text(progress, rate)
         if self.live:
             self.stream.write(f"\r{line}\033[K" + ("\n" if finished else ""))
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+
+def progress_text(progress: DownloadProgress, rate: float) -> str:
+    """File, bytes done of total, percent, rate (bytes per second) and time left: the CLI's
+    progress line and the app's."""
+    left = (progress.total_bytes - progress.done_bytes) / rate if rate > 0 else None
+    eta = f", {left / 60:.0f} min left" if left is not None and left >= 90 else \
+        f", {left:.0f} s left" if left is not None else ""
+    percent = 100 * progress.done_bytes / progress.total_bytes if progress.total_bytes else 100
+    return (f"{progress.model} {progress.filename}: {human_size(progress.done_bytes)} of "
+            f"{human_size(progress.total_bytes)} ({percent:.0f}%), {human_size(rate)}/s{eta}")

@@ -9,6 +9,8 @@ from ..core.errors import InputError
 from ..core.files import human_size
 
 CONTEXT = re.compile(r"(\d+)([kKmM]?)")
+MARKDOWN_SPECIAL = re.compile(r"[\\*_|<\[\]]")
+CODE_SPAN = re.compile(r"(`[^`]*`)")
 
 
 def add_parsers(commands, add_models_file_option) -> None:
@@ -47,27 +49,42 @@ def run_profile(args) -> int:
     return 0
 
 
-def profile_lines(profile) -> list[str]:
-    lines = [f"CPU   {profile.cpu.model}: {profile.cpu.logical_cores} logical cores"
-             + (f", {profile.cpu.physical_cores} physical" if profile.cpu.physical_cores else ""),
-             f"RAM   {human_size(profile.ram_total_bytes)} ({human_size(profile.ram_available_bytes)} available)",
-             f"torch {profile.torch_version}" + (f", CUDA {profile.cuda_version}" if profile.cuda_version else ", no CUDA")]
+def profile_facts(profile) -> list[tuple[str, str]]:
+    """(label, text) for each line of the profile: CPU, RAM, torch, the GPUs, the t(n) curves.
+    `specchat profile` prints them as text, the app's Models & hardware tab as Markdown."""
+    facts = [("CPU", f"{profile.cpu.model}: {profile.cpu.logical_cores} logical cores"
+              + (f", {profile.cpu.physical_cores} physical" if profile.cpu.physical_cores else "")),
+             ("RAM", f"{human_size(profile.ram_total_bytes)} ({human_size(profile.ram_available_bytes)} available)"),
+             ("torch", profile.torch_version + (f", CUDA {profile.cuda_version}" if profile.cuda_version else ", no CUDA"))]
     if not profile.gpus:
-        lines.append("GPU   none: models run on the CPU")
+        facts.append(("GPU", "none: models run on the CPU"))
     for gpu in profile.gpus:
         rates = ", ".join(f"{label} {human_size(rate)}/s" for label, rate in (
             ("host->GPU", gpu.host_to_device_bytes_per_s), ("GPU->host", gpu.device_to_host_bytes_per_s),
             ("on-GPU copy", gpu.memory_bytes_per_s)) if rate) or "bandwidth not measured"
-        lines.append(f"GPU {gpu.index} {gpu.name}: {human_size(gpu.vram_total_bytes)} "
-                     f"({human_size(gpu.vram_free_bytes)} free), compute {gpu.compute_capability[0]}."
-                     f"{gpu.compute_capability[1]}, bf16 {'yes' if gpu.bf16 else 'no'}; {rates}")
+        facts.append((f"GPU {gpu.index}", (f"{gpu.name}: {human_size(gpu.vram_total_bytes)} "
+                                           f"({human_size(gpu.vram_free_bytes)} free), compute "
+                                           f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}, "
+                                           f"bf16 {'yes' if gpu.bf16 else 'no'}; {rates}")))
     for curves in profile.curves:
         for times in curves.times:
             points = ", ".join(f"t({n})={ratio:.2f}" for n, ratio in zip(times.sizes, times.ratios))
-            lines.append(f"t(n)  {curves.model_key} at {times.context:,} context on {times.device}: "
-                         f"{times.one_token_seconds * 1e3:.1f} ms per token; {points}")
-    lines.append(f"measured {profile.measured_on}, machine key {profile.machine_key()}")
-    return lines
+            facts.append(("t(n)", (f"{curves.model_key} at {times.context:,} context on {times.device}: "
+                                   f"{times.one_token_seconds * 1e3:.1f} ms per token; {points}")))
+    return facts
+
+
+def measured_note(profile) -> str:
+    return f"measured {profile.measured_on}, machine key {profile.machine_key()}"
+
+
+def profile_lines(profile) -> list[str]:
+    return [f"{label:5} {text}" for label, text in profile_facts(profile)] + [measured_note(profile)]
+
+
+def profile_markdown(profile) -> str:
+    return "\n".join([f"- **{label}** {_escaped(text)}" for label, text in profile_facts(profile)]
+                     + ["", f"*{measured_note(profile)}*"])
 
 
 def run_plan(args) -> int:
@@ -101,24 +118,57 @@ def run_plan(args) -> int:
     return 0
 
 
-def plan_lines(plan) -> list[str]:
-    """The plan for people: the choices with their reasons, then the memory table."""
+def plan_headline(plan) -> str:
+    """One line: the pair and context, the mode and its speculation, where weights, draft and KV go."""
     draft = f"{plan.draft_weights} on {plan.draft_device}" if plan.draft_device else "none"
     speculation = {"chain": f"gamma {plan.gamma1}", "tree": f"tree n={plan.tree_size}, d={plan.tree_depth}",
                    "triforce": (f"gamma1 {plan.gamma1}, " if plan.gamma1 else "") + f"gamma2 {plan.gamma2}", "plain": "no drafts"}[plan.mode]
-    headline = (f"{plan.pair_id} at {plan.context:,} tokens: {plan.mode} ({speculation}), {plan.weights} weights "
-                f"on {'+'.join(plan.target_devices)}, draft {draft}, full KV on {plan.kv_device}")
-    lines = [headline, ""]
-    width = max(map(len, plan.reasons))
-    lines += [f"  {choice.ljust(width)}  {reason}" for choice, reason in plan.reasons.items()]
-    lines += ["", "  MEMORY"]
-    what_width = max(len(item.what) for item in plan.memory)
+    return (f"{plan.pair_id} at {plan.context:,} tokens: {plan.mode} ({speculation}), {plan.weights} weights "
+            f"on {'+'.join(plan.target_devices)}, draft {draft}, full KV on {plan.kv_device}")
+
+
+def memory_rows(plan) -> list[tuple[str, str, int, str]]:
+    """(what, where, bytes, budget) device by device: its items, then its total, whose budget
+    says the device's capacity, the margin kept free and the headroom left (items have none)."""
+    rows = []
     for device in plan.devices:
         items = [item for item in plan.memory if item.where == device.device]
         if not items:
             continue
-        lines += [f"  {item.what.ljust(what_width)}  {item.where:7} {human_size(item.bytes):>9}" for item in items]
-        lines.append(f"  {('total on ' + device.device).ljust(what_width)}  {device.device:7} "
-                     f"{human_size(device.used_bytes):>9}  of {human_size(device.capacity_bytes)}, margin "
-                     f"{human_size(device.margin_bytes)} kept free, headroom {human_size(device.headroom_bytes)}")
+        rows += [(item.what, item.where, item.bytes, "") for item in items]
+        budget = (f"of {human_size(device.capacity_bytes)}, margin {human_size(device.margin_bytes)} kept free, "
+                  f"headroom {human_size(device.headroom_bytes)}")
+        rows.append((f"total on {device.device}", device.device, device.used_bytes, budget))
+    return rows
+
+
+def plan_lines(plan) -> list[str]:
+    """The plan for people: the choices with their reasons, then the memory table."""
+    lines = [plan_headline(plan), ""]
+    width = max(map(len, plan.reasons))
+    lines += [f"  {choice.ljust(width)}  {reason}" for choice, reason in plan.reasons.items()]
+    lines += ["", "  MEMORY"]
+    what_width = max(len(item.what) for item in plan.memory)
+    lines += [f"  {what.ljust(what_width)}  {where:7} {human_size(size):>9}" + (f"  {budget}" if budget else "")
+              for what, where, size, budget in memory_rows(plan)]
     return lines
+
+
+def plan_markdown(plan) -> str:
+    """The plan as `plan_lines` says it, in Markdown: the headline, a table of the choices with
+    their reasons, a table of the memory."""
+    lines = [f"**{_escaped(plan_headline(plan))}**", "", "| Choice | Why |", "|---|---|"]
+    lines += [f"| {_escaped(choice)} | {_escaped(reason)} |" for choice, reason in plan.reasons.items()]
+    lines += ["", "| Memory | Where | Size | Budget |", "|---|---|--:|---|"]
+    for what, where, size, budget in memory_rows(plan):
+        bold = "**" if budget else ""  # a device's total
+        lines.append(f"| {bold}{_escaped(what)}{bold} | {where} | {bold}{human_size(size)}{bold} | {budget} |")
+    return "\n".join(lines)
+
+
+def _escaped(text: str) -> str:
+    """`text` shown literally in Markdown, also inside a table cell; its `code spans` (commands
+    in the reasons) stay code."""
+    parts = CODE_SPAN.split(text)  # odd indexes: code spans, where only a table's | needs escaping
+    return "".join(part.replace("|", "\\|") if index % 2 else MARKDOWN_SPECIAL.sub(r"\\\g<0>", part)
+                   for index, part in enumerate(parts))

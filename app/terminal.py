@@ -6,7 +6,7 @@ import sys
 
 from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
 from ..core.errors import InputError, SpecchatError
-from .documents import document_tokens, read_text_file, user_turn
+from .documents import document_tokens, read_document_or_text, user_turn
 
 HELP = "Type a message. /reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops an answer."
 
@@ -16,7 +16,7 @@ def read_chat_document(args) -> str | None:
         raise InputError("--cache-document needs --document FILE")
     if not getattr(args, "document", None):
         return None
-    document = read_text_file(args.document)
+    document = read_document_or_text(args.document)
     if not document.strip():
         raise InputError(f"{args.document} is empty")
     return document

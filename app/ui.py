@@ -1,11 +1,13 @@
-"""The Gradio chat: streaming answers, a document box, a stop button, live speed figures.
+"""The Gradio app: the chat tab (conversations, documents, context meter, live speculation view,
+settings) and the models & hardware tab, served with the OpenAI-compatible API on one server.
 
-It consumes the engine's event stream and never touches models or tensors. The model loads in
-the background, so the page is up at once, even during the one-time conversion.
+Layout and wiring only: the behaviour lives in `ui_chat.ChatLogic` (and `ui_models`); handlers
+return `View`s that `_render` maps onto components. Errors become a line in the page.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -17,128 +19,228 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 
 from ..core.errors import SpecchatError  # noqa: E402
-from .documents import TEXT_SUFFIXES, read_text_file, user_turn  # noqa: E402
+from .conversation import attachment_label  # noqa: E402
+from .documents import DOCUMENT_SUFFIXES  # noqa: E402
+from .engine_handle import EngineHandle  # noqa: E402
+from .history import HistoryStore, default_folder  # noqa: E402
+from .presets import PRESETS  # noqa: E402
+from .ui_chat import ChatLogic, Settings, View, shown  # noqa: E402
 
 DEFAULT_HOST = "127.0.0.1"
+MODES = ["auto", "chain", "tree", "triforce", "plain"]
+# Dark mode follows the visitor's last choice (kept in the browser), else the system's.
+DARK_MODE_JS = """() => { const dark = !document.body.classList.contains('dark');
+  document.body.classList.toggle('dark', dark); localStorage.setItem('specchat-dark', dark ? '1' : '0'); }"""
+RESTORE_DARK_MODE_JS = """() => { const saved = localStorage.getItem('specchat-dark');
+  if (saved !== null) document.body.classList.toggle('dark', saved === '1'); }"""
 
 
-class EngineHandle:
-    """The engine, loading in a background thread; `get()` waits for it or raises its error."""
-
-    def __init__(self, load: Callable[[], object]):
-        self._ready = threading.Event()
-        self._engine = None
-        self._error: Exception | None = None
-        threading.Thread(target=self._load, args=(load,), daemon=True).start()
-
-    def _load(self, load: Callable[[], object]) -> None:
-        try:
-            self._engine = load()
-        except Exception as error:  # shown in the chat instead of killing the server
-            self._error = error
-        finally:
-            self._ready.set()
-
-    def get(self):
-        self._ready.wait()
-        if self._error is not None:
-            raise SpecchatError(f"the model could not be loaded: {self._error}")
-        return self._engine
+def _problem(error: Exception) -> str:
+    text = str(error) if isinstance(error, SpecchatError) else f"unexpected error: {type(error).__name__}: {error}"
+    return f"⚠️ {text}"
 
 
-FINISH_REASONS = {"stop": "done", "length": "reached the token limit", "cancelled": "stopped"}
+def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | None = None) -> gr.Blocks:
+    from .ui_models import build_models_tab
 
-
-def _stats_line(stats, mode: str) -> str:
-    reused = f" ({stats.reused_prompt_tokens:,} prompt tokens reused)" if stats.reused_prompt_tokens else ""
-    return (f"**{stats.tokens_per_second:.1f} tok/s** · "
-            f"**{stats.mean_accepted_per_forward:.2f}** tokens per target forward · "
-            f"{stats.target_forwards} target forwards · first token after {stats.prefill_seconds:.2f} s{reused} · "
-            f"mode `{mode}`")
-
-
-def build_ui(handle: EngineHandle) -> gr.Blocks:
-    from ..core.engine import Finished, PrefillProgress, TextDelta, resolve_mode
-    from ..core.sampling import SamplingParams
-
-    unchanged = (gr.update(), gr.update(), gr.update())  # message, document, upload
-    cleared = ("", "", None)
-
-    def respond(message, document, upload, max_new_tokens, temperature, mode, conversation, shown):
-        """Stream one answer. `conversation` holds what the model sees (documents in full);
-        `shown` is the chat as displayed (documents as a one-line attachment)."""
-        question = (message or "").strip()
-        shown_before = shown
-        try:
-            attached = document or ""
-            if upload:
-                attached = "\n\n".join(part for part in (attached, read_text_file(upload)) if part.strip())
-            content = user_turn(question, attached)
-            if not content:
-                yield conversation, shown, *unchanged, "Type a question or attach a document."
-                return
-            label = question or "(document)"
-            if attached.strip():
-                label = f"*[document attached: {len(attached):,} characters]*\n\n{label}"
-            turn = conversation + [{"role": "user", "content": content}]
-            shown = shown + [{"role": "user", "content": label}, {"role": "assistant", "content": ""}]
-            # The document is now part of the conversation: clear the boxes so it is not sent twice.
-            yield conversation, shown, *cleared, "Loading the model…"
-            engine = handle.get()
-            params = SamplingParams(temperature=float(temperature))
-            answer = ""
-            for event in engine.generate(engine.chat_ids(turn), int(max_new_tokens), params, mode):
-                if isinstance(event, PrefillProgress):
-                    status = f"Reading the prompt: {event.done:,} / {event.total:,} tokens"
-                    yield conversation, shown, *unchanged, status
-                elif isinstance(event, TextDelta):
-                    answer += event.text
-                    shown[-1] = {"role": "assistant", "content": answer}
-                    yield (turn + [{"role": "assistant", "content": answer}], shown, *unchanged,
-                           _stats_line(event.stats, resolve_mode(mode, engine.auto_mode)))
-                elif isinstance(event, Finished):
-                    result = event.result
-                    yield (turn + [{"role": "assistant", "content": result.text}], shown, *unchanged,
-                           f"{_stats_line(result.stats, result.mode)} · {result.new_tokens} tokens, "
-                           f"{FINISH_REASONS[result.finish_reason]}")
-        except Exception as error:  # shown in the page, never as a traceback
-            # Nothing is lost: the chat stays as it was, the question and document go back
-            # into their boxes.
-            text = str(error) if isinstance(error, SpecchatError) else f"unexpected error: {type(error).__name__}: {error}"
-            yield conversation, shown_before, message, document, upload, f"⚠️ {text}"
-
+    logic = ChatLogic(handle, store, registry_file)
     with gr.Blocks(title="specchat") as demo:
-        gr.Markdown("## specchat\nLong-document chat, sped up by lossless speculative decoding.")
-        conversation = gr.State([])
-        chatbot = gr.Chatbot(label="Chat", height=460, elem_id="chat")
+        conversation = gr.State(None)
+        attachment = gr.State(None)
         with gr.Row():
-            message = gr.Textbox(placeholder="Ask about your document, or just chat", show_label=False,
-                                 scale=6, elem_id="message", autofocus=True)
-            send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
-            stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
-        stats = gr.Markdown("", elem_id="stats")
-        with gr.Accordion("Document", open=False):
-            document = gr.Textbox(label="Paste a document", lines=6, elem_id="document")
-            upload = gr.File(label="…or upload one", file_types=list(TEXT_SUFFIXES), type="filepath")
-        with gr.Accordion("Settings", open=False):
-            max_new_tokens = gr.Slider(16, 2048, value=512, step=16, label="Max new tokens")
-            temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature (0 = greedy)")
-            mode = gr.Radio(["auto", "chain", "tree", "triforce", "plain"], value="auto", label="Decoding")
-        clear = gr.Button("New conversation", size="sm")
+            gr.Markdown("## specchat\nLong-document chat, sped up by lossless speculative decoding.")
+            dark = gr.Button("🌓 Dark mode", size="sm", scale=0, elem_id="dark-mode")
+        with gr.Tab("Chat"):
+            with gr.Row():
+                with gr.Column(scale=1, min_width=220):
+                    new = gr.Button("+ New conversation", size="sm", elem_id="new-conversation")
+                    preset = gr.Dropdown([(p.label, key) for key, p in PRESETS.items()], value="free",
+                                         label="Preset", elem_id="preset")
+                    conversations = gr.Radio([], label="Conversations", elem_id="conversations")
+                    title = gr.Textbox(label="Name", placeholder="Rename this conversation", elem_id="title")
+                    with gr.Row():
+                        rename = gr.Button("Rename", size="sm", elem_id="rename")
+                        delete = gr.Button("Delete", size="sm", variant="stop", elem_id="delete")
+                    export = gr.Button("Export (Markdown + JSON)", size="sm", elem_id="export")
+                    exported = gr.File(label="Exported", file_count="multiple", visible=False, elem_id="exported")
+                with gr.Column(scale=4):
+                    chatbot = gr.Chatbot(label="Chat", height=460, elem_id="chat", editable="user",
+                                         buttons=["copy", "copy_all"])
+                    status = gr.Markdown("", elem_id="status")
+                    with gr.Group(visible=False, elem_id="over-limit") as over_group:
+                        over_text = gr.Markdown("")
+                        with gr.Row(visible=False) as cut_row:
+                            cut_buttons = {where: gr.Button(f"Cut the {where}", size="sm", elem_id=f"cut-{where}")
+                                           for where in ("start", "middle", "end")}
+                        with gr.Row():
+                            longer_pairs = gr.Dropdown([], label="Longer-context pairs", scale=3, elem_id="longer-pairs")
+                            switch = gr.Button("Switch to this pair", size="sm", scale=1, elem_id="switch-pair")
+                    with gr.Row():
+                        message = gr.Textbox(placeholder="Ask about your document, or just chat", show_label=False,
+                                             scale=6, elem_id="message", autofocus=True)
+                        send = gr.Button("Send", variant="primary", scale=0, min_width=90, elem_id="send")
+                        stop = gr.Button("Stop", variant="stop", scale=0, min_width=90, elem_id="stop")
+                    attachment_line = gr.Markdown("", elem_id="attachment")
+                    meter = gr.Markdown("", elem_id="meter")
+                    stats = gr.Markdown("", elem_id="stats")
+                    with gr.Accordion("Document", open=False):
+                        upload = gr.File(label=f"Upload ({', '.join(DOCUMENT_SUFFIXES)})", type="filepath",
+                                         file_types=list(DOCUMENT_SUFFIXES), elem_id="upload")
+                        pasted = gr.Textbox(label="…or paste one", lines=6, elem_id="document")
+                        detach = gr.Button("Remove the document", size="sm", elem_id="detach")
+                    with gr.Accordion("Speculation view", open=False, elem_id="speculation"):
+                        color = gr.Checkbox(label="Color the answer's tokens by origin", value=False, elem_id="color-tokens")
+                        stages = gr.Markdown("", elem_id="stages")
+                        tokens = gr.HTML("", visible=False, elem_id="tokens")
+                    with gr.Accordion("Settings", open=False, elem_id="settings"):
+                        system = gr.Textbox("", label="System prompt", lines=3, elem_id="system")
+                        with gr.Row():
+                            temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature (0 = greedy)")
+                            top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
+                            top_k = gr.Number(0, label="Top-k (0 = off)", precision=0, minimum=0)
+                        with gr.Row():
+                            max_new_tokens = gr.Slider(16, 4096, value=512, step=16, label="Max new tokens",
+                                                       elem_id="max-new-tokens")
+                            seed = gr.Textbox("", label="Seed (blank = random)", elem_id="seed")
+                        mode = gr.Radio(MODES, value="auto", label="Decoding", elem_id="mode")
+        with gr.Tab("Models & hardware"):
+            build_models_tab(handle, registry_file)
 
-        inputs = [message, document, upload, max_new_tokens, temperature, mode, conversation, chatbot]
-        outputs = [conversation, chatbot, message, document, upload, stats]
-        events = [trigger(respond, inputs, outputs) for trigger in (message.submit, send.click)]
-        stop.click(None, cancels=events)
-        clear.click(lambda: ([], [], ""), None, [conversation, chatbot, stats], cancels=events)
-        chatbot.clear(lambda: ([], ""), None, [conversation, stats], cancels=events)
+        settings_inputs = [system, preset, temperature, top_p, top_k, seed, max_new_tokens, mode]
+        outputs = [conversation, chatbot, status, message, attachment, attachment_line, pasted, stats, stages,
+                   tokens, over_group, over_text, cut_row, longer_pairs, conversations, title]
+
+        def render(view: View) -> tuple:
+            keep = gr.update()
+            chat = view.conversation
+            listing = gr.update(choices=logic.conversation_choices(), value=chat.id if chat else None) \
+                if view.conversations_changed else keep
+            attached = view.attachment if view.attachment is not None else None if view.clear_attachment else keep
+            label = (attachment_label(attached) if attached else "") if attached is not keep else keep
+            if view.clear_conversation:
+                conversation_value, chat_value = None, []
+            else:
+                conversation_value = keep if chat is None else chat
+                chat_value = keep if chat is None else shown(chat, view.streaming)
+            return (conversation_value, chat_value,
+                    keep if view.status is None else view.status,
+                    keep if view.message is None else view.message,
+                    attached, label,
+                    keep if view.pasted is None else view.pasted,
+                    keep if view.stats is None else view.stats,
+                    keep if view.stages is None else view.stages,
+                    keep if view.tokens is None else view.tokens,
+                    keep if view.over_limit is None else gr.update(visible=bool(view.over_limit)),
+                    keep if view.over_limit is None else view.over_limit,
+                    gr.update(visible=view.cuts_possible) if view.over_limit else keep,
+                    keep if view.longer_pairs is None else gr.update(choices=view.longer_pairs, value=None),
+                    listing,
+                    "" if view.clear_conversation else keep if chat is None else chat.title)
+
+        def streamed(views):
+            """A handler's stream of views, rendered; an error ends it as a line in the page."""
+            try:
+                with contextlib.closing(views()) as stream:
+                    for view in stream:
+                        yield render(view)
+            except Exception as error:
+                yield render(View(status=_problem(error)))
+
+        def once(handler, stop_chain: bool = False):
+            """A one-shot handler's view, rendered; with `stop_chain` an error is raised as a
+            Gradio error (a message in the page) so the `.success` after it does not run."""
+            def run(*args):
+                try:
+                    return render(handler(*args))
+                except Exception as error:
+                    if stop_chain:
+                        raise gr.Error(_problem(error)) from None
+                    return render(View(status=_problem(error)))
+            return run
+
+        def settings_of(values) -> Settings:
+            # A component inside a never-opened accordion may arrive as None: use its default.
+            defaults = [component.value for component in settings_inputs]
+            return Settings(*(default if value is None else value for value, default in zip(values, defaults)))
+
+        # Gradio passes the request (for the session's Stop) and event data by these annotations.
+        def send_message(request: gr.Request, text, attached, pasted_text, chat, *values):
+            yield from streamed(lambda: logic.send(text, attached, pasted_text, chat, settings_of(values),
+                                                   request.session_hash))
+
+        def regenerate(request: gr.Request, chat, *values):
+            yield from streamed(lambda: logic.regenerate(chat, settings_of(values), request.session_hash))
+
+        def edit(request: gr.Request, edited: gr.EditData, chat, *values):
+            yield from streamed(lambda: logic.edit(chat, edited.index, str(edited.value), settings_of(values),
+                                                   request.session_hash))
+
+        def stop_answer(request: gr.Request):
+            logic.stop(request.session_hash)
+
+        def update_meter(chat, attached, pasted_text, text, *values):
+            try:
+                return logic.meter_text(chat, attached, pasted_text, text, settings_of(values))
+            except Exception as error:
+                return _problem(error)
+
+        send_inputs = [message, attachment, pasted, conversation, *settings_inputs]
+        meter_inputs = [conversation, attachment, pasted, message, *settings_inputs]
+        quiet = {"show_progress": "hidden"}  # the status line and the streaming text show progress
+        light = {"show_progress": "hidden", "concurrency_id": "light", "concurrency_limit": 4}  # never behind an answer
+        answering = [trigger(send_message, send_inputs, outputs, **quiet) for trigger in (message.submit, send.click)]
+        answering.append(chatbot.retry(regenerate, [conversation, *settings_inputs], outputs, **quiet))
+        answering.append(chatbot.edit(edit, [conversation, *settings_inputs], outputs, **quiet))
+        for where, button in cut_buttons.items():
+            cut = button.click(once(lambda *args, where=where: logic.cut(where, *args[:4], settings_of(args[4:])),
+                                    stop_chain=True),
+                               [message, attachment, pasted, conversation, *settings_inputs], outputs, **light)
+            answering.append(cut.success(send_message, send_inputs, outputs, **quiet))
+        for event in answering:
+            event.then(update_meter, meter_inputs, meter, **light)
+        # Stop ends the answer gracefully (saved, with its figures); it skips the queue, which an answer holds.
+        stop.click(stop_answer, None, None, queue=False)
+
+        for box in (message, pasted, max_new_tokens, system):
+            box.change(update_meter, meter_inputs, meter, trigger_mode="always_last", **light)
+        upload.upload(once(logic.attach_file), upload, outputs).then(
+            lambda: None, None, upload).then(update_meter, meter_inputs, meter, **light)
+        detach.click(lambda: (None, "", ""), None, [attachment, attachment_line, pasted]).then(
+            update_meter, meter_inputs, meter, **light)
+        switch.click(once(logic.switch_pair), longer_pairs, outputs)
+        color.change(lambda on: gr.update(visible=on), color, tokens)
+        preset.change(lambda key, text: (PRESETS[key].system, text or PRESETS[key].question),
+                      [preset, message], [system, message])
+
+        for clear in (new.click, chatbot.clear):  # the chat's own Clear starts afresh too; nothing is deleted
+            clear(once(lambda: View(clear_conversation=True, conversations_changed=True, status="", stats="",
+                                    stages="", tokens="", over_limit="")), None, outputs, cancels=answering,
+                  **light).then(
+                update_meter, meter_inputs, meter, **light)
+        conversations.input(once(logic.open), conversations, outputs, cancels=answering, **light).then(
+            update_meter, meter_inputs, meter, **light)
+        rename.click(once(logic.rename), [conversation, title], outputs, **light)
+        delete.click(once(logic.delete), conversation, outputs, cancels=answering, **light)
+        export.click(_exporter(logic), conversation, [exported, status])
+        dark.click(None, js=DARK_MODE_JS)
+        demo.load(once(logic.newest), None, outputs).then(update_meter, meter_inputs, meter, **light)
+        demo.load(None, js=RESTORE_DARK_MODE_JS)
     return demo
 
 
-def launch(load: Callable[[], object], host: str = DEFAULT_HOST, port: int = 7860,
-           open_browser: bool = True, api_key: str | None = None) -> None:
-    """Serve the chat at / and the OpenAI-compatible API at /v1 on one server; `load` loads the
-    engine (in the background, so the page is up at once)."""
+def _exporter(logic: ChatLogic):
+    def export(chat):
+        try:
+            return gr.update(value=logic.export(chat), visible=True), "Exported: download the files below the list."
+        except Exception as error:
+            return gr.update(visible=False), _problem(error)
+    return export
+
+
+def launch(load: Callable[[str], object], model: str = "embedded", registry_file: str | None = None,
+           host: str = DEFAULT_HOST, port: int = 7860, open_browser: bool = True, api_key: str | None = None) -> None:
+    """Serve the chat at / and the OpenAI-compatible API at /v1 on one server; `load(model)` loads
+    an engine (in the background, so the page is up at once)."""
     import uvicorn
     from fastapi import FastAPI
 
@@ -147,13 +249,15 @@ def launch(load: Callable[[], object], host: str = DEFAULT_HOST, port: int = 786
     if host not in (DEFAULT_HOST, "localhost", "::1"):
         print(f"specchat: warning: listening on {host}: other computers on the network can use this chat"
               + ("" if api_key else " and its API (set --api-key)"), file=sys.stderr)
-    handle = EngineHandle(load)
+    handle = EngineHandle(load, model)
+    store = HistoryStore(default_folder())
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     add_api(app, handle.get, api_key)
-    demo = build_ui(handle).queue(default_concurrency_limit=1)
+    demo = build_ui(handle, store, registry_file).queue(default_concurrency_limit=1)
     app = gr.mount_gradio_app(app, demo, path="/", ssr_mode=False, footer_links=[])
     url = f"http://{host}:{port}"
-    print(f"specchat: the chat is at {url}/ and the OpenAI-compatible API at {url}/v1", file=sys.stderr)
+    print(f"specchat: the chat is at {url}/ and the OpenAI-compatible API at {url}/v1; "
+          f"conversations are saved in {store.folder}", file=sys.stderr)
     if open_browser:
         threading.Timer(1.5, webbrowser.open, args=(f"{url}/",)).start()
     uvicorn.run(app, host=host, port=port, log_level="warning")

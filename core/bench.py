@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 from dataclasses import asdict
 from datetime import date
 from pathlib import Path
@@ -39,33 +40,51 @@ def tree_growth(acceptance: list[float], sizes: list[int], max_depth: int,
 
 
 def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
-                  runs: dict[str, tuple]) -> dict[str, dict]:
-    """Greedy answers to one prompt per run {label: (mode, tree_draft[, triforce settings])},
-    measured in turn. Each row: tok/s, tokens per target forward, forwards, per-stage counts, and
-    whether its tokens equal the first run's (the plain baseline: speculation must not change a
-    single token)."""
+                  runs: dict[str, tuple], repeats: int = 1, seed: int = 0) -> dict[str, dict]:
+    """Greedy answers to one prompt per run {label: (mode, tree_draft[, triforce settings])}.
+    Each row: tok/s, tokens per target forward, forwards, per-stage counts, and whether its
+    tokens equal plain's (the first run: speculation must not change a single token).
+
+    With `repeats` > 1, every run is measured that many times, in rounds whose order is shuffled
+    (seeded), so that drift in the machine (heat, memory, background load) does not favour a
+    fixed position; `tokens_per_second` is then the median and `tokens_per_second_runs` all."""
+    import random
+
+    labels = list(runs)
+    order = random.Random(seed)
+    speeds: dict[str, list[float]] = {label: [] for label in labels}
     rows: dict[str, dict] = {}
     baseline = None
+    for round_index in range(repeats):  # the first round in the given order: plain first, as the baseline
+        for label in (labels if round_index == 0 else order.sample(labels, len(labels))):
+            result = _answer(engine, prompt_ids, max_new_tokens, runs[label])
+            baseline = baseline or result.token_ids
+            speeds[label].append(result.stats.tokens_per_second)
+            stats = result.stats
+            rows[label] = {
+                "mode": result.mode, "new_tokens": result.new_tokens,
+                "tokens_per_second": statistics.median(speeds[label]),
+                "mean_accepted_per_forward": stats.mean_accepted_per_forward,
+                "target_forwards": stats.target_forwards, "tree_size": stats.tree_size,
+                "tree_depth": stats.tree_depth, "decode_seconds": stats.decode_seconds,
+                "stages": stats.stages,
+                "identical_to_plain": result.token_ids == baseline and rows.get(label, {}).get("identical_to_plain", True),
+            }
+            if repeats > 1:
+                rows[label]["tokens_per_second_runs"] = list(speeds[label])
+    return {label: rows[label] for label in labels}
+
+
+def _answer(engine: Engine, prompt_ids: list[int], max_new_tokens: int, run: tuple):
+    mode, tree_draft, *triforce = run
     default_triforce = engine.triforce
-    for label, (mode, tree_draft, *triforce) in runs.items():
-        engine.tree_draft = tree_draft
-        engine.triforce = triforce[0] if triforce else default_triforce
-        try:
-            result = next(e.result for e in engine.generate(prompt_ids, max_new_tokens, SamplingParams(), mode)
-                          if isinstance(e, Finished))
-        finally:
-            engine.tree_draft, engine.triforce = None, default_triforce
-        baseline = baseline or result.token_ids
-        stats = result.stats
-        rows[label] = {
-            "mode": result.mode, "new_tokens": result.new_tokens,
-            "tokens_per_second": stats.tokens_per_second,
-            "mean_accepted_per_forward": stats.mean_accepted_per_forward,
-            "target_forwards": stats.target_forwards, "tree_size": stats.tree_size,
-            "tree_depth": stats.tree_depth, "decode_seconds": stats.decode_seconds,
-            "stages": stats.stages, "identical_to_plain": result.token_ids == baseline,
-        }
-    return rows
+    engine.tree_draft = tree_draft
+    engine.triforce = triforce[0] if triforce else default_triforce
+    try:
+        return next(e.result for e in engine.generate(prompt_ids, max_new_tokens, SamplingParams(), mode)
+                    if isinstance(e, Finished))
+    finally:
+        engine.tree_draft, engine.triforce = None, default_triforce
 
 
 def device_label() -> str:

@@ -32,6 +32,12 @@ class Step:
     drafted: int = 0  # draft tokens this forward verified
     accepted: int = 0  # of which accepted
     depth: int = 0  # draft levels verified (a chain of g tokens: g)
+    last: str = "plain"  # how the last token came: "plain" (nothing drafted), "recovered" (sampled
+    #                      after a rejection) or "bonus" (after every draft level was accepted)
+
+    def origins(self) -> list[str]:
+        """Each token's origin, for the app's coloring: accepted drafts, then the last token."""
+        return ["draft"] * self.accepted + [self.last]
 
 
 @dataclass
@@ -104,7 +110,8 @@ class ChainDecoder:
                 self.lookahead = min(self.max_lookahead, self.lookahead + 2)
             else:
                 self.lookahead = max(self.min_lookahead, self.lookahead - 1)
-        return Step(tokens, drafted=len(draft), accepted=accepted, depth=len(draft))
+        last = "plain" if not draft.numel() else "bonus" if accepted == len(draft) else "recovered"
+        return Step(tokens, drafted=len(draft), accepted=accepted, depth=len(draft), last=last)
 
     def stage_counts(self) -> dict[str, dict[str, int]]:
         """Forwards and acceptance of the stages below the target (TriForce), for the stats."""
@@ -153,7 +160,9 @@ class TreeDecoder:
         self.drafter.accept(verdict.path)
         tokens = proposal.tokens[verdict.path].tolist() + [verdict.next_token]
         state.commit(tokens)
-        return Step(tokens, drafted=tree.size - 1, accepted=len(verdict.path), depth=tree.depth)
+        end = verdict.path[-1] if verdict.path else 0
+        last = "plain" if tree.size == 1 else "recovered" if tree.children[end] else "bonus"
+        return Step(tokens, drafted=tree.size - 1, accepted=len(verdict.path), depth=tree.depth, last=last)
 
     def stage_counts(self) -> dict[str, dict[str, int]]:
         counts = getattr(self.drafter, "counts", None)

@@ -77,6 +77,10 @@ class TextDelta:
     text: str
     token_ids: list[int]
     stats: Stats
+    # (text, origin) for each of `token_ids`, origin "draft" (an accepted draft token),
+    # "recovered", "bonus" or "plain" (see `decoding.Step`); text held back for an incomplete
+    # character goes to the token that completes it. The final flush has text but no tokens.
+    pieces: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -237,7 +241,8 @@ class Engine:
             _update_rates(stats, committed, len(new_ids), time.perf_counter() - decode_started)
             if stage_counts is not None:
                 stats.stages = stage_counts()
-            yield TextDelta(stream.add(tokens), tokens, replace(stats))
+            pieces = tuple((stream.add([token]), origin) for token, origin in zip(tokens, step.origins()))
+            yield TextDelta("".join(text for text, _ in pieces), tokens, replace(stats), pieces)
             if finish_reason == "stop":
                 break
             if cancel.is_set():
@@ -245,7 +250,7 @@ class Engine:
                 break
         tail = stream.finish()
         if tail:
-            yield TextDelta(tail, [], replace(stats))
+            yield TextDelta(tail, [], replace(stats), ((tail, "plain"),))
         result = Result(stream.text, new_ids, prompt_length, len(new_ids), mode, finish_reason, stats)
         yield Finished(result)
 

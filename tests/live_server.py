@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -20,24 +22,36 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_specchat(*args: str, env: dict | None = None) -> Iterator[str]:
-    """Start the app, wait until its page answers, yield its URL; stop it afterwards."""
+def specchat_process(*args: str, data_dir: str | None = None,
+                     env: dict | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start the app (conversations saved under `data_dir`, a fresh folder by default), wait
+    until its page answers, yield its URL and process; stop it afterwards."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
-    process = subprocess.Popen([SPECCHAT, "--no-browser", "--port", str(port), *args], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=2)
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    process.kill()
-                    pytest.fail(f"specchat did not start:\n{process.communicate()[0]}")
-                time.sleep(0.5)
+    with contextlib.ExitStack() as stack:
+        data_dir = data_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="specchat-data-"))
+        env = {**os.environ, **(env or {}), "SPECCHAT_DATA_DIR": str(data_dir)}
+        process = subprocess.Popen([SPECCHAT, "--no-browser", "--port", str(port), *args], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    urllib.request.urlopen(url, timeout=2)
+                    break
+                except OSError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        process.kill()
+                        pytest.fail(f"specchat did not start:\n{process.communicate()[0]}")
+                    time.sleep(0.5)
+            yield url, process
+        finally:
+            if process.poll() is None:
+                process.terminate()
+            process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def running_specchat(*args: str, data_dir: str | None = None, env: dict | None = None) -> Iterator[str]:
+    with specchat_process(*args, data_dir=data_dir, env=env) as (url, _):
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)

@@ -54,6 +54,7 @@ def test_bad_options():
     assert_bad_input(specchat("generate", "--prompt", "hi", "--seed", str(2**70)), "seed")
     assert_bad_input(specchat("generate", "--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens")
     assert_bad_input(specchat("frobnicate"), "invalid choice")
+    assert_bad_input(specchat("bench", "--suite", "longctx", "--repeats", "0"), "--repeats")
 
 
 def test_unknown_or_broken_model(tmp_path):

@@ -29,7 +29,7 @@ def answer(engine, content, mode, max_new_tokens=96, cancel=None, params=Samplin
 def test_greedy_speculation_equals_plain_on_a_long_document(embedded_engine):
     content = (DATA / "apache-2.0.txt").read_text() + "\n\nWhat does section 4 require when redistributing?"
     _, plain = answer(embedded_engine, content, "plain")
-    _, tree = answer(embedded_engine, content, "tree")
+    tree_events, tree = answer(embedded_engine, content, "tree")
     embedded_engine.prefixes.clear()  # a full prefill again, to check its progress events
     events, chain = answer(embedded_engine, content, "chain")
     assert plain.prompt_tokens > 2000
@@ -44,6 +44,14 @@ def test_greedy_speculation_equals_plain_on_a_long_document(embedded_engine):
     progress = [e for e in events if isinstance(e, PrefillProgress)]
     assert progress[-1].done == progress[-1].total == chain.prompt_tokens and len(progress) >= 3
     assert tree.stats.reused_prompt_tokens == plain.prompt_tokens - 1  # the same prompt: all but its last token
+    # Each token's origin (the app colors by it): one per token, drafts as many as accepted.
+    for answer_events, result in ((events, chain), (tree_events, tree)):
+        deltas = [e for e in answer_events if isinstance(e, TextDelta)]
+        assert "".join(text for delta in deltas for text, _ in delta.pieces) == result.text
+        origins = [origin for delta in deltas if delta.token_ids for _, origin in delta.pieces]
+        assert len(origins) == result.new_tokens and set(origins) <= {"draft", "recovered", "bonus", "plain"}
+        assert 0 < origins.count("draft") <= result.stats.accepted_draft_tokens
+        assert len(origins) - origins.count("draft") <= result.stats.target_forwards
 
 
 @pytest.mark.slow

@@ -1,0 +1,174 @@
+"""A conversation as specchat keeps it, and the pure views of it: what the model sees, what the
+chat shows, and the exports people download.
+
+A user message: {"role": "user", "content": question as typed, "document": None or
+{"name": str, "text": str, "tokens": int, "note": str}}.
+An assistant message: {"role": "assistant", "content": str, "partial": bool, "stats": dict or None,
+"origins": list or None}; `partial` stays True while it streams and after a crash cut it short.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+from .documents import user_turn
+
+NEW_TITLE = "New chat"
+TITLE_LENGTH = 48
+INTERRUPTED = "*(interrupted)*"
+
+
+@dataclass
+class Conversation:
+    id: str  # uuid4 hex: also the file name, so it must stay path-safe
+    title: str
+    created: float
+    updated: float
+    system: str = ""
+    preset: str = "free"
+    messages: list[dict] = field(default_factory=list)
+
+
+def model_messages(conversation: Conversation) -> list[dict]:
+    """The chat the model is given: the system prompt, then each turn with its document inlined.
+    An answer cut off before its first word is left out: it says nothing to continue from."""
+    system = conversation.system.strip()
+    messages = [{"role": "system", "content": system}] if system else []
+    for message in conversation.messages:
+        if message["role"] == "user":
+            document = message.get("document")
+            content = user_turn(message["content"], document["text"] if document else None)
+        elif message.get("partial") and not message["content"]:
+            continue
+        else:
+            content = message["content"]
+        messages.append({"role": message["role"], "content": content})
+    return messages
+
+
+def shown_messages(conversation: Conversation, streaming: bool = False) -> list[dict]:
+    """The chat as the Chatbot shows it. `streaming`: the last answer is still being written, so it
+    is not marked as interrupted."""
+    shown = []
+    last = len(conversation.messages) - 1
+    for index, message in enumerate(conversation.messages):
+        if message["role"] == "user":
+            label = [attachment_label(message["document"])] if message.get("document") else []
+            question = [message["content"]] if message["content"].strip() else []
+            content = "\n\n".join(label + question)
+        else:
+            content = answer_text(message, live=streaming and index == last)
+        shown.append({"role": message["role"], "content": content})
+    return shown
+
+
+def attachment_label(document: dict) -> str:
+    """One line naming an attached document: "📎 *report.pdf · 7,402 tokens · cut …*"."""
+    name, *rest = _document_details(document)
+    return f"📎 *{' · '.join([_escape_markdown(name), *rest])}*"
+
+
+def _document_details(document: dict) -> list[str]:
+    details = [document["name"], f"{document['tokens']:,} tokens"]
+    return details + [document["note"]] if document.get("note") else details
+
+
+def answer_text(message: dict, live: bool = False) -> str:
+    """An answer's text, marked when a stop or a crash cut it short."""
+    if not message.get("partial") or live:
+        return message["content"]
+    return f"{message['content']} {INTERRUPTED}" if message["content"] else INTERRUPTED
+
+
+def title_from(question: str) -> str:
+    """A list title from the first question: its first line, cut at a word near 48 characters."""
+    lines = [" ".join(line.split()) for line in question.splitlines()]
+    first = next((line for line in lines if line), "")
+    if not first:
+        return NEW_TITLE
+    if len(first) <= TITLE_LENGTH:
+        return first
+    cut = first[:TITLE_LENGTH - 1]
+    # Prefer ending on a whole word, unless that leaves too little of the line.
+    if first[len(cut)] != " " and " " in cut[TITLE_LENGTH // 2:]:
+        cut = cut[:cut.rindex(" ")]
+    return cut.rstrip(" ,.;:-") + "…"
+
+
+def to_json(conversation: Conversation) -> str:
+    """The full record, documents included: what the store writes and the JSON export."""
+    return json.dumps(asdict(conversation), ensure_ascii=False, indent=1)
+
+
+def from_json(text: str) -> Conversation:
+    """The conversation `to_json` wrote; `ValueError` when the text is not one (truncated, edited)."""
+    data = json.loads(text)  # JSONDecodeError is a ValueError
+    if not isinstance(data, dict):
+        raise ValueError("a conversation is a JSON object")
+    try:
+        conversation = Conversation(**data)
+    except TypeError as error:
+        raise ValueError(f"not a conversation: {error}") from None
+    _check_types(conversation)
+    return conversation
+
+
+def to_markdown(conversation: Conversation) -> str:
+    """A readable export: title, system prompt, then each turn; documents fold away in <details>."""
+    started = time.strftime("%Y-%m-%d %H:%M", time.localtime(conversation.created))
+    parts = [f"# {conversation.title}", f"*specchat conversation · started {started}*"]
+    if conversation.system.strip():
+        parts.append("**System prompt:**\n\n" + _quote(conversation.system.strip()))
+    parts.append("---")
+    for message in conversation.messages:
+        if message["role"] == "user":
+            parts.append("**You:**")
+            if message.get("document"):
+                parts.append(_folded_document(message["document"]))
+            if message["content"].strip():
+                parts.append(message["content"].strip())
+        else:
+            parts.append("**specchat:**")
+            parts.append(answer_text(message))
+    return "\n\n".join(parts) + "\n"
+
+
+def _folded_document(document: dict) -> str:
+    # The fence must be longer than any run of backticks in the document, or the text ends it early.
+    longest_run = max((len(run) for run in re.findall(r"`+", document["text"])), default=0)
+    fence = "`" * max(3, longest_run + 1)
+    summary = html.escape("📎 " + " · ".join(_document_details(document)))
+    return (f"<details><summary>{summary}</summary>\n\n"
+            f"{fence}text\n{document['text'].rstrip()}\n{fence}\n\n</details>")
+
+
+def _quote(text: str) -> str:
+    return "\n".join(f"> {line}" if line else ">" for line in text.splitlines())
+
+
+def _escape_markdown(text: str) -> str:
+    return re.sub(r"([\\`*_\[\]<>])", r"\\\1", text)
+
+
+def _check_types(conversation: Conversation) -> None:
+    """Reject a record whose fields the views would trip over later, so it fails here, once."""
+    fields = {"id": str, "title": str, "created": (int, float), "updated": (int, float),
+              "system": str, "preset": str, "messages": list}
+    for name, kind in fields.items():
+        if not isinstance(getattr(conversation, name), kind):
+            raise ValueError(f"field {name!r} has the wrong type")
+    for message in conversation.messages:
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise ValueError("a message needs text content")
+        if message.get("role") == "user":
+            document = message.get("document")
+            if document is not None and not (
+                    isinstance(document, dict) and isinstance(document.get("name"), str)
+                    and isinstance(document.get("text"), str) and isinstance(document.get("tokens"), int)):
+                raise ValueError("a document needs a name, text and a token count")
+        elif message.get("role") != "assistant":
+            raise ValueError(f"unknown message role {message.get('role')!r}")

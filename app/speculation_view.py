@@ -1,0 +1,57 @@
+"""What the page shows of an answer's speculation: the figures line, the per-stage table and
+the answer's tokens colored by how they were produced. Pure: stats in, Markdown or HTML out."""
+
+from __future__ import annotations
+
+import html
+
+FINISH_REASONS = {"stop": "done", "length": "reached the token limit", "cancelled": "stopped"}
+ORIGINS = {  # origin -> (legend, color); the colors stay readable on light and dark themes
+    "draft": ("accepted draft token", "#2e9d5b"),
+    "recovered": ("recovered after a rejection", "#d9822b"),
+    "bonus": ("bonus token after a fully accepted draft", "#3b7dd8"),
+    "plain": ("plain step (nothing drafted)", "#8a8a8a"),
+}
+
+
+def stats_line(stats: dict, mode: str, new_tokens: int | None = None, finish_reason: str | None = None) -> str:
+    """One Markdown line: speed, tokens per target forward, acceptance; the end when finished."""
+    drafted, accepted = stats.get("drafted_tokens", 0), stats.get("accepted_draft_tokens", 0)
+    acceptance = f" · {accepted / drafted:.0%} of draft tokens accepted" if drafted else ""
+    reused = stats.get("reused_prompt_tokens", 0)
+    reused_text = f" ({reused:,} prompt tokens reused)" if reused else ""
+    line = (f"**{stats.get('tokens_per_second', 0):.1f} tok/s** · "
+            f"**{stats.get('mean_accepted_per_forward', 0):.2f}** tokens per target forward · "
+            f"{stats.get('target_forwards', 0)} target forwards{acceptance} · "
+            f"first token after {stats.get('prefill_seconds', 0):.2f} s{reused_text}" + (f" · mode `{mode}`" if mode else ""))
+    if finish_reason is not None:
+        line += f" · {new_tokens} tokens, {FINISH_REASONS[finish_reason]}"
+    return line
+
+
+def stage_table(stats: dict) -> str:
+    """Markdown table of each verifying stage: the target's full verification and, for TriForce,
+    the stages below it."""
+    rows = [("target (full verification)", stats.get("target_forwards", 0), stats.get("drafted_tokens", 0),
+             stats.get("accepted_draft_tokens", 0), "")]
+    for name, counts in stats.get("stages", {}).items():
+        rows.append((name, counts.get("forwards", 0), counts.get("drafted", 0), counts.get("accepted", 0),
+                     str(counts["builds"]) if "builds" in counts else ""))
+    lines = ["| stage | forwards | draft tokens verified | accepted | acceptance | cache builds |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, forwards, drafted, accepted, builds in rows:
+        rate = f"{accepted / drafted:.0%}" if drafted else "–"
+        lines.append(f"| {name} | {forwards} | {drafted} | {accepted} | {rate} | {builds} |")
+    return "\n".join(lines)
+
+
+def colored_tokens(pieces: list) -> str:
+    """HTML of an answer's text, each token's span colored by its origin, with a legend."""
+    spans = "".join(
+        f'<span class="tok-{origin}" style="color:{ORIGINS.get(origin, ORIGINS["plain"])[1]}" '
+        f'title="{ORIGINS.get(origin, ORIGINS["plain"])[0]}">'
+        f'{html.escape(text).replace(chr(10), "<br>")}</span>'
+        for text, origin in pieces if text)
+    legend = " ".join(f'<span style="color:{color}">■ {label}</span>' for label, color in ORIGINS.values())
+    return (f'<div class="token-legend" style="font-size:0.85em;margin-bottom:0.5em">{legend}</div>'
+            f'<div class="token-text" style="white-space:normal;line-height:1.6">{spans or "<i>no answer yet</i>"}</div>')

@@ -1,0 +1,354 @@
+"""The app's "Models & hardware" tab: every registry pair with its fit and download status,
+downloads with live progress and cancel, switching the loaded pair, this machine's hardware
+profile and the loaded engine's plan.
+
+The state (a background download, the cached profile) and the rendering are plain classes and
+functions, tested without a browser; `build_models_tab` only wires them to components and polls
+them once a second, sending a component only what changed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ..core.download import DownloadProgress, download_pair, model_status
+from ..core.errors import SpecchatError, first_line
+from ..core.files import human_size
+from ..core.fit import this_machine
+from ..core.hardware import HardwareProfile, load_or_probe
+from ..core.plan import PlanRefused, make_plan
+from ..core.registry import ModelPair, Registry, load_registry
+from .engine_handle import EngineHandle
+from .models_cmd import pair_row, progress_text
+from .plan_cmd import plan_markdown, profile_markdown
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+
+POLL_SECONDS = 1.0
+PAIR_COLUMNS = ["ID", "Pair", "Context (tokens)", "Size", "Fits this machine", "Why", "On disk"]
+PAIR_COLUMN_WIDTHS = ["10%", "22%", "9%", "8%", "10%", "31%", "10%"]  # the reasons are the long cells
+
+
+# ---- a download in the background -----------------------------------------------------------
+
+
+class DownloadCancelled(Exception):
+    """Raised from the progress callback to stop a download; its partial file stays, to resume."""
+
+
+@dataclass(frozen=True)
+class DownloadSnapshot:
+    """The download panel at one moment."""
+    pair_id: str | None  # None: nothing downloaded since the app started
+    state: str  # "idle", "running", "cancelling", "downloaded", "cancelled" or "failed"
+    progress: DownloadProgress | None  # the latest report; None before the first
+    rate: float  # bytes per second: so far while running, on average once ended
+    error: str = ""  # why it failed
+
+
+class PairDownload:
+    """One pair's download at a time, in a background thread; the page polls `snapshot()`.
+
+    download_pair has no stop of its own, but it reports progress between chunks: cancelling sets
+    a flag that the progress callback turns into `DownloadCancelled`, which ends the transfer
+    mid-file with the partial file kept, so the next download resumes it.
+    """
+
+    def __init__(self, endpoint: str | None = None):
+        self.endpoint = endpoint  # None: the Hub huggingface_hub is configured for (HF_ENDPOINT)
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._snapshot = DownloadSnapshot(None, "idle", None, 0.0)
+        self._started = 0.0
+        self._first_done: int | None = None
+        self.ended = 0  # downloads ended so far: the pairs table is read again after each
+
+    def snapshot(self) -> DownloadSnapshot:
+        with self._lock:
+            current = self._snapshot
+            return replace(current, rate=self._rate(current.progress)) if self._active() else current
+
+    def start(self, pair: ModelPair) -> str:
+        """Start downloading `pair` unless a download runs: "" when it starts (the progress line
+        shows it), else a sentence for the page saying why not."""
+        if pair.source != "hub":
+            return f"**{pair.id}** is built in: nothing to download."
+        with self._lock:
+            if self._active():
+                return f"**{self._snapshot.pair_id}** is downloading: wait for it, or cancel it first."
+            self._snapshot = DownloadSnapshot(pair.id, "running", None, 0.0)
+            self._started, self._first_done = time.monotonic(), None
+            self._cancel.clear()
+        threading.Thread(target=self._download, args=(pair,), daemon=True, name=f"download-{pair.id}").start()
+        return ""
+
+    def cancel(self) -> str:
+        """"" when it stops (the progress line says so), else a sentence saying why not."""
+        with self._lock:
+            if not self._active():
+                return "No download is running."
+            self._cancel.set()
+            self._snapshot = replace(self._snapshot, state="cancelling")
+            return ""
+
+    def downloading(self, pair_id: str) -> bool:
+        with self._lock:
+            return self._active() and self._snapshot.pair_id == pair_id
+
+    def _active(self) -> bool:
+        return self._snapshot.state in ("running", "cancelling")
+
+    def _rate(self, progress: DownloadProgress | None) -> float:
+        """Bytes per second since this download started, not counting the bytes it found on disk."""
+        if progress is None:
+            return 0.0
+        return (progress.done_bytes - self._first_done) / max(time.monotonic() - self._started, 1e-9)
+
+    def _report(self, progress: DownloadProgress) -> None:
+        if self._cancel.is_set():
+            raise DownloadCancelled()
+        with self._lock:
+            if self._first_done is None:
+                self._first_done = progress.done_bytes
+            self._snapshot = replace(self._snapshot, progress=progress)
+
+    def _download(self, pair: ModelPair) -> None:
+        state, error = "downloaded", ""
+        try:
+            download_pair(pair, self._report, endpoint=self.endpoint)
+        except DownloadCancelled:
+            state = "cancelled"
+        except SpecchatError as failure:  # DownloadError, NotDownloaded (offline): their sentence
+            state, error = "failed", str(failure)
+        except Exception as failure:  # shown in the page instead of a dead thread
+            state, error = "failed", f"unexpected error: {type(failure).__name__}: {first_line(failure)}"
+        with self._lock:
+            progress = self._snapshot.progress
+            self._snapshot = DownloadSnapshot(pair.id, state, progress, self._rate(progress), error)
+            self.ended += 1
+
+
+def download_markdown(snapshot: DownloadSnapshot) -> str:
+    pair, progress = f"**{snapshot.pair_id}**", snapshot.progress
+    if snapshot.state == "idle":
+        return "No download running. A download cancelled or broken off resumes where it stopped."
+    if snapshot.state in ("running", "cancelling"):
+        line = f"{pair}: " + (progress_text(progress, snapshot.rate) if progress else "asking the Hub for its files…")
+        return line + (" — cancelling…" if snapshot.state == "cancelling" else "")
+    if snapshot.state == "downloaded":
+        return f"{pair} downloaded" + (
+            f": {human_size(progress.total_bytes)}, {human_size(snapshot.rate)}/s on average" if progress else
+            " (it was already in the cache)")
+    if snapshot.state == "cancelled":
+        kept = f" at {human_size(progress.done_bytes)} of {human_size(progress.total_bytes)}" if progress else ""
+        return f"{pair}: download cancelled{kept}; press Download to resume it."
+    return f"⚠️ {pair}: {snapshot.error}"
+
+
+# ---- the hardware profile -------------------------------------------------------------------
+
+
+def _read_profile(refresh: bool) -> HardwareProfile:
+    return load_or_probe(refresh=refresh)
+
+
+class ProfileHolder:
+    """This machine's hardware profile, read once in the background from specchat's cache (measured
+    only when nothing is cached yet), never again on a page load; `measure_again` refreshes it."""
+
+    def __init__(self, read: Callable[[bool], HardwareProfile] = _read_profile):
+        self._read = read
+        self._lock = threading.Lock()
+        self._first_read = threading.Event()
+        self._profile: HardwareProfile | None = None
+        self._error = ""
+        self._measuring = True
+        threading.Thread(target=self._load, args=(False,), daemon=True, name="hardware-profile").start()
+
+    def _load(self, refresh: bool) -> None:
+        profile, error = None, ""
+        try:
+            profile = self._read(refresh)
+        except Exception as failure:  # shown in the tab; the chat does not need it
+            error = f"{type(failure).__name__}: {first_line(failure)}"
+        with self._lock:
+            self._profile, self._error = profile or self._profile, error
+            self._measuring = False
+        self._first_read.set()
+
+    def get(self, timeout: float | None = None) -> HardwareProfile | None:
+        """The profile, after waiting up to `timeout` for the first read; None if there is none."""
+        self._first_read.wait(timeout)
+        with self._lock:
+            return self._profile
+
+    def measure_again(self) -> str:
+        """"" when a measurement starts (the profile panel says so), else why not."""
+        with self._lock:
+            if self._measuring:
+                return "The profile is being measured: wait a moment."
+            self._measuring = True
+        threading.Thread(target=self._load, args=(True,), daemon=True, name="hardware-profile").start()
+        return ""
+
+    def markdown(self) -> str:
+        with self._lock:
+            profile, error, measuring = self._profile, self._error, self._measuring
+        if profile is None:
+            return f"⚠️ The hardware profile could not be read: {error}" if error else \
+                "Reading this machine's hardware profile…"
+        notes = (["*Measuring again (seconds; longer with GPUs)…*"] if measuring else []) + \
+            ([f"⚠️ Measuring again failed: {error}"] if error else [])
+        return "\n\n".join([profile_markdown(profile), *notes])
+
+
+# ---- the loaded model and its plan ----------------------------------------------------------
+
+
+def model_label(model: str, registry: Registry) -> str:
+    pair = registry.pairs.get(model)
+    return f"**{model}** ({pair.name})" if pair else f"`{model}`"
+
+
+def status_markdown(handle: EngineHandle, registry: Registry) -> str:
+    label, status = model_label(handle.model, registry), handle.status()
+    if status == "loading":
+        return f"Loading {label}…"
+    if status == "ready":
+        return f"Loaded: {label}"
+    return f"⚠️ {label} could not be loaded: {status.removeprefix('failed: ')}"
+
+
+def engine_plan_markdown(engine: Engine) -> str:
+    """The plan the engine was loaded with; without one (a local model folder, or a pair that fits
+    nowhere) what runs, briefly."""
+    if engine.plan is not None:
+        return plan_markdown(engine.plan)
+    draft = f", drafted by `{engine.draft_name}`" if engine.draft is not None else ""
+    dtype = str(engine.model.hf.dtype).removeprefix("torch.")
+    return (f"`{engine.name}` runs without a plan: {engine.auto_mode} decoding when the mode is auto, "
+            f"{dtype} weights on {engine.model.device}{draft}.")
+
+
+def loaded_plan_markdown(handle: EngineHandle) -> str:
+    if handle.status() != "ready":
+        return "The plan shows once a model is loaded."
+    try:
+        return engine_plan_markdown(handle.get(timeout=0))
+    except SpecchatError:  # switched to another model since the status was read
+        return "The plan shows once a model is loaded."
+
+
+def switch_refusal(pair: ModelPair, registry: Registry, profile: HardwareProfile | None,
+                   downloads: PairDownload) -> str | None:
+    """Why `pair` cannot be loaded now, as Markdown, or None when it can: it must fit this machine
+    (the plan at the pair's full context, as loading plans it) and be downloaded."""
+    if profile is not None:
+        try:
+            make_plan(profile, pair, pair.context_length, registry=registry)
+        except PlanRefused as refusal:
+            return f"⚠️ {refusal}"
+    if pair.source != "hub" or all(model_status(model).complete for model in pair.models):
+        return None
+    if downloads.downloading(pair.id):
+        return f"**{pair.id}** is still downloading: use it once the download ends."
+    return f"**{pair.id}** is not downloaded: download it first ({human_size(pair.download_bytes)})."
+
+
+# ---- the tab's state, shared by every browser session ---------------------------------------
+
+
+class ModelsPanel:
+    """What the tab shows and does; each method returns what a component shows."""
+
+    def __init__(self, handle: EngineHandle, registry: Registry, downloads: PairDownload | None = None,
+                 profiles: ProfileHolder | None = None):
+        self.handle, self.registry = handle, registry
+        self.downloads = downloads or PairDownload()
+        self.profiles = profiles or ProfileHolder()
+
+    def pair_table(self) -> list[list[str]]:
+        machine = this_machine()
+        rows = [pair_row(pair, machine) for pair in self.registry.pairs.values()]
+        return [[row["id"], row["name"], f"{row['context_length']:,}", row["download"], row["fit"],
+                 row["fit_reason"], row["status"]] for row in rows]
+
+    def poll(self) -> dict[str, object]:
+        """What the polled components show now. The pairs table reads the disk, so instead of it
+        the count of ended downloads: the table is read again when that changes."""
+        return {"status": status_markdown(self.handle, self.registry),
+                "download": download_markdown(self.downloads.snapshot()),
+                "plan": loaded_plan_markdown(self.handle), "profile": self.profiles.markdown(),
+                "downloads_ended": self.downloads.ended}
+
+    def download(self, pair_id: str | None) -> str:
+        if not pair_id:
+            return "Pick a pair first."
+        return self.downloads.start(self.registry.get(pair_id))
+
+    def use(self, pair_id: str | None) -> str:
+        """Load `pair_id` in the background: "" when it starts (the status line shows it), else why not."""
+        if not pair_id:
+            return "Pick a pair first."
+        pair = self.registry.get(pair_id)
+        refusal = switch_refusal(pair, self.registry, self.profiles.get(), self.downloads)
+        if refusal:
+            return refusal
+        status = self.handle.status()
+        if pair_id == self.handle.model and status in ("loading", "ready"):
+            return f"**{pair_id}** is already {'loading' if status == 'loading' else 'loaded'}."
+        self.handle.switch(pair_id)
+        return ""
+
+
+# ---- the Gradio wiring ------------------------------------------------------------------------
+
+
+def build_models_tab(handle: EngineHandle, registry_file: str | None, downloads: PairDownload | None = None) -> None:
+    """The tab's components and events, inside the caller's `gr.Tab`. `downloads` defaults to
+    downloads from the Hub huggingface_hub is configured for (tests pass a stand-in's)."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    import gradio as gr
+
+    panel = ModelsPanel(handle, load_registry(registry_file), downloads)
+    polled = ("status", "download", "plan", "profile")
+
+    gr.Markdown("### Model pairs\nFit is an estimate from the registry's shapes; **Use this pair** checks the "
+                "exact plan first.")
+    status = gr.Markdown(lambda: status_markdown(handle, panel.registry), elem_id="model-status")
+    table = gr.Dataframe(panel.pair_table, headers=PAIR_COLUMNS, column_widths=PAIR_COLUMN_WIDTHS, interactive=False,
+                         wrap=True, elem_id="pairs")
+    with gr.Row():
+        picker = gr.Dropdown([(f"{pair.id}: {pair.name}", pair.id) for pair in panel.registry.pairs.values()],
+                             value=handle.model if handle.model in panel.registry.pairs else None,
+                             label="Pair", scale=3, elem_id="pair-picker")
+        download = gr.Button("Download", scale=1, elem_id="download")
+        cancel = gr.Button("Cancel download", variant="stop", scale=1, elem_id="cancel-download")
+        use = gr.Button("Use this pair", variant="primary", scale=1, elem_id="use-pair")
+    message = gr.Markdown("", elem_id="pair-message")
+    progress = gr.Markdown(lambda: download_markdown(panel.downloads.snapshot()), elem_id="download-progress")
+    gr.Markdown("### This machine")
+    profile = gr.Markdown(panel.profiles.markdown, elem_id="profile")
+    measure = gr.Button("Measure again", size="sm", elem_id="measure-again")
+    gr.Markdown("### The plan of the loaded model")
+    plan = gr.Markdown(lambda: loaded_plan_markdown(handle), elem_id="plan")
+    shown = gr.State({})  # what this session's components show, so a poll sends only changes
+
+    def refresh(before: dict):
+        now = panel.poll()
+        values = [gr.skip() if before.get(key) == now[key] else now[key] for key in polled]
+        rows = gr.skip() if before.get("downloads_ended") == now["downloads_ended"] else panel.pair_table()
+        return *values, rows, now
+
+    outputs = [status, progress, plan, profile, table, shown]
+    gr.Timer(POLL_SECONDS).tick(refresh, shown, outputs, show_progress="hidden")
+    # After a button, poll at once rather than within the second.
+    for button, action, inputs in ((download, panel.download, picker), (cancel, panel.downloads.cancel, None),
+                                   (use, panel.use, picker), (measure, panel.profiles.measure_again, None)):
+        button.click(action, inputs, message).then(refresh, shown, outputs, show_progress="hidden")

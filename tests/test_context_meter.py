@@ -1,0 +1,140 @@
+"""The context meter and document cuts, on the embedded model's real tokenizer and chat template."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from specchat.app.context_meter import ANSWER_RESERVE, CUTS, Meter, cut_document, cut_marker, describe, measure
+from specchat.core.engine import Engine
+from specchat.core.errors import InputError
+
+# Numbered sentences, so a test can tell which parts of the document a cut kept.
+DOCUMENT = " ".join(f"Sentence {i:04d} says something about café prices." for i in range(200))
+HISTORY = [{"role": "user", "content": "What is this about?"},
+           {"role": "assistant", "content": "It is a list of sentences about prices."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_dir)
+
+
+class TokenizerEngine:
+    """An engine without weights: `Engine`'s own token counting on a real tokenizer."""
+
+    chat_ids = Engine.chat_ids
+    count_tokens = Engine.count_tokens
+
+    def __init__(self, tokenizer, context_length: int):
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+
+
+def tokens(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_parts_add_up_to_at_most_the_prompt(tokenizer):
+    engine = TokenizerEngine(tokenizer, 8192)
+    meter = measure(engine, "Answer briefly.", HISTORY, DOCUMENT, "Which sentence is first?", 1024)
+    assert min(meter.system, meter.history, meter.document, meter.question) > 0
+    assert meter.system + meter.history + meter.document + meter.question <= meter.prompt
+    assert meter.prompt == len(engine.chat_ids(
+        [{"role": "system", "content": "Answer briefly."}] + HISTORY
+        + [{"role": "user", "content": f"{DOCUMENT}\n\nWhich sentence is first?"}]))
+    assert meter.context == 8192
+
+
+def test_empty_parts_count_nothing(tokenizer):
+    meter = measure(TokenizerEngine(tokenizer, 8192), "", [], "", "Hi?", 1024)
+    assert (meter.system, meter.history, meter.document) == (0, 0, 0)
+    assert meter.question <= meter.prompt
+
+
+def test_reserve_is_the_answer_limit_up_to_a_cap(tokenizer):
+    engine = TokenizerEngine(tokenizer, 8192)
+    assert measure(engine, "", [], DOCUMENT, "Q?", 10_000).reserve == ANSWER_RESERVE
+    assert measure(engine, "", [], DOCUMENT, "Q?", 50).reserve == 50
+
+
+def test_over_flips_when_prompt_and_reserve_pass_the_context(tokenizer):
+    prompt = measure(TokenizerEngine(tokenizer, 8192), "", HISTORY, DOCUMENT, "Q?", 100).prompt
+    fits = measure(TokenizerEngine(tokenizer, prompt + 100), "", HISTORY, DOCUMENT, "Q?", 100)
+    assert (fits.needed, fits.over, fits.excess, fits.fraction) == (prompt + 100, False, 0, 1.0)
+    over = measure(TokenizerEngine(tokenizer, prompt + 99), "", HISTORY, DOCUMENT, "Q?", 100)
+    assert (over.over, over.excess) == (True, 1)
+    assert over.fraction > 1.0
+
+
+def test_describe_lists_the_parts():
+    meter = Meter(system=20, history=310, document=7402, question=12, prompt=7812, context=8192, reserve=256)
+    assert describe(meter) == ("**7,812 / 8,192 tokens** · document 7,402 · history 310 · system 20 · "
+                               "question 12 · 256 kept for the answer")
+
+
+def test_describe_says_by_how_much_it_is_over_and_skips_empty_parts():
+    meter = Meter(system=0, history=0, document=9100, question=12, prompt=9170, context=8192, reserve=256)
+    assert describe(meter) == ("**9,170 / 8,192 tokens** · document 9,100 · question 12 · "
+                               "256 kept for the answer — **over the limit by 1,234 tokens**")
+
+
+def sentences(text: str) -> list[str]:
+    return re.findall(r"Sentence (\d{4})", text)
+
+
+@pytest.mark.parametrize("where", CUTS)
+def test_cut_removes_enough_marker_included(tokenizer, where):
+    new, removed = cut_document(tokenizer, DOCUMENT, 500, where)
+    assert removed >= 500
+    assert cut_marker(removed) in new
+    assert tokens(tokenizer, new) <= tokens(tokenizer, DOCUMENT) - 500
+
+
+def test_start_cut_keeps_the_end(tokenizer):
+    new, removed = cut_document(tokenizer, DOCUMENT, 500, "start")
+    assert new.startswith(cut_marker(removed))
+    assert new.endswith("Sentence 0199 says something about café prices.")
+    assert "0000" not in sentences(new)
+
+
+def test_end_cut_keeps_the_start(tokenizer):
+    new, removed = cut_document(tokenizer, DOCUMENT, 500, "end")
+    assert new.startswith("Sentence 0000 says something")
+    assert new.endswith(cut_marker(removed))
+    assert "0199" not in sentences(new)
+
+
+def test_middle_cut_keeps_both_ends(tokenizer):
+    new, removed = cut_document(tokenizer, DOCUMENT, 500, "middle")
+    head, tail = new.split(cut_marker(removed))
+    assert head.startswith("Sentence 0000") and tail.rstrip().endswith("café prices.")
+    assert "0100" not in sentences(new)
+    assert abs(tokens(tokenizer, head) - tokens(tokenizer, tail)) < 20  # the halves kept are even
+
+
+def test_cutting_the_excess_makes_the_conversation_fit(tokenizer):
+    fits = measure(TokenizerEngine(tokenizer, 8192), "", HISTORY, DOCUMENT, "Q?", 256)
+    engine = TokenizerEngine(tokenizer, fits.needed - 700)
+    over = measure(engine, "", HISTORY, DOCUMENT, "Q?", 256)
+    assert over.excess == 700
+    for where in CUTS:
+        shorter, _ = cut_document(tokenizer, DOCUMENT, over.excess, where)
+        assert not measure(engine, "", HISTORY, shorter, "Q?", 256).over
+
+
+def test_nothing_to_remove_leaves_the_document_alone(tokenizer):
+    assert cut_document(tokenizer, DOCUMENT, 0, "middle") == (DOCUMENT, 0)
+
+
+def test_a_document_too_short_to_cut(tokenizer):
+    with pytest.raises(InputError, match="cannot be cut enough: .*start a new conversation"):
+        cut_document(tokenizer, DOCUMENT, tokens(tokenizer, DOCUMENT), "end")
+
+
+def test_unknown_cut(tokenizer):
+    with pytest.raises(InputError, match="unknown cut 'top': choose from start, middle, end"):
+        cut_document(tokenizer, DOCUMENT, 10, "top")

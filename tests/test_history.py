@@ -1,0 +1,278 @@
+"""Conversation history: the pure views of a conversation and the folder of JSON files that keeps
+them, including what a crash or a broken file leaves behind."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from specchat.app import history
+from specchat.app.conversation import (Conversation, from_json, model_messages, shown_messages,
+                                       title_from, to_json, to_markdown)
+from specchat.app.documents import user_turn
+from specchat.app.history import HistoryStore, default_folder
+from specchat.core.errors import InputError
+
+DOCUMENT = {"name": "report.pdf", "text": "Line one of the report.\nLine two.", "tokens": 7402,
+            "note": "cut 1,234 tokens from the middle"}
+
+
+def user(content: str, document: dict | None = None) -> dict:
+    return {"role": "user", "content": content, "document": document}
+
+
+def assistant(content: str, partial: bool = False) -> dict:
+    return {"role": "assistant", "content": content, "partial": partial,
+            "stats": {"tokens": 3, "seconds": 0.5} if not partial else None,
+            "origins": [["Hi", "draft"], [" there", "target"]]}
+
+
+def chat(*messages: dict, system: str = "") -> Conversation:
+    return Conversation(id="0" * 32, title="Report questions", created=1.7e9, updated=1.7e9,
+                        system=system, messages=list(messages))
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A clock that moves one second per reading, so save order never ties."""
+    ticks = itertools.count(1_700_000_000)
+    monkeypatch.setattr(history.time, "time", lambda: float(next(ticks)))
+
+
+# ---- views ---------------------------------------------------------------------------------
+
+def test_model_messages_inline_documents_and_skip_empty_cut_answers():
+    conversation = chat(user("What is it about?", DOCUMENT), assistant("A report."),
+                        user("And line two?"), assistant("", partial=True),
+                        user("Still there?"), assistant("Half an ans", partial=True),
+                        system="  Be brief.  ")
+    assert model_messages(conversation) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": user_turn("What is it about?", DOCUMENT["text"])},
+        {"role": "assistant", "content": "A report."},
+        {"role": "user", "content": "And line two?"},
+        {"role": "user", "content": "Still there?"},
+        {"role": "assistant", "content": "Half an ans"},
+    ]
+    assert model_messages(chat(user("Hi"), system="   "))[0] == {"role": "user", "content": "Hi"}
+
+
+def test_shown_messages_label_documents_and_mark_interrupted_answers():
+    conversation = chat(user("What is it about?", DOCUMENT), assistant("Cut sho", partial=True),
+                        user("", {**DOCUMENT, "name": "my_notes*.md", "note": ""}),
+                        assistant("Stream", partial=True))
+    shown = shown_messages(conversation)
+    assert shown[0] == {"role": "user", "content": "📎 *report.pdf · 7,402 tokens · cut 1,234 tokens "
+                                                   "from the middle*\n\nWhat is it about?"}
+    assert shown[1] == {"role": "assistant", "content": "Cut sho *(interrupted)*"}
+    assert shown[2]["content"] == r"📎 *my\_notes\*.md · 7,402 tokens*"  # no empty question line
+    assert shown[3]["content"] == "Stream *(interrupted)*"
+    live = shown_messages(conversation, streaming=True)
+    assert live[3]["content"] == "Stream"  # the one being written now is not marked
+    assert live[1]["content"] == "Cut sho *(interrupted)*"
+    assert shown_messages(chat(user("Hi"), assistant("", partial=True)))[1]["content"] == "*(interrupted)*"
+
+
+def test_title_from_first_question():
+    assert title_from("  What does   section 4 require?\nMore detail") == "What does section 4 require?"
+    assert title_from("\n\n  second line first\n") == "second line first"
+    assert title_from("   ") == "New chat"
+    long = title_from("Summarize the obligations a redistributor takes on under the license terms")
+    assert long.endswith("…") and len(long) <= 48
+    assert long == "Summarize the obligations a redistributor takes…"
+    assert len(title_from("x" * 200)) == 48
+
+
+def test_json_export_round_trips_and_bad_records_are_refused():
+    conversation = chat(user("Résumé? 東京", DOCUMENT), assistant("Oui."), system="Be brief.")
+    assert asdict(from_json(to_json(conversation))) == asdict(conversation)
+    assert "東京" in to_json(conversation)  # readable, not \u escapes
+    for broken in [to_json(conversation)[:-40], "[]", json.dumps({"id": "x"}),
+                   json.dumps({**asdict(conversation), "messages": [{"role": "robot", "content": ""}]}),
+                   json.dumps({**asdict(conversation), "messages": [user("q", {"name": "a"})]}),
+                   json.dumps({**asdict(conversation), "title": None})]:
+        with pytest.raises(ValueError):
+            from_json(broken)
+
+
+def test_markdown_export_holds_every_turn_and_folds_documents():
+    tricky = {**DOCUMENT, "name": "a_b<c>.md", "text": "Code:\n````\nx = 1\n````\n<b>not html</b>"}
+    conversation = chat(user("What is it about?", tricky), assistant("A report."),
+                        user("Anything else?"), assistant("Line tw", partial=True),
+                        system="Be brief.\nCite sections.")
+    markdown = to_markdown(conversation)
+    assert markdown.startswith("# Report questions\n")
+    assert "> Be brief.\n> Cite sections." in markdown
+    for text in ["What is it about?", "A report.", "Anything else?", "Line tw *(interrupted)*"]:
+        assert text in markdown
+    assert markdown.count("**You:**") == 2 and markdown.count("**specchat:**") == 2
+    assert "<details><summary>📎 a_b&lt;c&gt;.md · 7,402 tokens · cut 1,234 tokens from the middle</summary>" in markdown
+    # The fence outgrows the document's own backtick runs, so the document cannot close it.
+    assert "`````text\nCode:\n````\nx = 1\n````\n<b>not html</b>\n`````" in markdown
+
+
+# ---- the store -----------------------------------------------------------------------------
+
+def test_save_and_load_round_trip(tmp_path, clock):
+    store = HistoryStore(tmp_path)
+    conversation = store.new(system="Be brief.", preset="fast")
+    assert len(conversation.id) == 32 and conversation.title == "New chat"
+    store.save(conversation)
+    assert list(tmp_path.iterdir()) == [] and store.list() == []  # untouched: no file
+    conversation.messages += [user("What is it about?", DOCUMENT), assistant("A report.")]
+    conversation.title = title_from("What is it about?")
+    store.save(conversation)
+    assert conversation.updated > conversation.created
+    loaded = store.load(conversation.id)
+    assert asdict(loaded) == asdict(conversation)
+    assert [path.name for path in tmp_path.iterdir()] == [f"{conversation.id}.json"]
+
+
+def test_list_is_newest_first_and_rename_keeps_the_order(tmp_path, clock):
+    store = HistoryStore(tmp_path)
+    first, second, third = (store.new() for _ in range(3))
+    for conversation, question in [(first, "one"), (second, "two"), (third, "three")]:
+        conversation.messages.append(user(question))
+        conversation.title = question
+        store.save(conversation)
+    first.messages.append(assistant("answer"))
+    store.save(first)
+    assert [summary.title for summary in store.list()] == ["one", "three", "two"]
+
+    store.rename(third.id, "  Third,\n renamed ")
+    assert [summary.title for summary in store.list()] == ["one", "Third, renamed", "two"]
+    assert store.load(third.id).updated == third.updated
+    with pytest.raises(InputError, match="needs a title"):
+        store.rename(second.id, " \n ")
+    with pytest.raises(InputError, match="no saved conversation"):
+        store.rename(store.new().id, "Never saved")
+
+
+def test_delete(tmp_path):
+    store = HistoryStore(tmp_path)
+    conversation = store.new()
+    conversation.messages.append(user("Hi"))
+    store.save(conversation)
+    store.delete(conversation.id)
+    assert store.list() == [] and list(tmp_path.iterdir()) == []
+    store.delete(conversation.id)  # already gone: fine
+    with pytest.raises(InputError, match="no saved conversation"):
+        store.load(conversation.id)
+
+
+def test_unreadable_files_are_set_aside_and_reported_once(tmp_path):
+    store = HistoryStore(tmp_path)
+    good = store.new()
+    good.messages.append(user("Hi"))
+    store.save(good)
+    truncated, wrong_shape = tmp_path / f"{'a' * 32}.json", tmp_path / f"{'b' * 32}.json"
+    truncated.write_text(to_json(chat(user("Hi")))[:50])
+    wrong_shape.write_text("[]")
+    (tmp_path / "notes.json").write_text("not ours")  # not an id: left alone
+
+    assert [summary.id for summary in store.list()] == [good.id]
+    assert not truncated.exists() and (tmp_path / f"{truncated.name}.corrupt").exists()
+    problems = store.take_problems()
+    assert sorted(problems) == sorted(
+        f"a saved conversation could not be read and was set aside: {path}.corrupt"
+        for path in (truncated, wrong_shape))
+    assert store.list()[0].id == good.id and store.take_problems() == []
+    assert (tmp_path / "notes.json").read_text() == "not ours"
+
+    (tmp_path / f"{good.id}.json").write_text("{")  # broken while the app runs
+    with pytest.raises(InputError, match="set aside"):
+        store.load(good.id)
+    assert store.list() == [] and len(store.take_problems()) == 1
+
+
+def test_stale_temporary_files_are_cleaned_on_startup(tmp_path):
+    stale, fresh = tmp_path / "tmpold.tmp", tmp_path / "tmpnew.tmp"
+    for path in (stale, fresh):
+        path.write_text('{"half": ')
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    store = HistoryStore(tmp_path)
+    assert not stale.exists()
+    assert fresh.exists()  # may be another specchat's write in progress
+    assert store.list() == [] and store.take_problems() == []
+
+
+@pytest.mark.parametrize("bad_id", ["../" + "a" * 32, "a" * 31, "A" * 32, "a" * 32 + "/..", "", "..", None])
+def test_ids_are_checked_before_touching_paths(tmp_path, bad_id):
+    store = HistoryStore(tmp_path / "conversations")
+    conversation = chat(user("Hi"))
+    conversation.id = bad_id
+    for attempt in (lambda: store.load(bad_id), lambda: store.delete(bad_id),
+                    lambda: store.rename(bad_id, "x"), lambda: store.save(conversation)):
+        with pytest.raises(InputError, match="not a conversation id"):
+            attempt()
+    assert not (tmp_path / "conversations").exists()
+
+
+def test_default_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECCHAT_DATA_DIR", str(tmp_path))
+    assert default_folder() == tmp_path / "conversations"
+    monkeypatch.delenv("SPECCHAT_DATA_DIR")
+    import platformdirs
+
+    assert default_folder() == Path(platformdirs.user_data_dir("specchat", appauthor=False)) / "conversations"
+
+
+# ---- crashes -------------------------------------------------------------------------------
+
+# Appends numbered turns to a saved conversation, saving after each and then reporting how many
+# messages are saved: whatever the report says must survive a kill.
+WRITER = """
+import sys
+from pathlib import Path
+from specchat.app.history import HistoryStore
+
+store = HistoryStore(Path(sys.argv[1]))
+conversation = store.load(sys.argv[2])
+while True:
+    number = len(conversation.messages)
+    conversation.messages.append(
+        {"role": "user", "content": f"turn {number}", "document": None} if number % 2 == 0 else
+        {"role": "assistant", "content": f"turn {number}", "partial": False, "stats": None,
+         "origins": None})
+    store.save(conversation)
+    print(number + 1, flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_a_killed_writer_loses_at_most_the_turn_in_flight(tmp_path):
+    store = HistoryStore(tmp_path)
+    conversation = store.new()
+    # Megabytes of document make each save take a while, so kills often land mid-write.
+    big = {"name": "big.txt", "text": "All work and no play. 東京\n" * 150_000, "tokens": 1_000_000, "note": ""}
+    conversation.messages.append(user("turn 0", big))
+    store.save(conversation)
+    for kill in range(8):
+        delay = random.uniform(0.0, 0.2)
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), conversation.id],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first_report = writer.stdout.readline()  # it is writing now
+        time.sleep(delay)
+        writer.kill()
+        rest, errors = writer.communicate()
+        assert writer.returncode == -signal.SIGKILL, errors
+        reported = int((first_report + rest).split()[-1])
+
+        reader = HistoryStore(tmp_path)
+        saved = reader.load(conversation.id).messages
+        assert reported <= len(saved) <= reported + 1, f"kill {kill} after {delay:.3f} s"
+        assert saved[0]["document"] == big
+        assert [message["content"] for message in saved] == [f"turn {n}" for n in range(len(saved))]
+        assert [summary.id for summary in reader.list()] == [conversation.id]
+        assert reader.take_problems() == []

@@ -1,0 +1,91 @@
+"""The chat tab's behaviour without a browser, on the tiny model (256-token context): what is
+saved when, stop, regenerate, edit, and the over-limit choice. The browser tests drive the same
+code through the page."""
+
+import pytest
+
+from conftest import DATA
+from specchat.app.conversation import model_messages
+from specchat.app.engine_handle import EngineHandle
+from specchat.app.history import HistoryStore
+from specchat.app.ui_chat import ChatLogic, Settings
+from specchat.core.loading import load_engine
+
+SETTINGS = Settings(system="", preset="free", temperature=0.0, top_p=1.0, top_k=0, seed=None,
+                    max_new_tokens=24, mode="auto")
+
+
+@pytest.fixture
+def logic(tiny_model_dir, tmp_path):
+    handle = EngineHandle(lambda model: load_engine(model), str(tiny_model_dir))
+    handle.get()
+    return ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
+
+
+def run(views):
+    return list(views)
+
+
+def saved(logic):
+    (summary,) = logic.store.list()
+    return logic.store.load(summary.id)
+
+
+def test_a_question_is_saved_before_its_answer_and_the_answer_when_it_ends(logic):
+    views = logic.send("Hello there", None, "", None, SETTINGS)
+    first = next(views)
+    assert first.message == "" and first.conversation.messages[-1]["content"] == "Hello there"
+    assert [m["role"] for m in saved(logic).messages] == ["user"]  # on disk before any token
+    rest = run(views)
+    reply = saved(logic).messages[-1]
+    assert reply["role"] == "assistant" and not reply["partial"] and reply["content"] == rest[-1].conversation.messages[-1]["content"]
+    assert reply["finish_reason"] in ("stop", "length") and reply["stats"]["target_forwards"] >= 1
+    assert "".join(text for text, _ in reply["origins"]) == reply["content"]
+
+
+def test_stop_keeps_the_answer_so_far(logic):
+    views = logic.send("Tell me a story", None, "", None, SETTINGS)
+    streamed = [next(views) for _ in range(4)]  # the question, then a few tokens
+    views.close()  # what the page's Stop does to the handler
+    reply = saved(logic).messages[-1]
+    assert reply["role"] == "assistant" and not reply["partial"] and reply["finish_reason"] == "cancelled"
+    assert reply["content"] == streamed[-1].conversation.messages[-1]["content"]
+
+
+def test_regenerate_and_edit_replace_what_follows(logic):
+    conversation = run(logic.send("First question", None, "", None, SETTINGS))[-1].conversation
+    run(logic.send("Second question", None, "", conversation, SETTINGS))
+    assert len(saved(logic).messages) == 4
+    sampled = Settings(**{**SETTINGS.__dict__, "temperature": 1.0, "seed": 7})
+    run(logic.regenerate(conversation, sampled))
+    messages = saved(logic).messages
+    assert len(messages) == 4 and messages[2]["content"] == "Second question"
+    run(logic.edit(conversation, 0, "📎 *ignored label*\n\nEdited question", SETTINGS))
+    messages = saved(logic).messages
+    assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == "Edited question"
+    refused = run(logic.edit(conversation, 1, "not mine", SETTINGS))
+    assert "Only your own messages" in refused[-1].status
+
+
+def test_over_the_limit_nothing_is_sent_until_a_cut_is_chosen(logic):
+    document = (DATA / "apache-2.0.txt").read_text()[:3000].strip()  # about 600 tokens; the context is 256
+    (view,) = run(logic.send("What is this?", None, document, None, SETTINGS))
+    assert view.over_limit and view.cuts_possible and "too many" in view.over_limit
+    assert logic.store.list() == []  # nothing sent, nothing saved
+    cut = logic.cut("middle", "What is this?", view.attachment, "", None, SETTINGS)
+    assert "from the middle" in cut.attachment["note"] and "tokens cut" in cut.attachment["text"]
+    views = run(logic.send("What is this?", cut.attachment, "", None, SETTINGS))
+    conversation = views[-1].conversation
+    assert conversation.messages[-1]["role"] == "assistant" and conversation.messages[-1]["content"] is not None
+    assert document[:200] in model_messages(conversation)[0]["content"]  # the start kept
+    assert document[-200:] in model_messages(conversation)[0]["content"]  # and the end
+
+
+def test_conversations_survive_a_new_store_on_the_same_folder(logic):
+    conversation = run(logic.send("Remember me", None, "", None, SETTINGS))[-1].conversation
+    logic.rename(conversation, "Kept")
+    again = HistoryStore(logic.store.folder)
+    assert [summary.title for summary in again.list()] == ["Kept"]
+    assert again.load(conversation.id).messages[0]["content"] == "Remember me"
+    logic.delete(conversation)
+    assert again.list() == []

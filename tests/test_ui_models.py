@@ -1,0 +1,278 @@
+"""The Models & hardware tab: its renderers, the background download (real downloads through the
+real huggingface_hub from the loopback stand-in hub), switching pairs, and the tab in Chromium."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import DATA
+from hub_pairs import TARGET_REPO, build_tiny_pair
+from live_server import free_port
+from standin_hub import StandinHub, hub_online
+from test_browser import ARTIFACTS, CHROMIUM, browser_or_skip, wait_for
+
+from specchat.app.engine_handle import EngineHandle
+from specchat.app.plan_cmd import memory_rows, plan_lines, plan_markdown, profile_markdown
+from specchat.app.ui_models import (
+    ModelsPanel,
+    PairDownload,
+    ProfileHolder,
+    build_models_tab,
+    download_markdown,
+    engine_plan_markdown,
+)
+from specchat.core import download, embedded
+from specchat.core.files import human_size
+from specchat.core.hardware import HardwareProfile
+from specchat.core.loading import load_engine
+from specchat.core.plan import make_plan
+from specchat.core.registry import load_registry
+
+TARGET_WEIGHTS = f"{TARGET_REPO}/model.safetensors"
+PROFILES = DATA / "profiles"
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(embedded_dir, tmp_path_factory):
+    return build_tiny_pair(embedded_dir, tmp_path_factory.mktemp("tiny-pair"))
+
+
+@pytest.fixture
+def hub(tiny_pair):
+    with StandinHub(tiny_pair.repos) as server:
+        yield server
+
+
+@pytest.fixture
+def caches(tmp_path, monkeypatch, embedded_dir):
+    """A private Hub cache and specchat cache (as in test_download.py), sharing this machine's
+    converted embedded model and hardware profile so that loading converts and measures nothing."""
+    from huggingface_hub import constants
+
+    shared = embedded.cache_root()
+    (shared / "hardware").mkdir(parents=True, exist_ok=True)
+    private = tmp_path / "specchat"
+    private.mkdir()
+    for name in ("embedded", "hardware"):
+        (private / name).symlink_to(shared / name)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(private))
+    return tmp_path
+
+
+@pytest.fixture
+def models_file(tiny_pair, tmp_path):
+    path = tmp_path / "models.toml"
+    path.write_text(tiny_pair.models_toml())
+    return path
+
+
+def synthetic(name: str) -> ProfileHolder:
+    profile = HardwareProfile.load(PROFILES / f"{name}.json")
+    return ProfileHolder(read=lambda refresh: profile)
+
+
+def panel_for(models_file, model: str, loader=None, profiles: ProfileHolder | None = None,
+              endpoint: str | None = None) -> ModelsPanel:
+    registry = load_registry(models_file)
+    load = loader or (lambda pair_id: load_engine(pair_id, progress=lambda line: None, registry=registry))
+    return ModelsPanel(EngineHandle(load, model), registry, PairDownload(endpoint), profiles or synthetic("rtx4090-24gb"))
+
+
+def wait_until_ended(downloads: PairDownload, timeout: float = 60):
+    return wait_for(lambda: downloads.snapshot().state not in ("running", "cancelling") and downloads.snapshot(),
+                    timeout=timeout, what="the download to end")
+
+
+def row_of(panel: ModelsPanel, pair_id: str) -> list[str]:
+    return next(row for row in panel.pair_table() if row[0] == pair_id)
+
+
+# ---- renderers ------------------------------------------------------------------------------
+
+
+def test_profile_and_plan_markdown_say_what_the_cli_says():
+    profile = HardwareProfile.load(PROFILES / "2x-rtx4090.json")
+    text = profile_markdown(profile)
+    assert "- **GPU 1** NVIDIA GeForce RTX 4090" in text and "host->GPU" in text
+    assert f"*measured {profile.measured_on}, machine key {profile.machine_key()}*" in text
+    plan = make_plan(profile, load_registry().get("qwen3-8b"), 32768)
+    markdown, lines = plan_markdown(plan), plan_lines(plan)
+    assert markdown.startswith(f"**{lines[0]}**")
+    rows = markdown.splitlines()
+    for choice in plan.reasons:  # every choice with its reason, one table row each
+        escaped = choice.replace("_", "\\_")
+        assert sum(row.startswith(f"| {escaped} | ") for row in rows) == 1
+    assert "| **total on cuda:0** | cuda:0 |" in markdown and "headroom" in markdown
+    headers = 2
+    assert sum(row.startswith("| ") for row in rows) == headers + len(plan.reasons) + len(memory_rows(plan))
+
+
+def test_a_model_without_a_plan_says_what_runs(tiny_model_dir):
+    engine = load_engine(str(tiny_model_dir), progress=lambda line: None)
+    assert engine.plan is None
+    assert engine_plan_markdown(engine) == (f"`{engine.name}` runs without a plan: chain decoding when the mode is "
+                                            "auto, float32 weights on cpu.")
+
+
+def test_the_profile_is_read_once_and_measured_again_on_request():
+    profile = HardwareProfile.load(PROFILES / "cpu-only-32gb.json")
+    reads = []
+    holder = ProfileHolder(read=lambda refresh: reads.append(refresh) or profile)
+    assert holder.get(timeout=10) is profile
+    assert "- **GPU** none: models run on the CPU" in holder.markdown()
+    for _ in range(3):
+        holder.markdown()
+    assert reads == [False]
+    assert holder.measure_again() == ""
+    wait_for(lambda: reads == [False, True] and "Measuring again" not in holder.markdown(), timeout=10,
+             what="the second measurement")
+
+
+# ---- downloads through the stand-in hub -----------------------------------------------------
+
+
+def test_a_download_shows_its_progress_and_flips_the_pair_to_downloaded(hub, caches, models_file, tiny_model_dir,
+                                                                        tiny_pair):
+    panel = panel_for(models_file, str(tiny_model_dir), endpoint=hub.endpoint)
+    pair = panel.registry.get("tiny")
+    assert row_of(panel, "tiny")[-1] == "no" and "Nothing" not in panel.poll()["download"]
+    size = len(tiny_pair.target.files["model.safetensors"])
+    hub.throttle(TARGET_WEIGHTS, size / 2)
+    with hub_online():
+        assert panel.download("tiny") == ""
+        assert "is downloading" in panel.download("tiny")  # one at a time
+        hub.wait_for_bytes(TARGET_WEIGHTS, size // 4)
+        live = wait_for(lambda: "model.safetensors" in panel.poll()["download"] and panel.poll()["download"],
+                        timeout=10, what="live progress")
+        assert "of" in live and "%)" in live and "/s" in live
+        assert "still downloading" in panel.use("tiny")
+        hub.throttle(TARGET_WEIGHTS, None)
+        ended = wait_until_ended(panel.downloads)
+    assert ended.state == "downloaded", ended.error
+    assert ended.progress.done_bytes == ended.progress.total_bytes == pair.download_bytes  # 100%
+    assert download_markdown(ended).startswith(f"**tiny** downloaded: {human_size(pair.download_bytes)}")
+    assert panel.poll()["downloads_ended"] == 1 and row_of(panel, "tiny")[-1] == "yes"
+
+
+def test_a_cancelled_download_keeps_its_part_and_resumes(hub, caches, models_file, tiny_model_dir, tiny_pair):
+    panel = panel_for(models_file, str(tiny_model_dir), endpoint=hub.endpoint)
+    size = len(tiny_pair.target.files["model.safetensors"])
+    hub.stall(TARGET_WEIGHTS, size // 3)  # no progress is reported while stalled: cancelling shows
+    assert panel.downloads.cancel() == "No download is running."
+    with hub_online():
+        panel.download("tiny")
+        hub.wait_for_bytes(TARGET_WEIGHTS, size // 3)
+        assert panel.downloads.cancel() == ""
+        assert panel.poll()["download"].endswith(" — cancelling…")
+        hub.unstall(TARGET_WEIGHTS)
+        ended = wait_until_ended(panel.downloads, timeout=30)
+        assert ended.state == "cancelled"
+        assert "download cancelled at" in download_markdown(ended) and "resume" in download_markdown(ended)
+        parts = list(download.hub_cache().rglob("*.specchat-part"))
+        kept = parts[0].stat().st_size if len(parts) == 1 else 0
+        assert 0 < kept < size
+        assert row_of(panel, "tiny")[-1].startswith("partly")
+        panel.download("tiny")
+        assert wait_until_ended(panel.downloads).state == "downloaded"
+    ranges = [request.range for request in hub.gets(TARGET_WEIGHTS)]
+    assert ranges == [None, f"bytes={kept}-"]  # resumed from the kept part
+
+
+def test_a_broken_download_reports_its_error(hub, caches, models_file, tiny_model_dir):
+    panel = panel_for(models_file, str(tiny_model_dir), endpoint=hub.endpoint)
+    hub.corrupt(TARGET_WEIGHTS)
+    with hub_online():
+        panel.download("tiny")
+        ended = wait_until_ended(panel.downloads)
+    assert ended.state == "failed" and "integrity check" in ended.error
+    assert download_markdown(ended) == f"⚠️ **tiny**: {ended.error}"
+    assert panel.downloads.ended == 1 and row_of(panel, "tiny")[-1].startswith("partly")  # the good files stay
+
+
+def test_offline_the_download_says_what_is_missing(caches, models_file, tiny_model_dir):
+    panel = panel_for(models_file, str(tiny_model_dir))  # tests run with HF_HUB_OFFLINE=1
+    panel.download("tiny")
+    ended = wait_until_ended(panel.downloads)
+    assert ended.state == "failed" and "not downloaded" in ended.error and "while online" in ended.error
+
+
+# ---- switching pairs ------------------------------------------------------------------------
+
+
+def test_a_pair_that_does_not_fit_or_is_not_downloaded_is_not_loaded(caches, models_file, tiny_model_dir):
+    loads = []
+    panel = panel_for(models_file, "embedded", loader=lambda model: loads.append(model),
+                      profiles=synthetic("laptop-rtx4060-8gb"))
+    wait_for(lambda: loads == ["embedded"], timeout=10, what="the first load")
+    refusal = panel.use("llama3.1-8b")
+    assert refusal.startswith("⚠️ llama3.1-8b at 131,072 tokens does not fit") and "nearest that fits" in refusal
+    pair = panel.registry.get("tiny")
+    assert panel.use("tiny") == f"**tiny** is not downloaded: download it first ({human_size(pair.download_bytes)})."
+    assert panel.use("embedded") == "**embedded** is already loaded."
+    assert panel.use(None) == "Pick a pair first." and panel.download("embedded").endswith("nothing to download.")
+    assert loads == ["embedded"] and panel.handle.model == "embedded"
+
+
+def test_use_this_pair_loads_a_downloaded_pair_and_shows_its_plan(hub, caches, models_file, tiny_model_dir):
+    panel = panel_for(models_file, str(tiny_model_dir), endpoint=hub.endpoint)
+    wait_for(lambda: panel.handle.status() == "ready", timeout=60, what="the local model")
+    assert panel.poll()["status"] == f"Loaded: `{tiny_model_dir}`" and "without a plan" in panel.poll()["plan"]
+    with hub_online():
+        panel.download("tiny")
+        assert wait_until_ended(panel.downloads).state == "downloaded"
+    assert panel.use("tiny") == ""
+    assert panel.poll()["status"] == "Loading **tiny** (Tiny test pair)…"
+    wait_for(lambda: panel.handle.status() != "loading", timeout=60, what="the pair to load")
+    view = panel.poll()
+    assert view["status"] == "Loaded: **tiny** (Tiny test pair)", view["status"]
+    assert view["plan"].startswith("**tiny at 256 tokens: ") and "| Choice | Why |" in view["plan"]
+
+
+# ---- in Chromium ------------------------------------------------------------------------------
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_the_tab_downloads_a_pair_in_the_browser(hub, caches, models_file, embedded_dir):
+    sync_playwright = browser_or_skip()
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    import gradio as gr
+
+    registry = load_registry(models_file)
+    handle = EngineHandle(lambda model: load_engine(model, progress=lambda line: None, registry=registry), "embedded")
+    with gr.Blocks() as demo, gr.Tab("Models & hardware"):
+        build_models_tab(handle, str(models_file), PairDownload(hub.endpoint))
+    port = free_port()
+    ARTIFACTS.mkdir(exist_ok=True)
+    with hub_online(), sync_playwright() as playwright:
+        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True)
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 1000})
+            page.goto(f"http://127.0.0.1:{port}/")
+            page.locator("#pairs").get_by_text("Tiny test pair").wait_for(timeout=30_000)
+            page.locator("#pair-picker input").click()
+            page.get_by_role("option", name="tiny: Tiny test pair").click()
+            page.locator("#download").click()
+            wait_for(lambda: "downloaded" in page.locator("#download-progress").inner_text(), timeout=30,
+                     what="the download to end")
+            assert "tiny downloaded" in page.locator("#download-progress").inner_text()
+            tiny_row = page.locator("#pairs [role=row]", has_text="Tiny test pair")
+            wait_for(lambda: "yes" in tiny_row.inner_text(), timeout=10, what="the table to show it downloaded")
+            page.screenshot(path=str(ARTIFACTS / "browser-models-download.png"), full_page=True)
+            wait_for(lambda: "Loaded: embedded" in page.locator("#model-status").inner_text(), timeout=60,
+                     what="the embedded model to load")
+            wait_for(lambda: "embedded at 8,192 tokens" in page.locator("#plan").inner_text(), timeout=10,
+                     what="its plan")
+            page.locator("#use-pair").click()
+            wait_for(lambda: "Loaded: tiny" in page.locator("#model-status").inner_text(), timeout=60,
+                     what="the downloaded pair to load")
+            wait_for(lambda: "tiny at 256 tokens" in page.locator("#plan").inner_text(), timeout=10,
+                     what="its plan")
+            assert "CPU" in page.locator("#profile").inner_text()
+            page.screenshot(path=str(ARTIFACTS / "browser-models-panel.png"), full_page=True)
+        finally:
+            browser.close()
+            demo.close()
