@@ -5,11 +5,18 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from ..core.download import DownloadProgress, download_pair, model_status, remove_pair
 from ..core.files import human_size
-from ..core.fit import Machine, estimate_fit, this_machine
 from ..core.registry import ModelPair, Registry
+
+if TYPE_CHECKING:  # the planner imports torch: only `models list` needs it, not download or remove
+    from ..core.hardware import HardwareProfile
+    from ..core.plan import Alternative, Plan
+
+SLOW_ON_CPU_BYTES = 10**9  # weights a CPU reads per token above which a pair is called slow there
 
 
 def run_models(args, registry: Registry) -> int:
@@ -33,8 +40,8 @@ def run_models(args, registry: Registry) -> int:
 
 
 def _list(registry: Registry, as_json: bool) -> int:
-    machine = this_machine()
-    rows = [pair_row(pair, machine) for pair in registry.pairs.values()]
+    profile = listing_profile()
+    rows = [pair_row(pair, profile, registry) for pair in registry.pairs.values()]
     if as_json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -44,15 +51,88 @@ def _list(registry: Registry, as_json: bool) -> int:
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     for line in table:
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
-    print(f"\nFit is an estimate from the registry's shapes (bf16 or 4-bit weights, 4K-token retrieval cache "
-          f"on the GPU, full KV in RAM). Registry: {', '.join(str(path) for path in registry.files)}")
+    print("\nFit is the plan `specchat plan --pair ID --context N` shows, at each pair's full context on this "
+          "machine; loading a pair follows the same plan (`--json` has the reasons). "
+          f"Registry: {', '.join(str(path) for path in registry.files)}")
     return 0
 
 
-def pair_row(pair: ModelPair, machine: Machine) -> dict:
-    """A pair for `specchat models list` and the app's Models & hardware tab: its size, fit
-    verdict for `machine` with the reason, and what of it is downloaded."""
-    fit = estimate_fit(pair, machine)
+def listing_profile() -> HardwareProfile:
+    """This machine's profile for a listing, without measuring anything: the cached profile that
+    `specchat plan` and loading use when there is one, else a probe without measurement (a fit
+    depends only on memory sizes, which it has; measuring waits for `specchat profile` or a load)."""
+    from ..core.hardware import HardwareProfile, cache_dir, load_or_probe, probe
+
+    current = probe(measure_bandwidth=False)
+    try:
+        HardwareProfile.load(cache_dir() / current.machine_key() / "profile.json")
+    except ValueError:  # none cached (or unreadable, which load_or_probe would measure again)
+        return current
+    return load_or_probe()  # the cached profile with fresh free memory and its curves: measures nothing
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Whether a pair fits a machine at its full context: the plan's verdict in a few words."""
+
+    fits: bool
+    verdict: str  # a few words for a table
+    reason: str  # one sentence with the figures; a refusal's says what fits instead
+    alternatives: tuple[Alternative, ...] = ()  # when it does not fit: what does, nearest first
+
+
+def plan_fit(pair: ModelPair, profile: HardwareProfile, registry: Registry | None = None) -> Fit:
+    """Does `pair` fit `profile`'s machine at its full context? The plan's answer: `make_plan` at
+    `pair.context_length`, exactly as `specchat plan`, the app's "Use this pair" and loading plan it."""
+    from ..core.plan import PlanRefused, make_plan
+
+    try:
+        plan = make_plan(profile, pair, pair.context_length, registry=registry)
+    except PlanRefused as refusal:
+        shorter = next((alternative.context for alternative in refusal.alternatives
+                        if alternative.pair_id == pair.id and alternative.quantization is None), None)
+        verdict = "does not fit" + (f" (up to {shorter // 1024}K tokens)" if shorter else "")
+        return Fit(False, verdict, str(refusal), refusal.alternatives)
+    return Fit(True, _fit_verdict(plan, pair), _fit_reason(plan))
+
+
+def _fit_verdict(plan: Plan, pair: ModelPair) -> str:
+    notes = [{"int8": "8-bit", "nf4": "4-bit"}.get(plan.weights)]
+    if plan.kv_device == "cpu-pinned":
+        notes.append("KV offloaded to RAM")
+    if pair.draft is not None and plan.draft_device is None and plan.mode != "plain":
+        notes.append("no draft model")
+    if plan.target_devices == ("cpu",):
+        notes.append("CPU only, slow" if _weight_bytes(plan) > SLOW_ON_CPU_BYTES else "CPU only")
+    notes = [note for note in notes if note]
+    return "fits" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def _fit_reason(plan: Plan) -> str:
+    """Where the plan puts the weights and the KV, why those weights, and how full each device is."""
+    if plan.target_devices == ("cpu",):
+        weights = human_size(_weight_bytes(plan))
+        where = (f"runs on the CPU, slowly: every token reads {weights} of weights" if _weight_bytes(plan) >
+                 SLOW_ON_CPU_BYTES else f"runs on the CPU ({weights} of weights)")
+    else:
+        kv = "in pinned RAM" if plan.kv_device == "cpu-pinned" else f"on {plan.kv_device}"
+        where = (f"{plan.weights} weights on {'+'.join(plan.target_devices)}, full KV {kv}"
+                 + (f", draft on {plan.draft_device}" if plan.draft_device else ""))
+    used = ", ".join(f"{human_size(device.used_bytes)} of the {human_size(device.capacity_bytes - device.margin_bytes)}"
+                     f" usable on {device.device}" for device in plan.devices if device.used_bytes)
+    why = f"; {plan.reasons['weights']}" if plan.weights in ("int8", "nf4") else ""
+    return f"{where}{why}; at {plan.context:,} tokens it uses {used}"
+
+
+def _weight_bytes(plan: Plan) -> int:
+    return sum(item.bytes for item in plan.memory if item.what.startswith("target weights"))
+
+
+def pair_row(pair: ModelPair, profile: HardwareProfile, registry: Registry | None = None) -> dict:
+    """A pair for `specchat models list` and the app's Models & hardware tab: its size, whether it
+    fits `profile`'s machine (the plan at its full context) with the reason, and what of it is
+    downloaded. `registry` lets a refusal name a smaller pair that fits."""
+    fit = plan_fit(pair, profile, registry)
     if pair.source == "embedded":
         downloaded, present = "built in", 0
     else:
@@ -64,6 +144,7 @@ def pair_row(pair: ModelPair, machine: Machine) -> dict:
             "license": pair.license, "gated": pair.gated,
             "download_bytes": pair.download_bytes, "download": human_size(pair.download_bytes) if pair.download_bytes else "-",
             "fits": fit.fits, "fit": fit.verdict, "fit_reason": fit.reason,
+            "fit_alternatives": [asdict(alternative) for alternative in fit.alternatives],
             "downloaded": downloaded == "yes" or pair.source == "embedded", "present_bytes": present,
             "status": downloaded}
 

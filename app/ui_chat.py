@@ -223,7 +223,7 @@ class ChatLogic:
                  "Nothing is cut without your choice." if attachment is not None else
                  "Start a new conversation, shorten the question, or switch to a pair with a longer context.")
         return View(over_limit=text, cuts_possible=attachment is not None, attachment=attachment,
-                    longer_pairs=self._longer_pairs(meter.needed, engine.name),
+                    longer_pairs=self._longer_pairs(meter.needed, self.handle.model),
                     status="⚠️ Too long for this model: see the choices below.")
 
     def _longer_pairs(self, needed: int, current: str) -> list[tuple[str, str]]:

@@ -19,18 +19,18 @@ from typing import TYPE_CHECKING
 from ..core.download import DownloadProgress, download_pair, model_status
 from ..core.errors import SpecchatError, first_line
 from ..core.files import human_size
-from ..core.fit import this_machine
 from ..core.hardware import HardwareProfile, load_or_probe
 from ..core.plan import PlanRefused, make_plan
 from ..core.registry import ModelPair, Registry, load_registry
 from .engine_handle import EngineHandle
-from .models_cmd import pair_row, progress_text
+from .models_cmd import listing_profile, pair_row, progress_text
 from .plan_cmd import plan_markdown, profile_markdown
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
 
 POLL_SECONDS = 1.0
+PROFILE_WAIT_SECONDS = 2.0  # for the first read of the profile, before the pairs table probes without it
 PAIR_COLUMNS = ["ID", "Pair", "Context (tokens)", "Size", "Fits this machine", "Why", "On disk"]
 PAIR_COLUMN_WIDTHS = ["10%", "22%", "9%", "8%", "10%", "31%", "10%"]  # the reasons are the long cells
 
@@ -274,8 +274,11 @@ class ModelsPanel:
         self.profiles = profiles or ProfileHolder()
 
     def pair_table(self) -> list[list[str]]:
-        machine = this_machine()
-        rows = [pair_row(pair, machine) for pair in self.registry.pairs.values()]
+        """Every pair with its fit: the plan at its full context on the profile that "Use this pair"
+        checks, or, while that is still being measured, on a probe without measurement (the same
+        memory sizes, so the same verdicts)."""
+        profile = self.profiles.get(timeout=PROFILE_WAIT_SECONDS) or listing_profile()
+        rows = [pair_row(pair, profile, self.registry) for pair in self.registry.pairs.values()]
         return [[row["id"], row["name"], f"{row['context_length']:,}", row["download"], row["fit"],
                  row["fit_reason"], row["status"]] for row in rows]
 
@@ -319,8 +322,8 @@ def build_models_tab(handle: EngineHandle, registry_file: str | None, downloads:
     panel = ModelsPanel(handle, load_registry(registry_file), downloads)
     polled = ("status", "download", "plan", "profile")
 
-    gr.Markdown("### Model pairs\nFit is an estimate from the registry's shapes; **Use this pair** checks the "
-                "exact plan first.")
+    gr.Markdown("### Model pairs\nWhether a pair fits is its plan at its full context on this machine, as "
+                "`specchat plan` shows it; **Use this pair** loads that plan.")
     status = gr.Markdown(lambda: status_markdown(handle, panel.registry), elem_id="model-status")
     table = gr.Dataframe(panel.pair_table, headers=PAIR_COLUMNS, column_widths=PAIR_COLUMN_WIDTHS, interactive=False,
                          wrap=True, elem_id="pairs")

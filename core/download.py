@@ -237,12 +237,26 @@ def _fetch(plan: _Plan, hub: _Hub, counter: _ProgressCounter) -> Path:
         counter.start(model.repo, file.name)
         _fetch_file(model, file, hub, counter)
     # Let huggingface_hub see the snapshot as complete (it caches the tree listing), so other
-    # tools, and its own offline mode, find it. Every file is in place: nothing is fetched.
+    # tools, and its own offline mode, find it. Every file is in place: nothing is fetched, so its
+    # "Fetching N files" bars would only repeat our progress; they are off for this call alone.
     folder = Path(hub.call(model, lambda: snapshot_download(
         model.repo, revision=model.revision, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS,
-        cache_dir=hub_cache(), token=hub.token, endpoint=hub.endpoint)))
+        cache_dir=hub_cache(), token=hub.token, endpoint=hub.endpoint, tqdm_class=_hidden_bars())))
     _write_manifest(model, {file.name: file.size for file in plan.files}, verified=True)
     return folder
+
+
+def _hidden_bars() -> type:
+    """huggingface_hub's progress bar class, always disabled: passed as one call's `tqdm_class`, it
+    hides that call's bars without `disable_progress_bars()`, which is global (other threads'
+    downloads and loads would lose theirs too)."""
+    from huggingface_hub.utils import tqdm
+
+    class HiddenBar(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    return HiddenBar
 
 
 def _part_path(model: ModelSpec, file: _RemoteFile) -> Path:

@@ -43,5 +43,7 @@ def _sync_folder(folder: Path) -> None:
 
 
 def human_size(size: float) -> str:
-    """Bytes for people: GB from one gigabyte up, MB below."""
-    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+    """Bytes for people: GB from one gigabyte up, MB from one megabyte up, KB below."""
+    if size >= 1e9:
+        return f"{size / 1e9:.1f} GB"
+    return f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.1f} KB"

@@ -203,6 +203,7 @@ def test_upload_a_pdf_and_summarize_it(page, tmp_path):
 
 
 def test_over_the_limit_offers_a_choice_and_cuts_only_when_asked(page):
+    set_max_new_tokens(page, 16)  # the prefill of ~8K tokens is what this flow is about
     before_questions, before_answer = questions(page).count(), last_answer(page)
     too_long = (DATA / "gpl-3.0.txt").read_text() + (DATA / "apache-2.0.txt").read_text()[:4000]  # ~8.6K tokens; the context is 8K
     fill_until_kept(page.locator("#document textarea"), too_long)
@@ -214,9 +215,12 @@ def test_over_the_limit_offers_a_choice_and_cuts_only_when_asked(page):
     assert questions(page).count() == before_questions and last_answer(page) == before_answer  # nothing sent
     assert page.locator("#message textarea").input_value() == "What is this license about?"
     shot(page, "over-limit-choice")
-    before = stats(page)
+    before, statuses = stats(page), set()
     page.locator("#cut-middle").click()
+    wait_for(lambda: statuses.add(page.locator("#status").inner_text()) or stats(page) != before,
+             what="the answer on the cut document to start")  # meanwhile the prefill shows its progress
     wait_until_finished(page, before, "the answer on the cut document")
+    assert any("Reading the prompt" in status for status in statuses)
     assert questions(page).count() == before_questions + 1
     assert "from the middle" in questions(page).last.inner_text()
     assert not choice.is_visible()

@@ -18,6 +18,7 @@ from test_cli import SPECCHAT, assert_bad_input
 
 from specchat.core import download
 from specchat.core.download import DownloadError, NotDownloaded, download_pair, model_status, remove_pair
+from specchat.core.files import human_size
 from specchat.core.registry import load_registry
 
 TARGET_WEIGHTS = f"{TARGET_REPO}/model.safetensors"
@@ -57,11 +58,16 @@ def snapshot_files(model) -> dict[str, bytes]:
     return {path.relative_to(folder).as_posix(): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
 
-def test_downloads_only_the_needed_files_with_progress(hub, caches, registry, tiny_pair):
+def test_downloads_only_the_needed_files_with_progress(hub, caches, registry, tiny_pair, capfd):
+    from huggingface_hub.utils import are_progress_bars_disabled
+
     pair = registry.get("tiny")
     events = []
     with hub_online():
         paths = download_pair(pair, events.append, endpoint=hub.endpoint)
+    # Our progress only: none of huggingface_hub's bars (its final snapshot_download would print
+    # "Fetching N files"), and its bars stay on for everyone else.
+    assert "Fetching" not in capfd.readouterr().err and not are_progress_bars_disabled()
     for model, repo in ((pair.target, tiny_pair.target), (pair.draft, tiny_pair.draft)):
         assert snapshot_files(model) == tiny_pair.wanted(repo)  # byte for byte, no pickle, no README
         assert model_status(model).complete
@@ -74,6 +80,12 @@ def test_downloads_only_the_needed_files_with_progress(hub, caches, registry, ti
     with hub_online():
         download_pair(pair, endpoint=hub.endpoint)
     assert len(hub.gets()) == gets  # nothing fetched again
+
+
+@pytest.mark.parametrize("size, text", [(0, "0.0 KB"), (4_096, "4.1 KB"), (999_000, "999.0 KB"),
+                                        (1_000_000, "1.0 MB"), (16_200_000_000, "16.2 GB")])
+def test_sizes_for_people(size, text):
+    assert human_size(size) == text
 
 
 def test_a_broken_connection_resumes_with_a_range_request(hub, caches, registry, tiny_pair):
@@ -228,11 +240,19 @@ def test_cli_models_errors_are_one_line(tmp_path):
     assert_bad_input(cli("models", "list", "--models-file", tmp_path / "missing.toml", env=env), "no such file")
 
 
-def test_cli_models_list_shows_size_fit_and_status():
-    run = subprocess.run([SPECCHAT, "models", "list"], capture_output=True, text=True, timeout=120)
+def test_cli_models_list_shows_size_fit_and_status(tmp_path):
+    env = {**os.environ, "SPECCHAT_CACHE_DIR": str(tmp_path)}  # a fresh machine: no hardware profile cached
+    run = cli("models", "list", env=env, timeout=120)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0].split()[:2] == ["ID", "DOWNLOAD"]
     rows = {line.split()[0]: line for line in lines[1:] if line.strip() and not line.startswith("Fit")}
     assert {"embedded", "llama3.1-8b", "qwen2.5-7b", "qwen3-8b"} <= set(rows)
     assert "18.6 GB" in rows["llama3.1-8b"] and "built in" in rows["embedded"]
+    assert lines[-1].startswith("Fit is the plan `specchat plan --pair ID --context N` shows")
+    listing = json.loads(cli("models", "list", "--json", env=env, timeout=120).stdout)
+    for row in listing:  # the verdict the table shows, from the plan at the pair's full context
+        assert f"  {row['fit']}  " in rows[row["id"]] and row["fits"] == row["fit"].startswith("fits")
+        assert row["fit_reason"] and (row["fits"] or row["fit_reason"].startswith(
+            f"{row['id']} at {row['context_length']:,} tokens does not fit"))
+    assert not (tmp_path / "hardware").exists()  # listing measured (and saved) nothing

@@ -1,14 +1,20 @@
 """models.toml: the shipped pairs, merging a user file over them, and errors that name file,
-line and field; plus the stated fit estimate that `specchat models list` shows."""
+line and field; plus whether a pair fits, as `specchat models list` and the app's Models tab show
+it: the plan's verdict on the synthetic machines of tests/data/profiles."""
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from specchat.core.fit import Machine, estimate_fit, gpu_bytes_needed
+import pytest
+from conftest import DATA
+
+from specchat.app.models_cmd import pair_row, plan_fit
+from specchat.core.hardware import HardwareProfile
+from specchat.core.plan import PlanRefused, make_plan
 from specchat.core.registry import COMMIT, RegistryError, UnknownPair, load_registry, shipped_file
 
-GB = 10**9
+PROFILES = {path.stem: HardwareProfile.load(path) for path in sorted((DATA / "profiles").glob("*.json"))}
 
 
 def test_shipped_pairs_are_complete_and_consistent():
@@ -78,21 +84,55 @@ def test_unknown_pairs_list_the_known_ones():
         load_registry().get("llama-70b")
 
 
-@pytest.mark.parametrize("machine, pair_id, verdict", [
-    (Machine(0, 32 * GB), "embedded", "fits (CPU)"),
-    (Machine(0, 32 * GB), "qwen3-8b", "no GPU"),
-    (Machine(24 * GB, 64 * GB), "llama3.1-8b", "fits (bf16)"),  # RTX 4090
-    (Machine(12 * GB, 32 * GB), "llama3.1-8b", "fits (4-bit)"),  # RTX 3060
-    (Machine(8 * GB, 16 * GB), "qwen3-8b", "fits (4-bit) up to 84K tokens"),  # laptop 4060, 16 GB RAM
-    (Machine(4 * GB, 64 * GB), "qwen3-8b", "too big (GPU)"),
-    (Machine(24 * GB, GB // 2), "qwen2.5-7b", "too big (RAM)"),
+@pytest.mark.parametrize("profile_name, pair_id, verdict", [
+    ("cpu-only-32gb", "embedded", "fits (CPU only)"),
+    ("cpu-only-32gb", "qwen2.5-7b", "fits (CPU only, slow)"),
+    ("cpu-only-32gb", "llama3.1-8b", "fits (4-bit, CPU only, slow)"),
+    ("cpu-only-32gb", "qwen3-8b", "does not fit (up to 121K tokens)"),
+    ("2x-rtx4090", "qwen3-8b", "fits"),
+    ("rtx4090-24gb", "llama3.1-8b", "fits (KV offloaded to RAM)"),
+    ("rtx4080-16gb", "qwen2.5-7b", "fits (8-bit, KV offloaded to RAM)"),
+    ("rtx3060-12gb", "llama3.1-8b", "fits (4-bit, KV offloaded to RAM, no draft model)"),
+    ("laptop-rtx4060-8gb", "qwen2.5-7b", "does not fit (up to 41K tokens)"),
+    ("laptop-rtx4060-8gb", "qwen3-8b", "does not fit"),  # not even at 1K tokens: a smaller pair instead
 ])
-def test_fit_estimate(machine, pair_id, verdict):
-    pair = load_registry().get(pair_id)
-    fit = estimate_fit(pair, machine)
-    assert fit.verdict == verdict and fit.fits == verdict.startswith("fits")
-    if fit.fits and pair.source == "hub":
-        bits = 4 if "4-bit" in verdict else None
-        assert gpu_bytes_needed(pair, bits) <= machine.gpu_bytes
-        if bits == 4:
-            assert gpu_bytes_needed(pair) > machine.gpu_bytes  # 4-bit only where bf16 does not fit
+def test_the_fit_verdict(profile_name, pair_id, verdict):
+    registry = load_registry()
+    fit = plan_fit(registry.get(pair_id), PROFILES[profile_name], registry)
+    assert (fit.verdict, fit.fits) == (verdict, verdict.startswith("fits"))
+    if "CPU only" in verdict:
+        assert fit.reason.startswith("runs on the CPU" + (", slowly" if "slow" in verdict else " ("))
+    if "bit" in verdict:  # why these weights, in the plan's words
+        assert "weights it needs" in fit.reason or "weights need" in fit.reason
+
+
+@pytest.mark.parametrize("profile_name", sorted(PROFILES))
+def test_the_fit_is_the_plan_at_the_full_context(profile_name):
+    """One answer to "does this pair fit": a pair fits exactly when `make_plan` plans it at its
+    full context (as `specchat plan`, "Use this pair" and loading do), and a refusal says what
+    the planner says, naming what fits instead."""
+    registry, profile = load_registry(), PROFILES[profile_name]
+    for pair in registry.pairs.values():
+        fit = plan_fit(pair, profile, registry)
+        try:
+            plan = make_plan(profile, pair, pair.context_length, registry=registry)
+        except PlanRefused as refusal:
+            assert not fit.fits and fit.reason == str(refusal) and fit.alternatives == refusal.alternatives
+            continue
+        assert fit.fits and not fit.alternatives and f"at {pair.context_length:,} tokens it uses" in fit.reason
+        assert ("4-bit" in fit.verdict) == (plan.weights == "nf4")
+        assert ("8-bit" in fit.verdict) == (plan.weights == "int8")
+        assert ("KV offloaded" in fit.verdict) == (plan.kv_device == "cpu-pinned")
+        assert ("CPU only" in fit.verdict) == (plan.target_devices == ("cpu",))
+
+
+def test_a_pair_row_keeps_the_listing_keys():
+    """`specchat models list --json` is a public contract: its keys stay, new ones are added."""
+    registry = load_registry()
+    row = pair_row(registry.get("qwen3-8b"), PROFILES["cpu-only-32gb"], registry)
+    assert {"id", "name", "source", "context_length", "license", "gated", "download_bytes", "download", "fits",
+            "fit", "fit_reason", "downloaded", "present_bytes", "status"} <= set(row)
+    assert row["fits"] is False and row["fit_reason"].startswith("qwen3-8b at 131,072 tokens does not fit")
+    nearest = row["fit_alternatives"][0]
+    assert (nearest["pair_id"], nearest["context"]) == ("qwen3-8b", 123904)
+    assert json.loads(json.dumps(row)) == row

@@ -72,6 +72,10 @@ def test_over_the_limit_nothing_is_sent_until_a_cut_is_chosen(logic):
     (view,) = run(logic.send("What is this?", None, document, None, SETTINGS))
     assert view.over_limit and view.cuts_possible and "too many" in view.over_limit
     assert logic.store.list() == []  # nothing sent, nothing saved
+    longer = dict((pair_id, label) for label, pair_id in view.longer_pairs)
+    assert "embedded" in longer and all("tokens" in label for label in longer.values())
+    switch = logic.switch_pair(next(pair_id for pair_id in longer if pair_id != "embedded"))
+    assert "not downloaded" in switch.status and "kept" in switch.status  # offline here: nothing to load
     cut = logic.cut("middle", "What is this?", view.attachment, "", None, SETTINGS)
     assert "from the middle" in cut.attachment["note"] and "tokens cut" in cut.attachment["text"]
     views = run(logic.send("What is this?", cut.attachment, "", None, SETTINGS))

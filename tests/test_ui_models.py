@@ -215,6 +215,28 @@ def test_a_pair_that_does_not_fit_or_is_not_downloaded_is_not_loaded(caches, mod
     assert loads == ["embedded"] and panel.handle.model == "embedded"
 
 
+@pytest.mark.parametrize("profile_name", ["laptop-rtx4060-8gb", "cpu-only-32gb"])
+def test_the_table_says_what_use_this_pair_does(caches, models_file, profile_name):
+    """One answer to "does it fit": the table's verdict is the plan "Use this pair" checks (on the
+    same profile), so a pair the table calls too big is refused, and one it says fits is not."""
+    loads = []
+    panel = panel_for(models_file, "embedded", loader=lambda model: loads.append(model),
+                      profiles=synthetic(profile_name))
+    for pair_id in ("llama3.1-8b", "qwen2.5-7b", "qwen3-8b"):
+        row = row_of(panel, pair_id)
+        refusal = panel.use(pair_id)
+        if row[4].startswith("fits"):
+            assert refusal.endswith("is not downloaded: download it first (" +
+                                    f"{human_size(panel.registry.get(pair_id).download_bytes)}).")
+        else:
+            assert row[4].startswith("does not fit") and refusal == f"⚠️ {row[5]}"
+    verdicts = {pair_id: row_of(panel, pair_id)[4] for pair_id in ("embedded", "qwen2.5-7b")}
+    if profile_name == "cpu-only-32gb":  # fits, with the notes the plan gives
+        assert verdicts == {"embedded": "fits (CPU only)", "qwen2.5-7b": "fits (CPU only, slow)"}
+    else:
+        assert verdicts == {"embedded": "fits", "qwen2.5-7b": "does not fit (up to 41K tokens)"}
+
+
 def test_use_this_pair_loads_a_downloaded_pair_and_shows_its_plan(hub, caches, models_file, tiny_model_dir):
     panel = panel_for(models_file, str(tiny_model_dir), endpoint=hub.endpoint)
     wait_for(lambda: panel.handle.status() == "ready", timeout=60, what="the local model")

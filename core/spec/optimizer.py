@@ -22,12 +22,15 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..model import CausalLM
 from ..files import write_atomically
 from .tree_dp import best_scores
+
+if TYPE_CHECKING:  # core.model imports transformers: seconds that `models list` and `plan` need not pay
+    from ..model import CausalLM
 
 FORMAT_VERSION = 1  # of the ForwardTimes JSON file
 PREFILL_CHUNK = 1024  # bounds the activations of the context prefill, as the engine's prefill does
