@@ -1,5 +1,6 @@
 """Attention split over two key sets and merged by log-sum-exp equals attention over all keys."""
 
+import pytest
 import torch
 
 from specchat.core.kv.split_attention import attention_with_lse, merge
@@ -26,3 +27,29 @@ def test_a_part_no_query_sees_contributes_nothing():
     visible = attention_with_lse(queries, keys, values, 0.5)
     assert torch.isneginf(hidden[1]).all()
     torch.testing.assert_close(merge(*visible, *hidden), visible[0])
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_verification_attention_folds_grouped_heads_without_changing_a_score(tree):
+    """Several queries under a mask with grouped KV heads: specchat's attention folds the group
+    into the query length instead of copying keys and values; the output is transformers' SDPA's."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from specchat.core.kv.queries import _sdpa_recording_queries
+
+    generator = torch.Generator().manual_seed(3)
+    past, n, kv_heads, groups, dim = 40, 6, 2, 4, 16
+    query = torch.randn(1, kv_heads * groups, n, dim, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(1, kv_heads, past + n, dim, generator=generator, dtype=torch.float64) for _ in "kv")
+    allowed = torch.ones(n, past + n, dtype=torch.bool)
+    allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+    if tree:  # node 3 hangs off node 1, not node 2
+        allowed[3, past + 2] = False
+    module = SimpleNamespace(num_key_value_groups=groups, layer_idx=0, is_causal=True)
+    mask = allowed[None, None]
+    folded, _ = _sdpa_recording_queries(module, query, key, value, mask, scaling=0.25)
+    reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    assert folded.shape == reference.shape == (1, n, kv_heads * groups, dim)
+    torch.testing.assert_close(folded, reference, rtol=1e-12, atol=1e-12)

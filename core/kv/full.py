@@ -8,12 +8,63 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+GROWTH = 1.25  # spare capacity on growth: amortized O(1) per token, at most 25% unused memory
+MIN_GROWTH = 256  # positions
+
+
+class GrowingLayer(DynamicLayer):
+    """transformers' DynamicLayer appends by `torch.cat`, which copies the whole layer on every
+    forward: at 32K positions that was 58% of a one-token forward of Llama-3.1-8B's shape on an
+    H100 (13 ms). This layer writes new entries into spare capacity and keeps `keys`/`values`
+    as views of its buffers, so `crop` and in-place edits (`FullCache.keep`) work unchanged."""
+
+    def __init__(self, max_positions: int | None = None):
+        super().__init__()
+        self.max_positions = max_positions  # never reserve beyond the model's context
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, end = self.get_seq_length(), self.get_seq_length() + key_states.shape[-2]
+        if self._key_buffer is None or self._key_buffer.shape[-2] < end:
+            self._grow(length, end, key_states, value_states)
+        self._key_buffer[..., length:end, :] = key_states
+        self._value_buffer[..., length:end, :] = value_states
+        self.keys, self.values = self._key_buffer[..., :end, :], self._value_buffer[..., :end, :]
+        return self.keys, self.values
+
+    def _grow(self, length: int, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        capacity = max(needed, int(length * GROWTH), length + MIN_GROWTH)
+        if self.max_positions is not None:
+            capacity = max(needed, min(capacity, self.max_positions))
+        keys, values = (torch.empty(*states.shape[:-2], capacity, states.shape[-1], dtype=states.dtype,
+                                    device=states.device) for states in (key_states, value_states))
+        if length:
+            keys[..., :length, :] = self.keys
+            values[..., :length, :] = self.values
+        self._key_buffer, self._value_buffer = keys, values
+
+    def reset(self) -> None:
+        self._key_buffer = self._value_buffer = None
+        super().reset()
+
+
+def _growing_cache(hf_config) -> DynamicCache:
+    cache = DynamicCache(config=hf_config)
+    if all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding-window layers stay as they are
+        positions = getattr(hf_config, "max_position_embeddings", None)
+        cache.layers = [GrowingLayer(positions) for _ in cache.layers]
+    return cache
 
 
 @torch.inference_mode()
 def hf_cache(hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     """A transformers cache holding the given per-layer (keys, values)."""
-    cache = DynamicCache(config=hf_config)
+    cache = _growing_cache(hf_config)
     for index, (keys, values) in enumerate(layers):
         cache.update(keys, values, index)
     return cache
@@ -22,7 +73,7 @@ def hf_cache(hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Dyna
 class FullCache:
     def __init__(self, hf_config):
         self.config = hf_config
-        self.hf = DynamicCache(config=hf_config)
+        self.hf = _growing_cache(hf_config)
 
     @classmethod
     def from_layers(cls, hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> FullCache:
