@@ -161,6 +161,8 @@ class ChatLogic:
         cancel = self._cancels[session] = threading.Event()
         events = None
         try:
+            # The previous answer's figures go as this one starts: a stale "done" misleads.
+            yield View(conversation=conversation, streaming=True, stats="", stages="", tokens="")
             engine = self.handle.get()
             events = engine.generate(engine.chat_ids(model_messages(conversation)), int(settings.max_new_tokens),
                                      settings.sampling(), settings.mode, cancel)

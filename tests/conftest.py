@@ -63,3 +63,20 @@ def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(embedded_dir, tmp_path_factory):
+    """A tiny draft/target pair as Hub repositories (tests/hub_pairs.py)."""
+    from hub_pairs import build_tiny_pair
+
+    return build_tiny_pair(embedded_dir, tmp_path_factory.mktemp("tiny-pair"))
+
+
+@pytest.fixture
+def hub(tiny_pair):
+    """The loopback stand-in Hub serving the tiny pair."""
+    from standin_hub import StandinHub
+
+    with StandinHub(tiny_pair.repos) as server:
+        yield server

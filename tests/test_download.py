@@ -24,17 +24,6 @@ from specchat.core.registry import load_registry
 TARGET_WEIGHTS = f"{TARGET_REPO}/model.safetensors"
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(embedded_dir, tmp_path_factory):
-    return build_tiny_pair(embedded_dir, tmp_path_factory.mktemp("tiny-pair"))
-
-
-@pytest.fixture
-def hub(tiny_pair):
-    with StandinHub(tiny_pair.repos) as server:
-        yield server
-
-
 @pytest.fixture
 def caches(tmp_path, monkeypatch):
     """A private Hub cache and specchat cache for this process (huggingface_hub read its

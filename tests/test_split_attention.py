@@ -31,13 +31,13 @@ def test_a_part_no_query_sees_contributes_nothing():
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_verification_attention_folds_grouped_heads_without_changing_a_score(tree):
-    """Several queries under a mask with grouped KV heads: specchat's attention folds the group
-    into the query length instead of copying keys and values; the output is transformers' SDPA's."""
+    """Several queries under a mask with grouped KV heads: folding the group into the query
+    length instead of copying keys and values gives transformers' SDPA's output."""
     from types import SimpleNamespace
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from specchat.core.kv.queries import _sdpa_recording_queries
+    from specchat.core.kv.queries import _grouped_attention
 
     generator = torch.Generator().manual_seed(3)
     past, n, kv_heads, groups, dim = 40, 6, 2, 4, 16
@@ -49,7 +49,7 @@ def test_verification_attention_folds_grouped_heads_without_changing_a_score(tre
         allowed[3, past + 2] = False
     module = SimpleNamespace(num_key_value_groups=groups, layer_idx=0, is_causal=True)
     mask = allowed[None, None]
-    folded, _ = _sdpa_recording_queries(module, query, key, value, mask, scaling=0.25)
+    folded = _grouped_attention(module, query, key, value, mask, 0.25)  # used on CUDA (kv/queries.py)
     reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
     assert folded.shape == reference.shape == (1, n, kv_heads * groups, dim)
     torch.testing.assert_close(folded, reference, rtol=1e-12, atol=1e-12)

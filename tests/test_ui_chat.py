@@ -45,10 +45,11 @@ def test_a_question_is_saved_before_its_answer_and_the_answer_when_it_ends(logic
 
 def test_stop_keeps_the_answer_so_far(logic):
     views = logic.send("Tell me a story", None, "", None, SETTINGS)
-    streamed = [next(views) for _ in range(4)]  # the question, then a few tokens
+    streamed = [next(views) for _ in range(6)]  # the question, the start, the prompt, a few tokens
     views.close()  # what the page's Stop does to the handler
     reply = saved(logic).messages[-1]
-    assert reply["role"] == "assistant" and not reply["partial"] and reply["finish_reason"] == "cancelled"
+    assert reply["content"] and reply["role"] == "assistant" and not reply["partial"]
+    assert reply["finish_reason"] == "cancelled"
     assert reply["content"] == streamed[-1].conversation.messages[-1]["content"]
 
 

@@ -7,9 +7,9 @@ import os
 
 import pytest
 from conftest import DATA
-from hub_pairs import TARGET_REPO, build_tiny_pair
+from hub_pairs import TARGET_REPO
 from live_server import free_port
-from standin_hub import StandinHub, hub_online
+from standin_hub import hub_online
 from test_browser import ARTIFACTS, CHROMIUM, browser_or_skip, wait_for
 
 from specchat.app.engine_handle import EngineHandle
@@ -31,17 +31,6 @@ from specchat.core.registry import load_registry
 
 TARGET_WEIGHTS = f"{TARGET_REPO}/model.safetensors"
 PROFILES = DATA / "profiles"
-
-
-@pytest.fixture(scope="module")
-def tiny_pair(embedded_dir, tmp_path_factory):
-    return build_tiny_pair(embedded_dir, tmp_path_factory.mktemp("tiny-pair"))
-
-
-@pytest.fixture
-def hub(tiny_pair):
-    with StandinHub(tiny_pair.repos) as server:
-        yield server
 
 
 @pytest.fixture

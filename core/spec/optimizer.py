@@ -135,7 +135,8 @@ def measure_forward_times(model: CausalLM, context: int, sizes: list[int],
         medians[n] = statistics.median(timed(n)[0] for _ in range(repeats))
     unit = medians[1]
     return ForwardTimes(sizes=tuple(sizes), ratios=tuple(medians[n] / unit for n in sizes),
-                        one_token_seconds=unit, context=context, device=_describe(device))
+                        one_token_seconds=unit, context=context,
+                        device=_describe(torch.device(getattr(model, "device", device))))  # logits come back on the CPU
 
 
 @dataclass(frozen=True)
