@@ -58,7 +58,8 @@ def page(embedded_dir, playwright_browser):
 
 
 def shot(page, name):
-    page.screenshot(path=str(ARTIFACTS / f"browser-{name}.png"), full_page=True)
+    # Generous: on a busy 2-core machine a full-page capture can take many seconds.
+    page.screenshot(path=str(ARTIFACTS / f"browser-{name}.png"), full_page=True, timeout=120_000)
 
 
 def wait_for(condition, timeout=120, what="condition"):
