@@ -18,13 +18,12 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
-from ..core.errors import SpecchatError  # noqa: E402
 from .conversation import attachment_label  # noqa: E402
 from .documents import DOCUMENT_SUFFIXES  # noqa: E402
 from .engine_handle import EngineHandle  # noqa: E402
 from .history import HistoryStore, default_folder  # noqa: E402
 from .presets import PRESETS  # noqa: E402
-from .ui_chat import ChatLogic, Settings, View, shown  # noqa: E402
+from .ui_chat import ChatLogic, Settings, View, problem_text, shown  # noqa: E402
 
 DEFAULT_HOST = "127.0.0.1"
 MODES = ["auto", "chain", "tree", "triforce", "plain"]
@@ -33,11 +32,6 @@ DARK_MODE_JS = """() => { const dark = !document.body.classList.contains('dark')
   document.body.classList.toggle('dark', dark); localStorage.setItem('specchat-dark', dark ? '1' : '0'); }"""
 RESTORE_DARK_MODE_JS = """() => { const saved = localStorage.getItem('specchat-dark');
   if (saved !== null) document.body.classList.toggle('dark', saved === '1'); }"""
-
-
-def _problem(error: Exception) -> str:
-    text = str(error) if isinstance(error, SpecchatError) else f"unexpected error: {type(error).__name__}: {error}"
-    return f"⚠️ {text}"
 
 
 def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | None = None) -> gr.Blocks:
@@ -144,7 +138,7 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
                     for view in stream:
                         yield render(view)
             except Exception as error:
-                yield render(View(status=_problem(error)))
+                yield render(View(status=problem_text(error)))
 
         def once(handler, stop_chain: bool = False):
             """A one-shot handler's view, rendered; with `stop_chain` an error is raised as a
@@ -154,8 +148,8 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
                     return render(handler(*args))
                 except Exception as error:
                     if stop_chain:
-                        raise gr.Error(_problem(error)) from None
-                    return render(View(status=_problem(error)))
+                        raise gr.Error(problem_text(error)) from None
+                    return render(View(status=problem_text(error)))
             return run
 
         def settings_of(values) -> Settings:
@@ -182,7 +176,7 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
             try:
                 return logic.meter_text(chat, attached, pasted_text, text, settings_of(values))
             except Exception as error:
-                return _problem(error)
+                return problem_text(error)
 
         send_inputs = [message, attachment, pasted, conversation, *settings_inputs]
         meter_inputs = [conversation, attachment, pasted, message, *settings_inputs]
@@ -233,7 +227,7 @@ def _exporter(logic: ChatLogic):
         try:
             return gr.update(value=logic.export(chat), visible=True), "Exported: download the files below the list."
         except Exception as error:
-            return gr.update(visible=False), _problem(error)
+            return gr.update(visible=False), problem_text(error)
     return export
 
 

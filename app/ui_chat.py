@@ -90,12 +90,17 @@ class ChatLogic:
         if not path:
             return View()
         text = read_document(path)
-        return View(attachment=self._attachment(Path(path).name, text), clear_attachment=False,
-                    status=f"Attached {Path(path).name}.")
+        return View(attachment=self._attachment(Path(path).name, text), status=f"Attached {Path(path).name}.")
 
     def _attachment(self, name: str, text: str, note: str = "") -> dict:
         engine = self.handle.get()
         return {"name": name, "text": text, "tokens": engine.count_tokens(text), "note": note}
+
+    def _with_pasted(self, attachment: dict | None, pasted: str | None) -> dict | None:
+        """The attachment, or pasted text made one (an uploaded file wins)."""
+        if attachment is None and pasted and pasted.strip():
+            return self._attachment(PASTED, pasted.strip())
+        return attachment
 
     def meter(self, conversation: Conversation | None, attachment: dict | None, pasted: str, message: str,
               settings: Settings) -> Meter:
@@ -114,8 +119,7 @@ class ChatLogic:
     def send(self, message: str, attachment: dict | None, pasted: str, conversation: Conversation | None,
              settings: Settings, session: str = "") -> Iterator[View]:
         question = (message or "").strip()
-        if pasted and pasted.strip() and attachment is None:
-            attachment = self._attachment(PASTED, pasted.strip())
+        attachment = self._with_pasted(attachment, pasted)
         if not question and attachment is None:
             yield View(status="Type a question or attach a document.")
             return
@@ -172,8 +176,7 @@ class ChatLogic:
                 conversation.messages[:] = [m for m in conversation.messages if m is not reply]
             reply["partial"] = False
             self.store.save(conversation)
-            text = str(error) if isinstance(error, SpecchatError) else f"unexpected error: {type(error).__name__}: {error}"
-            yield View(conversation=conversation, status=f"⚠️ {text}")
+            yield View(conversation=conversation, status=problem_text(error))
         finally:
             # An error, or the page went away mid-answer: keep what was said.
             if self._cancels.get(session) is cancel:
@@ -238,8 +241,7 @@ class ChatLogic:
     def cut(self, where: str, message: str, attachment: dict | None, pasted: str,
             conversation: Conversation | None, settings: Settings) -> View:
         """Cut the document by what is too much, from its start, middle or end."""
-        if pasted and pasted.strip() and attachment is None:
-            attachment = self._attachment(PASTED, pasted.strip())
+        attachment = self._with_pasted(attachment, pasted)
         if attachment is None:
             raise InputError("there is no document to cut")
         meter = self.meter(conversation, attachment, "", message, settings)
@@ -310,6 +312,12 @@ class ChatLogic:
         for path, text in files.items():
             path.write_text(text, encoding="utf-8")
         return [str(path) for path in files]
+
+
+def problem_text(error: Exception) -> str:
+    """An error as one line for the page, never a traceback."""
+    text = str(error) if isinstance(error, SpecchatError) else f"unexpected error: {type(error).__name__}: {error}"
+    return f"⚠️ {text}"
 
 
 def shown(conversation: Conversation | None, streaming: bool = False) -> list[dict]:
