@@ -40,7 +40,7 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
         raise UnknownPair(f"{registry.unknown_message(model_id)}, or give a local model directory")
     pair = registry.get(model_id)
     plan = _plan(pair, registry)
-    options = target_options(plan, pair.target) if plan is not None else None
+    options = target_options(plan, pair.target)
     if pair.source == "embedded":
         engine = _load(embedded.ensure_converted(progress), embedded.EMBEDDED_ID,
                        f"{embedded.EMBEDDED_ID}@conversion-{embedded.CONVERSION_VERSION}", options)
@@ -49,23 +49,22 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
     paths = download_pair(pair, download_progress)
     progress(f"Loading {pair.target.repo}...")
     engine = _load(paths["target"], pair.id, f"{pair.target.repo}@{pair.target.revision}", options)
-    draft = draft_options(plan) if plan is not None else None
-    if "draft" in paths and (plan is None or draft is not None):
+    draft = draft_options(plan)
+    if "draft" in paths and draft is not None:
         progress(f"Loading the draft {pair.draft.repo}...")
         _attach_draft(engine, paths["draft"], pair.draft.repo, draft)
     return _follow_plan(engine, plan)
 
 
 def _plan(pair, registry: Registry):
-    """The plan for this machine at the pair's full context; None when it fits nowhere (the pair
-    then loads as before the planner, fp32 on the CPU, and requests are checked one by one)."""
+    """The plan for this machine at the pair's full context. A pair that fits nowhere is refused
+    here, before any download, with the plan's reason and the nearest requests that fit
+    (`PlanRefused`, an input error: exit code 2), never loaded in whatever precision happens to
+    work."""
     from .hardware import load_or_probe
-    from .plan import PlanRefused, make_plan
+    from .plan import make_plan
 
-    try:
-        return make_plan(load_or_probe(), pair, pair.context_length, registry=registry)
-    except PlanRefused:
-        return None
+    return make_plan(load_or_probe(), pair, pair.context_length, registry=registry)
 
 
 def _follow_plan(engine: Engine, plan) -> Engine:
@@ -73,8 +72,6 @@ def _follow_plan(engine: Engine, plan) -> Engine:
     and TriForce's budgets."""
     from .decoding import TriforceSettings
 
-    if plan is None:
-        return engine
     engine.plan, engine.auto_mode = plan, plan.mode
     capacity = offload_capacity(plan)
     if capacity is not None:
