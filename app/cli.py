@@ -122,8 +122,13 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-browser", action="store_true", default=argparse.SUPPRESS,
                         help="do not open a browser tab")
     parser.add_argument("--api-key", default=argparse.SUPPRESS,
-                        help="require this key (Authorization: Bearer KEY) on the /v1 API "
+                        help="require this key on the page and every route: the /v1 API and Gradio's "
+                             "(Authorization: Bearer KEY; the page asks for it once per browser) "
                              "(default: $SPECCHAT_API_KEY, else no key)")
+    parser.add_argument("--allow-host", action="append", metavar="NAME", default=argparse.SUPPRESS,
+                        help="also answer requests for this host name, e.g. behind a proxy (repeatable; "
+                             "default: $SPECCHAT_ALLOWED_HOSTS, comma-separated; localhost and IP addresses "
+                             "always; other names are refused against DNS rebinding)")
     _add_model_option(parser)
 
 
@@ -166,12 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             from .terminal import run_chat, read_chat_document
             document = read_chat_document(args)  # a bad file fails before the model loads
             return run_chat(_load(args), args, document)
+        hosts = allowed_hosts(args)  # a bad name, registry or --models-file fails here, before the server
+        registry(args)
         from .ui import launch
-        registry(args)  # a bad registry or --models-file fails here, before the server starts
         launch(lambda model: _load(args, model), model_id(args), getattr(args, "models_file", None),
                host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
                open_browser=not getattr(args, "no_browser", False),
-               api_key=getattr(args, "api_key", None) or os.environ.get("SPECCHAT_API_KEY") or None)
+               api_key=getattr(args, "api_key", None) or os.environ.get("SPECCHAT_API_KEY") or None,
+               allowed_hosts=hosts)
         return 0
     except SpecchatError as error:
         print(f"specchat: error: {error}", file=sys.stderr)
@@ -190,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
 def model_id(args) -> str:
     """`--model` may come before or after the subcommand."""
     return getattr(args, "model", "embedded")
+
+
+def allowed_hosts(args) -> list[str]:
+    """--allow-host names and $SPECCHAT_ALLOWED_HOSTS, checked before the server starts."""
+    from .security import allowed_host
+
+    given = [*getattr(args, "allow_host", []), *os.environ.get("SPECCHAT_ALLOWED_HOSTS", "").split(",")]
+    return [allowed_host(name) for name in given if name.strip()]
 
 
 def sampling_params(args):

@@ -1,5 +1,6 @@
 """The Gradio app: the chat tab (conversations, documents, context meter, live speculation view,
-settings) and the models & hardware tab, served with the OpenAI-compatible API on one server.
+settings) and the models & hardware tab, served with the OpenAI-compatible API on one server,
+behind one guard (security.py: known hosts, no cross-site writes, the key, bounded bodies).
 
 Layout and wiring only: the behaviour lives in `ui_chat.ChatLogic` (and `ui_models`); handlers
 return `View`s that `_render` maps onto components. Errors become a line in the page.
@@ -12,17 +13,19 @@ import os
 import sys
 import threading
 import webbrowser
-from typing import Callable
+from typing import Callable, Iterable
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
+from ..core import limits  # noqa: E402
 from .conversation import attachment_label  # noqa: E402
 from .documents import DOCUMENT_SUFFIXES  # noqa: E402
 from .engine_handle import EngineHandle  # noqa: E402
 from .history import HistoryStore, default_folder  # noqa: E402
 from .presets import PRESETS  # noqa: E402
+from .security import Guard, uploaded_file  # noqa: E402
 from .ui_chat import ChatLogic, Settings, View, problem_text, shown  # noqa: E402
 
 DEFAULT_HOST = "127.0.0.1"
@@ -197,7 +200,8 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
 
         for box in (message, pasted, max_new_tokens, system):
             box.change(update_meter, meter_inputs, meter, trigger_mode="always_last", **light)
-        upload.upload(once(logic.attach_file), upload, outputs).then(
+        # Only a file that came through Gradio's upload: the event's path is whatever the client sends.
+        upload.upload(once(lambda path: logic.attach_file(uploaded_file(path))), upload, outputs).then(
             lambda: None, None, upload).then(update_meter, meter_inputs, meter, **light)
         detach.click(lambda: (None, "", ""), None, [attachment, attachment_line, pasted]).then(
             update_meter, meter_inputs, meter, **light)
@@ -231,27 +235,44 @@ def _exporter(logic: ChatLogic):
     return export
 
 
-def launch(load: Callable[[str], object], model: str = "embedded", registry_file: str | None = None,
-           host: str = DEFAULT_HOST, port: int = 7860, open_browser: bool = True, api_key: str | None = None) -> None:
-    """Serve the chat at / and the OpenAI-compatible API at /v1 on one server; `load(model)` loads
-    an engine (in the background, so the page is up at once)."""
-    import uvicorn
+def build_app(handle: EngineHandle, store: HistoryStore, registry_file: str | None = None,
+              api_key: str | None = None, host: str = DEFAULT_HOST, allowed_hosts: Iterable[str] = ()):
+    """The whole server as one ASGI app: the page at /, the OpenAI-compatible API at /v1, and
+    Gradio's routes, all behind the `Guard` (known hosts, no cross-site writes, the key, sizes)."""
     from fastapi import FastAPI
 
     from .api import add_api
 
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    add_api(app, handle.get, None)  # the key is the Guard's, for every route alike
+    demo = build_ui(handle, store, registry_file).queue(default_concurrency_limit=1)
+    app = gr.mount_gradio_app(app, demo, path="/", ssr_mode=False, footer_links=[],
+                              max_file_size=limits.UPLOAD.bytes)
+    # Gradio checks that a file an event receives was uploaded (processing_utils._check_allowed)
+    # only once `launch()` has marked the app launched, which a mounted app never is: mark it.
+    demo.has_launched = True
+    return Guard(app, api_key, host, allowed_hosts)
+
+
+def launch(load: Callable[[str], object], model: str = "embedded", registry_file: str | None = None,
+           host: str = DEFAULT_HOST, port: int = 7860, open_browser: bool = True, api_key: str | None = None,
+           allowed_hosts: Iterable[str] = ()) -> None:
+    """Serve the chat at / and the OpenAI-compatible API at /v1 on one server; `load(model)` loads
+    an engine (in the background, so the page is up at once)."""
+    import uvicorn
+
     if host not in (DEFAULT_HOST, "localhost", "::1"):
-        print(f"specchat: warning: listening on {host}: other computers on the network can use this chat"
-              + ("" if api_key else " and its API (set --api-key)"), file=sys.stderr)
+        print(f"specchat: warning: listening on {host}: other computers on the network can use this chat and "
+              + ("its API with the key" if api_key else "its API without a key (set --api-key)")
+              + "; they reach it by this computer's address, or by a name given with --allow-host",
+              file=sys.stderr)
     handle = EngineHandle(load, model)
     store = HistoryStore(default_folder())
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-    add_api(app, handle.get, api_key)
-    demo = build_ui(handle, store, registry_file).queue(default_concurrency_limit=1)
-    app = gr.mount_gradio_app(app, demo, path="/", ssr_mode=False, footer_links=[])
+    app = build_app(handle, store, registry_file, api_key, host, allowed_hosts)
     url = f"http://{host}:{port}"
     print(f"specchat: the chat is at {url}/ and the OpenAI-compatible API at {url}/v1; "
-          f"conversations are saved in {store.folder}", file=sys.stderr)
+          f"conversations are saved in {store.folder}"
+          + ("; both need the key (the page asks for it once per browser)" if api_key else ""), file=sys.stderr)
     if open_browser:
         threading.Timer(1.5, webbrowser.open, args=(f"{url}/",)).start()
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.run(app, host=host, port=port, log_level="warning", ws_max_size=limits.REQUEST_BODY.bytes)

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -39,6 +40,8 @@ def specchat_process(*args: str, data_dir: str | None = None,
                 try:
                     urllib.request.urlopen(url, timeout=2)
                     break
+                except urllib.error.HTTPError:
+                    break  # it answers (a server with a key answers 401 without it): it is up
                 except OSError:
                     if process.poll() is not None or time.monotonic() > deadline:
                         process.kill()

@@ -55,6 +55,7 @@ def test_bad_options():
     assert_bad_input(specchat("generate", "--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens")
     assert_bad_input(specchat("frobnicate"), "invalid choice")
     assert_bad_input(specchat("bench", "--suite", "longctx", "--repeats", "0"), "--repeats")
+    assert_bad_input(specchat("--no-browser", "--allow-host", "http://chat.example/"), "--allow-host", "host name")
 
 
 def test_unknown_or_broken_model(tmp_path):
