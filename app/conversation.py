@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -105,8 +106,12 @@ def to_json(conversation: Conversation) -> str:
 
 
 def from_json(text: str) -> Conversation:
-    """The conversation `to_json` wrote; `ValueError` when the text is not one (truncated, edited)."""
-    data = json.loads(text)  # JSONDecodeError is a ValueError
+    """The conversation `to_json` wrote; `ValueError` when the text is not one (truncated, edited,
+    nested too deeply for the parser, a field of the wrong type anywhere)."""
+    try:
+        data = json.loads(text)  # JSONDecodeError is a ValueError
+    except RecursionError:
+        raise ValueError("nested too deeply to be a conversation") from None
     if not isinstance(data, dict):
         raise ValueError("a conversation is a JSON object")
     try:
@@ -154,21 +159,59 @@ def _escape_markdown(text: str) -> str:
     return re.sub(r"([\\`*_\[\]<>])", r"\\\1", text)
 
 
+# Stats fields the views format as numbers (speculation_view): a string there would fail each render.
+NUMERIC_STATS = ("target_forwards", "drafted_tokens", "accepted_draft_tokens", "mean_accepted_per_forward",
+                 "tokens_per_second", "prefill_seconds", "reused_prompt_tokens")
+
+
 def _check_types(conversation: Conversation) -> None:
     """Reject a record whose fields the views would trip over later, so it fails here, once."""
     fields = {"id": str, "title": str, "created": (int, float), "updated": (int, float),
               "system": str, "preset": str, "messages": list}
     for name, kind in fields.items():
-        if not isinstance(getattr(conversation, name), kind):
+        if not isinstance(getattr(conversation, name), kind) or isinstance(getattr(conversation, name), bool):
             raise ValueError(f"field {name!r} has the wrong type")
+    if not (math.isfinite(conversation.created) and math.isfinite(conversation.updated)):
+        raise ValueError("the times must be finite numbers")
     for message in conversation.messages:
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
             raise ValueError("a message needs text content")
         if message.get("role") == "user":
-            document = message.get("document")
-            if document is not None and not (
-                    isinstance(document, dict) and isinstance(document.get("name"), str)
-                    and isinstance(document.get("text"), str) and isinstance(document.get("tokens"), int)):
-                raise ValueError("a document needs a name, text and a token count")
-        elif message.get("role") != "assistant":
+            _check_document(message.get("document"))
+        elif message.get("role") == "assistant":
+            _check_answer(message)
+        else:
             raise ValueError(f"unknown message role {message.get('role')!r}")
+
+
+def _check_document(document) -> None:
+    if document is None:
+        return
+    if not (isinstance(document, dict) and isinstance(document.get("name"), str)
+            and isinstance(document.get("text"), str) and _is_number(document.get("tokens"), int)
+            and isinstance(document.get("note", ""), (str, type(None)))):
+        raise ValueError("a document needs a name, text and a token count")
+
+
+def _check_answer(message: dict) -> None:
+    if not isinstance(message.get("partial", False), bool):
+        raise ValueError("an answer's `partial` is true or false")
+    origins = message.get("origins")
+    if origins is not None and not (isinstance(origins, list) and all(
+            isinstance(piece, list) and len(piece) == 2 and all(isinstance(part, str) for part in piece)
+            for piece in origins)):
+        raise ValueError("an answer's origins are [text, origin] pairs")
+    stats = message.get("stats")
+    if stats is None:
+        return
+    if not isinstance(stats, dict) or not all(_is_number(stats[key]) for key in NUMERIC_STATS if key in stats):
+        raise ValueError("an answer's stats hold numbers")
+    stages = stats.get("stages", {})
+    if not (isinstance(stages, dict) and all(
+            isinstance(counts, dict) and all(_is_number(count) for count in counts.values())
+            for counts in stages.values())):
+        raise ValueError("an answer's stages hold counts")
+
+
+def _is_number(value, kind: type | tuple = (int, float)) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
