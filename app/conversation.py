@@ -1,5 +1,6 @@
 """A conversation as specchat keeps it, and the pure views of it: what the model sees, what the
-chat shows, and the exports people download.
+chat shows, and the exports people download. What is rendered (the chat, the Markdown export) goes
+through `inert_markdown`: no message may make the reader's browser load anything.
 
 A user message: {"role": "user", "content": question as typed, "document": None or
 {"name": str, "text": str, "tokens": int, "note": str}}.
@@ -17,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .documents import user_turn
+from .safe_markdown import inert_markdown
 
 NEW_TITLE = "New chat"
 TITLE_LENGTH = 48
@@ -63,7 +65,7 @@ def shown_messages(conversation: Conversation, streaming: bool = False) -> list[
             content = "\n\n".join(label + question)
         else:
             content = answer_text(message, live=streaming and index == last)
-        shown.append({"role": message["role"], "content": content})
+        shown.append({"role": message["role"], "content": inert_markdown(content)})
     return shown
 
 
@@ -123,11 +125,13 @@ def from_json(text: str) -> Conversation:
 
 
 def to_markdown(conversation: Conversation) -> str:
-    """A readable export: title, system prompt, then each turn; documents fold away in <details>."""
+    """A readable export: title, system prompt, then each turn; documents fold away in <details>.
+    Each text is made inert in the form it is written in (heading, quote), so no title, prompt,
+    question or answer renders as HTML or loads an image wherever the file is opened."""
     started = time.strftime("%Y-%m-%d %H:%M", time.localtime(conversation.created))
-    parts = [f"# {conversation.title}", f"*specchat conversation · started {started}*"]
+    parts = [inert_markdown(f"# {conversation.title}"), f"*specchat conversation · started {started}*"]
     if conversation.system.strip():
-        parts.append("**System prompt:**\n\n" + _quote(conversation.system.strip()))
+        parts.append("**System prompt:**\n\n" + inert_markdown(_quote(conversation.system.strip())))
     parts.append("---")
     for message in conversation.messages:
         if message["role"] == "user":
@@ -135,10 +139,10 @@ def to_markdown(conversation: Conversation) -> str:
             if message.get("document"):
                 parts.append(_folded_document(message["document"]))
             if message["content"].strip():
-                parts.append(message["content"].strip())
+                parts.append(inert_markdown(message["content"].strip()))
         else:
             parts.append("**specchat:**")
-            parts.append(answer_text(message))
+            parts.append(inert_markdown(answer_text(message)))
     return "\n\n".join(parts) + "\n"
 
 
