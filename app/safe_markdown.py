@@ -14,6 +14,7 @@ span beats a request to an attacker.
 
 from __future__ import annotations
 
+import bisect
 import re
 from functools import lru_cache
 
@@ -28,7 +29,7 @@ BACKTICKS = re.compile(r"`+")
 UNSAFE_TOKENS = {"image", "html_inline", "html_block"}
 
 
-@lru_cache(maxsize=1024)  # the chat re-renders every message on each streamed update
+@lru_cache(maxsize=256)  # the chat re-renders every message on each streamed update
 def inert_markdown(text: str) -> str:
     """`text` with images turned into links and raw HTML into text; code and the rest unchanged."""
     scanned = _outside_code(text)
@@ -88,6 +89,11 @@ def _closes(line: str, fence: tuple[str, int, int]) -> bool:
 
 def _inline(block: str) -> str:
     """One paragraph: code spans kept, the text between them neutralized."""
+    # Where each whole run of backticks starts, by length: a span closes at the next run of its
+    # opener's length (found by bisection, so a text full of lone backticks stays linear).
+    runs: dict[int, list[int]] = {}
+    for run in BACKTICKS.finditer(block):
+        runs.setdefault(len(run.group()), []).append(run.start())
     parts, position, plain_from = [], 0, 0
     while position < len(block):
         character = block[position]
@@ -95,13 +101,15 @@ def _inline(block: str) -> str:
             position += 2
             continue
         if character == "`":
-            run = BACKTICKS.match(block, position).group()
-            closer = re.compile(rf"(?<!`){run}(?!`)").search(block, position + len(run))
-            if closer is not None:
-                parts += [_neutralize_inline(block[plain_from:position]), block[position:closer.end()]]
-                position = plain_from = closer.end()
+            length = len(BACKTICKS.match(block, position).group())
+            starts = runs.get(length, [])
+            following = bisect.bisect_left(starts, position + length)
+            if following < len(starts):
+                end = starts[following] + length
+                parts += [_neutralize_inline(block[plain_from:position]), block[position:end]]
+                position = plain_from = end
                 continue
-            position += len(run)
+            position += length
             continue
         position += 1
     parts.append(_neutralize_inline(block[plain_from:]))
