@@ -57,7 +57,8 @@ def pdf_text(data: bytes, path: Path) -> str:
     logging.getLogger("pypdf").setLevel(logging.ERROR)  # its repair notes on stderr would bury our one line
     budget = TextBudget(path)  # pypdf itself caps each stream it inflates (75 MB): one page stays bounded
     try:
-        pages = [budget.counted(page.extract_text().strip()) for page in PdfReader(io.BytesIO(data)).pages]
+        pages = [budget.counted(page.extract_text().strip(), separator=2)  # pages join with a blank line
+                 for page in PdfReader(io.BytesIO(data)).pages]
     except InputError:
         raise
     except FileNotDecryptedError:

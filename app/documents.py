@@ -68,9 +68,9 @@ def read_bytes(path: Path, limit: Limit) -> bytes:
     try:
         with path.open("rb") as file:
             limit.check(os.fstat(file.fileno()).st_size, str(path))
-            chunks, size = [], 0
+            chunks, size, most = [], 0, limit.bytes
             # In chunks: one read of the whole limit would reserve all of it for every file.
-            while chunk := file.read(min(READ_CHUNK, limit.bytes + 1 - size)):
+            while chunk := file.read(min(READ_CHUNK, most + 1 - size)):
                 chunks.append(chunk)
                 size += len(chunk)
                 limit.check(size, f"{path} (read until it passed the limit)")

@@ -27,7 +27,8 @@ def stats_line(stats: dict, mode: str, new_tokens: int | None = None, finish_rea
     line = (f"**{stats.get('tokens_per_second', 0):.1f} tok/s** · "
             f"**{stats.get('mean_accepted_per_forward', 0):.2f}** tokens per target forward · "
             f"{stats.get('target_forwards', 0)} target forwards{acceptance} · "
-            f"first token after {stats.get('prefill_seconds', 0):.2f} s{reused_text}" + (f" · mode {_code(mode)}" if mode else ""))
+            f"first token after {stats.get('prefill_seconds', 0):.2f} s{reused_text}"
+            + (f" · mode {_code(mode)}" if mode else ""))
     if finish_reason is not None:
         line += f" · {new_tokens} tokens, {FINISH_REASONS[finish_reason]}"
     return line

@@ -335,7 +335,8 @@ def test_a_folder_named_like_a_conversation_is_reported_once_and_left_alone(tmp_
     folder = tmp_path / f"{'d' * 32}.json"
     (folder / "inside").mkdir(parents=True)
     assert [summary.id for summary in store.list()] == [good.id]
-    assert store.take_problems() == [f"{folder} is a folder, not a saved conversation: it was left as it is and skipped"]
+    assert store.take_problems() == [
+        f"{folder} is a folder, not a saved conversation: it was left as it is and skipped"]
     assert [summary.id for summary in store.list()] == [good.id] and store.take_problems() == []  # once
     assert (folder / "inside").is_dir()
     with pytest.raises(InputError, match="is a folder, not a saved conversation"):

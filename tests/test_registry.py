@@ -68,7 +68,8 @@ def test_a_user_file_overrides_fields_and_adds_pairs(tmp_path, monkeypatch):
     ('[pairs.new]\nsource = "hub"\n', (":1:", "missing field 'name'")),
     ("pairs = 3\n", ("pairs",)),
     # Numbers: finite and in range, or the memory arithmetic overflows or lets an absurd pair fit.
-    ("[pairs.embedded.target]\nparams_b = inf\n", (":2:", "pairs.embedded.target.params_b", "must be a finite number, got inf")),
+    ("[pairs.embedded.target]\nparams_b = inf\n",
+     (":2:", "pairs.embedded.target.params_b", "must be a finite number, got inf")),
     ("[pairs.embedded.target]\nparams_b = nan\n", (":2:", "params_b", "must be a finite number, got nan")),
     ("[pairs.embedded.target]\nparams_b = -0.5\n", (":2:", "params_b", "must be positive")),
     ("[pairs.embedded]\nrecommended_vram_gb = -1\n", (":2:", "recommended_vram_gb", "cannot be negative")),
@@ -83,7 +84,8 @@ def test_a_user_file_overrides_fields_and_adds_pairs(tmp_path, monkeypatch):
     # The reach is the original positions times the factor, as the loader sets it (not 40,960 x 4).
     ('[pairs."qwen3-8b"]\ncontext_length = 163840\n', (":2:", "exceeds what the target reaches (131072)")),
     # Unknown keys are typos until proven otherwise.
-    ("[pairs.embedded]\ncontxt_length = 4096\n", (":2:", "pairs.embedded.contxt_length", "did you mean `context_length`?")),
+    ("[pairs.embedded]\ncontxt_length = 4096\n",
+     (":2:", "pairs.embedded.contxt_length", "did you mean `context_length`?")),
     ("[pairs.embedded.target]\nparams = 1\n", (":2:", "pairs.embedded.target.params", "did you mean `params_b`?")),
     ("[pairs.embedded.target]\ncolour = 1\n", (":2:", "colour: unknown key: known keys are repo, revision")),
     ("pair = 1\n[pairs.embedded]\nname = 'x'\n", (":1:", "pair: unknown key: did you mean `pairs`?")),
@@ -169,4 +171,5 @@ def test_a_bad_models_file_exits_2_with_its_line(tmp_path):
         [sys.executable, "-c", "from specchat.app.cli import main; raise SystemExit(main())",
          "models", "list", "--models-file", str(path)], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 2, completed.stderr
-    assert completed.stderr == f"specchat: error: {path}:2: pairs.embedded.target.params_b: must be a finite number, got inf\n"
+    assert completed.stderr == (f"specchat: error: {path}:2: pairs.embedded.target.params_b: "
+                                "must be a finite number, got inf\n")
