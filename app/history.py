@@ -182,7 +182,9 @@ class HistoryStore:
 
     def _set_aside(self, path: Path) -> str:
         """Move a broken file out of the list's way; the line that reports it."""
-        corrupt = path.with_name(path.name + ".corrupt")
+        corrupt, copies = path.with_name(path.name + ".corrupt"), 1
+        while corrupt.exists():  # an earlier broken copy is kept too: it may be all that is left of a chat
+            corrupt, copies = path.with_name(f"{path.name}.{copies}.corrupt"), copies + 1
         self._summaries.pop(path.stem, None)
         try:
             os.replace(path, corrupt)

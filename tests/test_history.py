@@ -329,6 +329,17 @@ def test_any_broken_file_is_set_aside_and_the_list_still_renders(tmp_path, case)
         store.load("c" * 32)
 
 
+def test_a_second_broken_copy_does_not_replace_the_first(tmp_path):
+    store = HistoryStore(tmp_path)
+    broken = tmp_path / f"{'c' * 32}.json"
+    for content in (b"first", b"second", b"third"):
+        broken.write_bytes(content)
+        assert store.list() == []
+    assert [(tmp_path / f"{broken.name}{suffix}.corrupt").read_bytes() for suffix in ("", ".1", ".2")] == \
+        [b"first", b"second", b"third"]
+    assert len(store.take_problems()) == 3
+
+
 def test_a_folder_named_like_a_conversation_is_reported_once_and_left_alone(tmp_path):
     store = HistoryStore(tmp_path)
     good = saved(store)
