@@ -1,5 +1,6 @@
 """A conversation as specchat keeps it, and the pure views of it: what the model sees, what the
-chat shows, and the exports people download.
+chat shows, and the exports people download. What is rendered (the chat, the Markdown export) goes
+through `inert_markdown`: no message may make the reader's browser load anything.
 
 A user message: {"role": "user", "content": question as typed, "document": None or
 {"name": str, "text": str, "tokens": int, "note": str}}.
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, field
 
 from .documents import user_turn
+from .safe_markdown import inert_markdown
 
 NEW_TITLE = "New chat"
 TITLE_LENGTH = 48
@@ -62,7 +65,7 @@ def shown_messages(conversation: Conversation, streaming: bool = False) -> list[
             content = "\n\n".join(label + question)
         else:
             content = answer_text(message, live=streaming and index == last)
-        shown.append({"role": message["role"], "content": content})
+        shown.append({"role": message["role"], "content": inert_markdown(content)})
     return shown
 
 
@@ -105,8 +108,12 @@ def to_json(conversation: Conversation) -> str:
 
 
 def from_json(text: str) -> Conversation:
-    """The conversation `to_json` wrote; `ValueError` when the text is not one (truncated, edited)."""
-    data = json.loads(text)  # JSONDecodeError is a ValueError
+    """The conversation `to_json` wrote; `ValueError` when the text is not one (truncated, edited,
+    nested too deeply for the parser, a field of the wrong type anywhere)."""
+    try:
+        data = json.loads(text)  # JSONDecodeError is a ValueError
+    except RecursionError:
+        raise ValueError("nested too deeply to be a conversation") from None
     if not isinstance(data, dict):
         raise ValueError("a conversation is a JSON object")
     try:
@@ -118,11 +125,13 @@ def from_json(text: str) -> Conversation:
 
 
 def to_markdown(conversation: Conversation) -> str:
-    """A readable export: title, system prompt, then each turn; documents fold away in <details>."""
+    """A readable export: title, system prompt, then each turn; documents fold away in <details>.
+    Each text is made inert in the form it is written in (heading, quote), so no title, prompt,
+    question or answer renders as HTML or loads an image wherever the file is opened."""
     started = time.strftime("%Y-%m-%d %H:%M", time.localtime(conversation.created))
-    parts = [f"# {conversation.title}", f"*specchat conversation · started {started}*"]
+    parts = [inert_markdown(f"# {conversation.title}"), f"*specchat conversation · started {started}*"]
     if conversation.system.strip():
-        parts.append("**System prompt:**\n\n" + _quote(conversation.system.strip()))
+        parts.append("**System prompt:**\n\n" + inert_markdown(_quote(conversation.system.strip())))
     parts.append("---")
     for message in conversation.messages:
         if message["role"] == "user":
@@ -130,10 +139,10 @@ def to_markdown(conversation: Conversation) -> str:
             if message.get("document"):
                 parts.append(_folded_document(message["document"]))
             if message["content"].strip():
-                parts.append(message["content"].strip())
+                parts.append(inert_markdown(message["content"].strip()))
         else:
             parts.append("**specchat:**")
-            parts.append(answer_text(message))
+            parts.append(inert_markdown(answer_text(message)))
     return "\n\n".join(parts) + "\n"
 
 
@@ -154,21 +163,59 @@ def _escape_markdown(text: str) -> str:
     return re.sub(r"([\\`*_\[\]<>])", r"\\\1", text)
 
 
+# Stats fields the views format as numbers (speculation_view): a string there would fail each render.
+NUMERIC_STATS = ("target_forwards", "drafted_tokens", "accepted_draft_tokens", "mean_accepted_per_forward",
+                 "tokens_per_second", "prefill_seconds", "reused_prompt_tokens")
+
+
 def _check_types(conversation: Conversation) -> None:
     """Reject a record whose fields the views would trip over later, so it fails here, once."""
     fields = {"id": str, "title": str, "created": (int, float), "updated": (int, float),
               "system": str, "preset": str, "messages": list}
     for name, kind in fields.items():
-        if not isinstance(getattr(conversation, name), kind):
+        if not isinstance(getattr(conversation, name), kind) or isinstance(getattr(conversation, name), bool):
             raise ValueError(f"field {name!r} has the wrong type")
+    if not (math.isfinite(conversation.created) and math.isfinite(conversation.updated)):
+        raise ValueError("the times must be finite numbers")
     for message in conversation.messages:
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
             raise ValueError("a message needs text content")
         if message.get("role") == "user":
-            document = message.get("document")
-            if document is not None and not (
-                    isinstance(document, dict) and isinstance(document.get("name"), str)
-                    and isinstance(document.get("text"), str) and isinstance(document.get("tokens"), int)):
-                raise ValueError("a document needs a name, text and a token count")
-        elif message.get("role") != "assistant":
+            _check_document(message.get("document"))
+        elif message.get("role") == "assistant":
+            _check_answer(message)
+        else:
             raise ValueError(f"unknown message role {message.get('role')!r}")
+
+
+def _check_document(document) -> None:
+    if document is None:
+        return
+    if not (isinstance(document, dict) and isinstance(document.get("name"), str)
+            and isinstance(document.get("text"), str) and _is_number(document.get("tokens"), int)
+            and isinstance(document.get("note", ""), (str, type(None)))):
+        raise ValueError("a document needs a name, text and a token count")
+
+
+def _check_answer(message: dict) -> None:
+    if not isinstance(message.get("partial", False), bool):
+        raise ValueError("an answer's `partial` is true or false")
+    origins = message.get("origins")
+    if origins is not None and not (isinstance(origins, list) and all(
+            isinstance(piece, list) and len(piece) == 2 and all(isinstance(part, str) for part in piece)
+            for piece in origins)):
+        raise ValueError("an answer's origins are [text, origin] pairs")
+    stats = message.get("stats")
+    if stats is None:
+        return
+    if not isinstance(stats, dict) or not all(_is_number(stats[key]) for key in NUMERIC_STATS if key in stats):
+        raise ValueError("an answer's stats hold numbers")
+    stages = stats.get("stages", {})
+    if not (isinstance(stages, dict) and all(
+            isinstance(counts, dict) and all(_is_number(count) for count in counts.values())
+            for counts in stages.values())):
+        raise ValueError("an answer's stages hold counts")
+
+
+def _is_number(value, kind: type | tuple = (int, float)) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)

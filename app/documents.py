@@ -1,14 +1,22 @@
-"""Text that people hand to specchat: prompt and document files, and how a document joins a turn."""
+"""Text that people hand to specchat: prompt and document files, and how a document joins a turn.
+
+Every file is measured before it is read and read no further than its limit (`core.limits`): a
+plain-text file is its own text, so `DOCUMENT_TEXT` bounds it; a PDF, .docx or HTML file is bound by
+`DOCUMENT_FILE` and its readers count the text they produce.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..core.errors import InputError
+from ..core.limits import DOCUMENT_FILE, DOCUMENT_TEXT, Limit
 from .document_formats import docx_text, html_text, pdf_text
 
 TEXT_SUFFIXES = (".txt", ".md")
 DOCUMENT_SUFFIXES = (".txt", ".md", ".pdf", ".docx", ".html", ".htm")
+READ_CHUNK = 1 << 20
 
 
 def read_document(path: str | Path) -> str:
@@ -19,11 +27,11 @@ def read_document(path: str | Path) -> str:
         raise InputError(f"cannot read {path}: {suffix or 'a file without a suffix'} is not a supported "
                          f"document type; use one of {', '.join(DOCUMENT_SUFFIXES)}")
     if suffix == ".pdf":
-        text = pdf_text(read_bytes(path), path)
+        text = pdf_text(read_bytes(path, DOCUMENT_FILE), path)
     elif suffix == ".docx":
-        text = docx_text(read_bytes(path), path)
+        text = docx_text(read_bytes(path, DOCUMENT_FILE), path)
     elif suffix in (".html", ".htm"):
-        text = html_text(read_text_file(path))
+        text = html_text(_decode(read_bytes(path, DOCUMENT_FILE), path), path)
     else:
         text = read_text_file(path)
     if not text.strip():
@@ -40,7 +48,10 @@ def read_document_or_text(path: str | Path) -> str:
 def read_text_file(path: str | Path) -> str:
     """The UTF-8 text of a file, or an `InputError` that says what is wrong with it."""
     path = Path(path)
-    data = read_bytes(path)
+    return _decode(read_bytes(path, DOCUMENT_TEXT), path)
+
+
+def _decode(data: bytes, path: Path) -> str:
     if b"\x00" in data:
         raise InputError(f"{path} looks like a binary file: give a plain-text file (.txt or .md)")
     try:
@@ -50,10 +61,20 @@ def read_text_file(path: str | Path) -> str:
                          "save it as UTF-8 and try again") from None
 
 
-def read_bytes(path: Path) -> bytes:
-    """The bytes of a file, or an `InputError` that says why it cannot be read."""
+def read_bytes(path: Path, limit: Limit) -> bytes:
+    """The bytes of a file within `limit`, or an `InputError` that says why it cannot be read. The
+    size is checked before reading, and the read stops past the limit anyway: a pipe or a device
+    (/dev/zero) reports no size, and a file can grow while it is read."""
     try:
-        return path.read_bytes()
+        with path.open("rb") as file:
+            limit.check(os.fstat(file.fileno()).st_size, str(path))
+            chunks, size, most = [], 0, limit.bytes
+            # In chunks: one read of the whole limit would reserve all of it for every file.
+            while chunk := file.read(min(READ_CHUNK, most + 1 - size)):
+                chunks.append(chunk)
+                size += len(chunk)
+                limit.check(size, f"{path} (read until it passed the limit)")
+        return b"".join(chunks)
     except FileNotFoundError:
         raise InputError(f"cannot read {path}: no such file") from None
     except IsADirectoryError:

@@ -1,25 +1,44 @@
 """Saved conversations: one JSON file per conversation, `<id>.json`, in one folder.
 
-A file that cannot be read never breaks the list: it is set aside as `<id>.json.corrupt` and
+A file that cannot be read never breaks the list, whatever is wrong with it: one whose content is
+not a conversation (binary, not UTF-8, truncated, nested too deeply, wrong types) is set aside as
+`<id>.json.corrupt`; one that cannot be touched safely (a folder with a conversation's name, a file
+over `CONVERSATION_FILE`, one we may not read) is left where it is and skipped. Either way it is
 reported once through `take_problems`.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import InputError
-from ..core.files import write_atomically
+from ..core.errors import InputError, SpecchatError
+from ..core.files import human_size, write_atomically
+from ..core.limits import CONVERSATION_FILE
 from .conversation import NEW_TITLE, Conversation, from_json, to_json
 
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 # A temporary file younger than this may belong to another specchat that is writing it right now.
 STALE_TEMPORARY_S = 60.0
+
+
+class SaveFailed(SpecchatError):
+    """A conversation could not be written (disk full, no permission); the file on disk is the
+    previous version, untouched."""
+
+
+class _Unreadable(Exception):
+    """A conversation file that cannot be used; `problem` is the line reported about it."""
+
+    def __init__(self, problem: str):
+        super().__init__(problem)
+        self.problem = problem
 
 
 @dataclass(frozen=True)
@@ -47,6 +66,7 @@ class HistoryStore:
         # Summaries by id, with the (mtime, size) they were read at: the list is asked for after
         # every answer, and rereading every document each time would grow with the history.
         self._summaries: dict[str, tuple[tuple[int, int], Summary]] = {}
+        self._reported: set[str] = set()  # problems already reported about files left in place
         self._remove_stale_temporaries()
 
     def new(self, system: str = "", preset: str = "free") -> Conversation:
@@ -65,14 +85,12 @@ class HistoryStore:
     def load(self, conversation_id: str) -> Conversation:
         path = self._path(conversation_id)
         try:
-            text = path.read_text(encoding="utf-8")
+            conversation = self._read(path)
         except FileNotFoundError:
             raise InputError(f"there is no saved conversation {conversation_id}") from None
-        try:
-            conversation = from_json(text)
-        except ValueError:
-            corrupt = self._set_aside(path)
-            raise InputError(f"the conversation could not be read and was set aside: {corrupt}") from None
+        except _Unreadable as unreadable:
+            self._report(unreadable.problem)
+            raise InputError(unreadable.problem) from None
         conversation.id = conversation_id  # the file name is the id the list knows it by
         return conversation
 
@@ -108,35 +126,77 @@ class HistoryStore:
         return self.folder / f"{conversation_id}.json"
 
     def _write(self, conversation: Conversation) -> None:
-        write_atomically(self._path(conversation.id), to_json(conversation))
+        path = self._path(conversation.id)
+        text = to_json(conversation)
+        # Written larger than the limit, it could never be opened again.
+        CONVERSATION_FILE.check(len(text.encode("utf-8")), f"the conversation {conversation.title!r}")
+        try:
+            write_atomically(path, text)  # on failure the old file stays and the temporary goes
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise SaveFailed(f"the disk is full: {self.folder} has no room for {human_size(len(text))}; "
+                                 "conversation not saved (free some space and send again)") from None
+            raise SaveFailed(f"cannot write to {self.folder}: {error.strerror or error}; "
+                             "conversation not saved") from None
 
     def _summary(self, path: Path) -> Summary | None:
         """The summary of one file, from the cache while the file is unchanged; None when it is
-        gone or had to be set aside."""
+        gone or cannot be used (reported once)."""
         try:
-            stat = path.stat()
-            version = (stat.st_mtime_ns, stat.st_size)
+            info = path.stat()
+            version = (info.st_mtime_ns, info.st_size)
             cached = self._summaries.get(path.stem)
             if cached and cached[0] == version:
                 return cached[1]
-            text = path.read_text(encoding="utf-8")
+            conversation = self._read(path)
         except FileNotFoundError:  # deleted since the folder was listed
             return None
-        try:
-            conversation = from_json(text)
-        except ValueError:
-            self._set_aside(path)
+        except _Unreadable as unreadable:
+            self._report(unreadable.problem)
             return None
         summary = Summary(path.stem, conversation.title, conversation.updated)
         self._summaries[path.stem] = (version, summary)
         return summary
 
-    def _set_aside(self, path: Path) -> Path:
-        corrupt = path.with_name(path.name + ".corrupt")
-        os.replace(path, corrupt)
+    def _read(self, path: Path) -> Conversation:
+        """The conversation in `path`; `_Unreadable` (set aside or left alone as the problem says)
+        when it cannot be one, `FileNotFoundError` when there is none."""
+        try:
+            info = path.stat()
+            if stat.S_ISDIR(info.st_mode) or not stat.S_ISREG(info.st_mode):
+                kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+                raise _Unreadable(f"{path} is {kind}, not a saved conversation: it was left as it is and skipped")
+            _check_size(path, info.st_size)
+            with path.open("rb") as file:
+                data = file.read(CONVERSATION_FILE.bytes + 1)  # it may have grown since stat
+        except FileNotFoundError:
+            raise
+        except OSError as error:  # no permission, an I/O error: nothing to repair from here
+            raise _Unreadable(f"cannot read the saved conversation {path}: {error.strerror or error}; "
+                              "it was skipped") from None
+        _check_size(path, len(data))
+        try:
+            return from_json(data.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError is a ValueError too
+            raise _Unreadable(self._set_aside(path)) from None
+
+    def _set_aside(self, path: Path) -> str:
+        """Move a broken file out of the list's way; the line that reports it."""
+        corrupt, copies = path.with_name(path.name + ".corrupt"), 1
+        while corrupt.exists():  # an earlier broken copy is kept too: it may be all that is left of a chat
+            corrupt, copies = path.with_name(f"{path.name}.{copies}.corrupt"), copies + 1
         self._summaries.pop(path.stem, None)
-        self._problems.append(f"a saved conversation could not be read and was set aside: {corrupt}")
-        return corrupt
+        try:
+            os.replace(path, corrupt)
+        except OSError as error:
+            return f"a saved conversation could not be read, nor set aside ({error.strerror or error}): {path}"
+        return f"a saved conversation could not be read and was set aside: {corrupt}"
+
+    def _report(self, problem: str) -> None:
+        """Report a problem once: a file left in place would otherwise be reported on every listing."""
+        if problem not in self._reported:
+            self._reported.add(problem)
+            self._problems.append(problem)
 
     def _remove_stale_temporaries(self) -> None:
         """Drop what a crash midway through `write_atomically` left behind."""
@@ -148,6 +208,14 @@ class HistoryStore:
                     temporary.unlink()
             except FileNotFoundError:
                 pass
+
+
+def _check_size(path: Path, size: int) -> None:
+    """Reading a file past the limit would cost its size in memory: such a file is skipped."""
+    try:
+        CONVERSATION_FILE.check(size, f"the saved conversation {path}")
+    except InputError as error:
+        raise _Unreadable(f"{error}; it was left as it is and skipped") from None
 
 
 def _check_id(conversation_id: str) -> None:

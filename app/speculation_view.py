@@ -1,5 +1,9 @@
 """What the page shows of an answer's speculation: the figures line, the per-stage table and
-the answer's tokens colored by how they were produced. Pure: stats in, Markdown or HTML out."""
+the answer's tokens colored by how they were produced. Pure: stats in, Markdown or HTML out.
+
+Text that came from outside (the answer's tokens, and from a saved file, the origins, mode and
+stage names) is escaped wherever it lands, so none of it renders as HTML.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ def stats_line(stats: dict, mode: str, new_tokens: int | None = None, finish_rea
     line = (f"**{stats.get('tokens_per_second', 0):.1f} tok/s** · "
             f"**{stats.get('mean_accepted_per_forward', 0):.2f}** tokens per target forward · "
             f"{stats.get('target_forwards', 0)} target forwards{acceptance} · "
-            f"first token after {stats.get('prefill_seconds', 0):.2f} s{reused_text}" + (f" · mode `{mode}`" if mode else ""))
+            f"first token after {stats.get('prefill_seconds', 0):.2f} s{reused_text}"
+            + (f" · mode {_code(mode)}" if mode else ""))
     if finish_reason is not None:
         line += f" · {new_tokens} tokens, {FINISH_REASONS[finish_reason]}"
     return line
@@ -41,15 +46,26 @@ def stage_table(stats: dict) -> str:
              "|---|---:|---:|---:|---:|---:|"]
     for name, forwards, drafted, accepted, builds in rows:
         rate = f"{accepted / drafted:.0%}" if drafted else "–"
-        lines.append(f"| {name} | {forwards} | {drafted} | {accepted} | {rate} | {builds} |")
+        lines.append(f"| {_cell(name)} | {forwards} | {drafted} | {accepted} | {rate} | {builds} |")
     return "\n".join(lines)
+
+
+def _code(text: str) -> str:
+    """`text` as a Markdown code span that it cannot close (its content shows as typed)."""
+    return f"`{' '.join(str(text).replace('`', '').split())}`"
+
+
+def _cell(text: str) -> str:
+    """`text` as one Markdown table cell showing as typed: no HTML, no column break, one line."""
+    return html.escape(" ".join(str(text).split())).replace("|", "\\|")
 
 
 def colored_tokens(pieces: list) -> str:
     """HTML of an answer's text, each token's span colored by its origin, with a legend."""
+    # An origin names a class: one that is not ours (from an edited file) is shown as plain.
     spans = "".join(
-        f'<span class="tok-{origin}" style="color:{ORIGINS.get(origin, ORIGINS["plain"])[1]}" '
-        f'title="{ORIGINS.get(origin, ORIGINS["plain"])[0]}">'
+        f'<span class="tok-{origin if origin in ORIGINS else "plain"}" '
+        f'style="color:{ORIGINS.get(origin, ORIGINS["plain"])[1]}" title="{ORIGINS.get(origin, ORIGINS["plain"])[0]}">'
         f'{html.escape(text).replace(chr(10), "<br>")}</span>'
         for text, origin in pieces if text)
     legend = " ".join(f'<span style="color:{color}">■ {label}</span>' for label, color in ORIGINS.values())

@@ -8,6 +8,8 @@ line and the field.
 
 from __future__ import annotations
 
+import difflib
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -29,6 +31,18 @@ PATTERN_NAMES = {COMMIT: "a 40-character commit hash (pin a revision, not a bran
 SOURCES = ("hub", "embedded")
 DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Upper bounds far past any real model, so a typo (or inf) fails here and never reaches the memory
+# arithmetic, where it would overflow or make an impossible pair "fit".
+MAX_CONTEXT = 1 << 24  # 16M tokens
+MAX_ROPE_FACTOR = 64.0
+MOST = {"context_length": MAX_CONTEXT, "recommended_vram_gb": 100_000, "params_b": 100_000,
+        "download_bytes": 10**15, "layers": 10_000, "hidden_size": 1 << 20, "attention_heads": 10_000,
+        "kv_heads": 10_000, "head_dim": 100_000, "vocab_size": 1 << 24, "max_position_embeddings": MAX_CONTEXT,
+        "original_max_position_embeddings": MAX_CONTEXT}
+PAIR_KEYS = ("name", "source", "context_length", "license", "gated", "chat_template", "recommended_vram_gb",
+             "target", "draft")
+MODEL_KEYS = ("repo", "revision", "params_b", "download_bytes", "layers", "hidden_size", "attention_heads",
+              "kv_heads", "head_dim", "vocab_size", "max_position_embeddings", "dtype", "rope_scaling")
 
 
 class RegistryError(InputError):
@@ -139,6 +153,7 @@ def load_registry(models_file: str | Path | None = None) -> Registry:
     pairs = merged.get("pairs")
     if not isinstance(pairs, dict) or not pairs:
         raise RegistryError(f"{paths[-1]}: no [pairs.<id>] tables")
+    _Table(merged, (), origin).check_keys(("pairs",))
     return Registry({pair_id: _pair(pair_id, table, origin) for pair_id, table in pairs.items()}, tuple(paths))
 
 
@@ -173,11 +188,23 @@ class _Table:
             self.fail(None, f"must be a table, got {type(data).__name__}")
         self.data = data
 
+    def check_keys(self, known: tuple[str, ...]) -> None:
+        """An unknown key is a typo until proven otherwise: silently ignored, it would leave the
+        field it meant at its default."""
+        for key in self.data:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"did you mean `{close[0]}`?" if close else f"known keys are {', '.join(known)}"
+                self.fail(key, f"unknown key: {hint}")
+
     def fail(self, key: str | None, problem: str):
         name = ".".join(self.table + ((key,) if key else ()))
         path, text = (self.origin.get(self.table + ((key,) if key else ())) or self.origin.get(self.table)
                       or self.origin[self.table[:-1]])
-        line = _line_of(text, self.table, key)
+        line, table, inner = None, self.table, key
+        while line is None and (table or inner):  # an inline table has no header: point at its key
+            line = _line_of(text, table, inner)
+            table, inner = table[:-1], table[-1] if table else None
         where = f"{path}:{line}" if line else str(path)
         raise RegistryError(f"{where}: {name}: {problem}")
 
@@ -195,8 +222,15 @@ class _Table:
             self.fail(key, f"{value!r} is not {PATTERN_NAMES.get(pattern, 'well formed')}")
         if choices and value not in choices:
             self.fail(key, f"must be one of {', '.join(choices)}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            self.fail(key, f"must be a finite number, got {value!r}")
         if positive and not value > 0:
             self.fail(key, f"must be positive, got {value!r}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key in MOST:
+            if value < 0:
+                self.fail(key, f"cannot be negative, got {value!r}")
+            if value > MOST[key]:
+                self.fail(key, f"{value:,} is past any real model (at most {MOST[key]:,})")
         return value
 
 
@@ -204,6 +238,7 @@ def _pair(pair_id: str, data: Any, origin: dict) -> ModelPair:
     table = _Table(data, ("pairs", pair_id), origin)
     if not PAIR_ID.fullmatch(pair_id):
         table.fail(None, "a pair id uses lower-case letters, digits, '.', '_' and '-'")
+    table.check_keys(PAIR_KEYS)
     name, source = table.get("name", str), table.get("source", str, choices=SOURCES)
     context_length = table.get("context_length", int, positive=True)
     license_name, gated = table.get("license", str), table.get("gated", bool, False)
@@ -211,9 +246,8 @@ def _pair(pair_id: str, data: Any, origin: dict) -> ModelPair:
     recommended_vram_gb = float(table.get("recommended_vram_gb", (int, float), 0))
     target = _model(table, "target", source)
     draft = _model(table, "draft", source) if "draft" in table.data else None
-    reach = target.max_position_embeddings * float((target.rope_scaling or {}).get("factor", 1.0))
-    if context_length > reach:
-        table.fail("context_length", f"{context_length} exceeds what the target reaches ({int(reach)}) "
+    if context_length > _reach(target):
+        table.fail("context_length", f"{context_length} exceeds what the target reaches ({_reach(target)}) "
                                      "with its rope scaling")
     if draft is not None and draft.vocab_size > target.vocab_size:
         table.fail("draft", "the draft's vocabulary is larger than the target's: not a speculation pair")
@@ -225,10 +259,9 @@ def _model(pair: _Table, role: str, source: str) -> ModelSpec:
     if role not in pair.data:
         pair.fail(None, f"missing table [{'.'.join(pair.table + (role,))}]")
     table = _Table(pair.data[role], pair.table + (role,), pair.origin)
+    table.check_keys(MODEL_KEYS)
     hub = source == "hub"
-    rope_scaling = table.get("rope_scaling", dict, None)
-    if rope_scaling is not None and not isinstance(rope_scaling.get("factor", 1.0), (int, float)):
-        table.fail("rope_scaling", "its factor must be a number")
+    rope_scaling = _rope_scaling(table)
     return ModelSpec(
         repo=table.get("repo", str, pattern=REPO_ID),
         revision=table.get("revision", str, pattern=COMMIT) if hub else table.get("revision", str, ""),
@@ -245,9 +278,35 @@ def _model(pair: _Table, role: str, source: str) -> ModelSpec:
         rope_scaling=rope_scaling)
 
 
+def _rope_scaling(model: _Table) -> dict | None:
+    """The rope parameters handed to the model's config, their numbers checked: the factor and the
+    original length set how far the pair's context may reach."""
+    if model.get("rope_scaling", dict, None) is None:
+        return None
+    rope = _Table(model.data["rope_scaling"], model.table + ("rope_scaling",), model.origin)
+    factor = rope.get("factor", (int, float), 1.0, positive=True)
+    if not 1 <= factor <= MAX_ROPE_FACTOR:
+        rope.fail("factor", f"must be between 1 and {MAX_ROPE_FACTOR:g}, got {factor!r}")
+    rope.get("original_max_position_embeddings", int, None, positive=True)
+    for key, value in rope.data.items():  # the other parameters (beta_fast, ...) go to the config as they are
+        rope.get(key, (int, float, str, bool, list))
+        if isinstance(value, list) and not all(isinstance(item, (int, float)) and not isinstance(item, bool)
+                                               and math.isfinite(item) for item in value):
+            rope.fail(key, "must be a list of finite numbers")
+    return rope.data
+
+
+def _reach(model: ModelSpec) -> int:
+    """The longest context the model reaches: its (original) positions times the rope factor, as
+    the loader sets it (core/model.py)."""
+    rope = model.rope_scaling or {}
+    positions = rope.get("original_max_position_embeddings", model.max_position_embeddings)
+    return int(positions * rope.get("factor", 1.0))
+
+
 def _line_of(text: str, table: tuple[str, ...], key: str | None) -> int | None:
     """1-based line of `key` inside `[table]` (or of the table header when `key` is None)."""
-    current: tuple[str, ...] | None = None
+    current: tuple[str, ...] = ()  # keys before the first header belong to the top level
     header_line = None
     for number, line in enumerate(text.splitlines(), 1):
         stripped = line.strip()

@@ -3,6 +3,7 @@ them, including what a crash or a broken file leaves behind."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -20,7 +21,7 @@ from specchat.app import history
 from specchat.app.conversation import (Conversation, from_json, model_messages, shown_messages,
                                        title_from, to_json, to_markdown)
 from specchat.app.documents import user_turn
-from specchat.app.history import HistoryStore, default_folder
+from specchat.app.history import HistoryStore, SaveFailed, default_folder
 from specchat.core.errors import InputError
 
 DOCUMENT = {"name": "report.pdf", "text": "Line one of the report.\nLine two.", "tokens": 7402,
@@ -276,3 +277,164 @@ def test_a_killed_writer_loses_at_most_the_turn_in_flight(tmp_path):
         assert [message["content"] for message in saved] == [f"turn {n}" for n in range(len(saved))]
         assert [summary.id for summary in reader.list()] == [conversation.id]
         assert reader.take_problems() == []
+
+
+# ---- files that cannot be conversations ----------------------------------------------------
+
+GOOD = json.loads(to_json(chat(user("Hi"), assistant("Hello"))))
+
+
+def with_message(**changes) -> str:
+    """A saved conversation whose answer is changed as given."""
+    return json.dumps({**GOOD, "messages": [GOOD["messages"][0], {**GOOD["messages"][1], **changes}]})
+
+
+BROKEN = {
+    "binary": b"\x00\x01\x02\xff\xfe binary \x00",
+    "latin-1": json.dumps(GOOD).replace("Hello", "Caf\u00e9").encode("latin-1"),
+    "nested-array": b"[" * 200_000 + b"]" * 200_000,
+    "nested-in-messages": (json.dumps({**GOOD, "messages": []})[:-2] + "[" * 200_000 + "]" * 200_000 + "}").encode(),
+    "messages-not-a-list": json.dumps({**GOOD, "messages": {"0": "Hi"}}).encode(),
+    "message-not-a-dict": json.dumps({**GOOD, "messages": ["Hi"]}).encode(),
+    "content-not-a-string": with_message(content=["Hello"]).encode(),
+    "origins-not-pairs": with_message(origins=[["Hi"], 3]).encode(),
+    "stats-not-numbers": with_message(stats={"tokens_per_second": "fast"}).encode(),
+    "stages-not-counts": with_message(stats={"stages": {"draft": 3}}).encode(),
+    "partial-not-a-bool": with_message(partial="no").encode(),
+    "tokens-a-bool": json.dumps({**GOOD, "messages": [user("q", {**DOCUMENT, "tokens": True})]}).encode(),
+    "note-a-number": json.dumps({**GOOD, "messages": [user("q", {**DOCUMENT, "note": 3})]}).encode(),
+    "time-not-finite": json.dumps({**GOOD, "updated": float("nan")}).encode(),
+    "unknown-field": json.dumps({**GOOD, "colour": "red"}).encode(),
+}
+
+
+def saved(store: HistoryStore) -> Conversation:
+    conversation = store.new()
+    conversation.messages.append(user("Hi"))
+    store.save(conversation)
+    return conversation
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_any_broken_file_is_set_aside_and_the_list_still_renders(tmp_path, case):
+    store = HistoryStore(tmp_path)
+    good = saved(store)
+    broken = tmp_path / f"{'c' * 32}.json"
+    broken.write_bytes(BROKEN[case])
+    assert [summary.id for summary in store.list()] == [good.id]
+    assert not broken.exists() and (tmp_path / f"{broken.name}.corrupt").read_bytes() == BROKEN[case]
+    assert store.take_problems() == [f"a saved conversation could not be read and was set aside: {broken}.corrupt"]
+    broken.write_bytes(BROKEN[case])  # and opening one directly says so in one line
+    with pytest.raises(InputError, match="could not be read and was set aside"):
+        store.load("c" * 32)
+
+
+def test_a_second_broken_copy_does_not_replace_the_first(tmp_path):
+    store = HistoryStore(tmp_path)
+    broken = tmp_path / f"{'c' * 32}.json"
+    for content in (b"first", b"second", b"third"):
+        broken.write_bytes(content)
+        assert store.list() == []
+    assert [(tmp_path / f"{broken.name}{suffix}.corrupt").read_bytes() for suffix in ("", ".1", ".2")] == \
+        [b"first", b"second", b"third"]
+    assert len(store.take_problems()) == 3
+
+
+def test_a_folder_named_like_a_conversation_is_reported_once_and_left_alone(tmp_path):
+    store = HistoryStore(tmp_path)
+    good = saved(store)
+    folder = tmp_path / f"{'d' * 32}.json"
+    (folder / "inside").mkdir(parents=True)
+    assert [summary.id for summary in store.list()] == [good.id]
+    assert store.take_problems() == [
+        f"{folder} is a folder, not a saved conversation: it was left as it is and skipped"]
+    assert [summary.id for summary in store.list()] == [good.id] and store.take_problems() == []  # once
+    assert (folder / "inside").is_dir()
+    with pytest.raises(InputError, match="is a folder, not a saved conversation"):
+        store.load("d" * 32)
+
+
+def test_a_file_over_the_limit_is_skipped_without_reading_it(tmp_path):
+    store = HistoryStore(tmp_path)
+    good = saved(store)
+    huge = tmp_path / f"{'e' * 32}.json"
+    with open(huge, "wb") as file:
+        file.truncate(100 * 10**9)  # sparse: 100 GB that read whole would never end
+    started = time.perf_counter()
+    assert [summary.id for summary in store.list()] == [good.id]
+    assert time.perf_counter() - started < 1
+    assert store.take_problems() == [
+        f"the saved conversation {huge} is 100.0 GB, over the conversation file limit of 64.0 MB (set "
+        "SPECCHAT_MAX_CONVERSATION_MB in MB to change it); it was left as it is and skipped"]
+    assert huge.stat().st_size == 100 * 10**9
+
+
+def test_a_conversation_too_large_to_reopen_is_not_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCHAT_MAX_CONVERSATION_MB", "0.01")
+    store = HistoryStore(tmp_path)
+    conversation = saved(store)
+    conversation.messages.append(user("q", {**DOCUMENT, "text": "x" * 20_000}))
+    with pytest.raises(InputError, match="over the conversation file limit of 10.0 KB"):
+        store.save(conversation)
+    assert len(store.load(conversation.id).messages) == 1
+
+
+# ---- a full disk ---------------------------------------------------------------------------
+
+def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def fdopen_that_cannot_write(real):
+    def fdopen(*args, **kwargs):
+        file = real(*args, **kwargs)
+        file.write = full_disk
+        return file
+    return fdopen
+
+
+@pytest.mark.parametrize("where", ["write", "fsync"])
+def test_a_full_disk_keeps_the_previous_file_and_says_so_in_one_line(tmp_path, monkeypatch, where):
+    store = HistoryStore(tmp_path)
+    conversation = saved(store)
+    before = (tmp_path / f"{conversation.id}.json").read_bytes()
+    conversation.messages.append(assistant("An answer that will not fit."))
+    if where == "write":
+        monkeypatch.setattr(os, "fdopen", fdopen_that_cannot_write(os.fdopen))
+    else:
+        monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(SaveFailed) as error:
+        store.save(conversation)
+    assert str(error.value).startswith(f"the disk is full: {tmp_path} has no room for ")
+    assert str(error.value).endswith("; conversation not saved (free some space and send again)")
+    assert "\n" not in str(error.value)
+    monkeypatch.undo()
+    assert sorted(path.name for path in tmp_path.iterdir()) == [f"{conversation.id}.json"]  # no temporary
+    assert (tmp_path / f"{conversation.id}.json").read_bytes() == before
+    assert len(store.load(conversation.id).messages) == 1
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A real 1 MB file system, where a root test run may mount one; skipped elsewhere."""
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True,
+            timeout=10).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True, timeout=10)
+
+
+def test_a_really_full_disk(tiny_tmpfs):
+    store = HistoryStore(tiny_tmpfs)
+    conversation = saved(store)
+    before = (tiny_tmpfs / f"{conversation.id}.json").read_bytes()
+    conversation.messages.append(user("and this?", {**DOCUMENT, "text": "x" * 2_000_000}))
+    with pytest.raises(SaveFailed, match=r"^the disk is full: .* has no room for 2\.0 MB; conversation not saved"):
+        store.save(conversation)
+    assert sorted(path.name for path in tiny_tmpfs.iterdir()) == [f"{conversation.id}.json"]
+    assert (tiny_tmpfs / f"{conversation.id}.json").read_bytes() == before

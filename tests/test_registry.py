@@ -67,6 +67,28 @@ def test_a_user_file_overrides_fields_and_adds_pairs(tmp_path, monkeypatch):
     ('[pairs.new]\nname = "x"\nsource = "hub"\ncontext_length = 10\nlicense = "MIT"\n', ("missing table [pairs.new.target]",)),
     ('[pairs.new]\nsource = "hub"\n', (":1:", "missing field 'name'")),
     ("pairs = 3\n", ("pairs",)),
+    # Numbers: finite and in range, or the memory arithmetic overflows or lets an absurd pair fit.
+    ("[pairs.embedded.target]\nparams_b = inf\n",
+     (":2:", "pairs.embedded.target.params_b", "must be a finite number, got inf")),
+    ("[pairs.embedded.target]\nparams_b = nan\n", (":2:", "params_b", "must be a finite number, got nan")),
+    ("[pairs.embedded.target]\nparams_b = -0.5\n", (":2:", "params_b", "must be positive")),
+    ("[pairs.embedded]\nrecommended_vram_gb = -1\n", (":2:", "recommended_vram_gb", "cannot be negative")),
+    ("[pairs.embedded.target]\nlayers = 1_000_000_000\n", (":2:", "layers", "1,000,000,000 is past any real model")),
+    ('[pairs."qwen3-8b"]\ncontext_length = 999_999_999\n', (":2:", "context_length", "past any real model")),
+    ('\n[pairs."qwen3-8b".target]\nrope_scaling = { factor = nan }\n',
+     (":3:", "pairs.qwen3-8b.target.rope_scaling.factor", "must be a finite number, got nan")),
+    ('[pairs."qwen3-8b".target]\nrope_scaling = { factor = 1e9 }\n', (":2:", "factor", "must be between 1 and 64")),
+    ('[pairs."qwen3-8b".target]\nrope_scaling = { factor = 4.0, original_max_position_embeddings = -1 }\n',
+     (":2:", "original_max_position_embeddings", "must be positive")),
+    ('[pairs."qwen3-8b".target]\nrope_scaling = { factor = 4.0, beta_fast = inf }\n', (":2:", "beta_fast", "finite")),
+    # The reach is the original positions times the factor, as the loader sets it (not 40,960 x 4).
+    ('[pairs."qwen3-8b"]\ncontext_length = 163840\n', (":2:", "exceeds what the target reaches (131072)")),
+    # Unknown keys are typos until proven otherwise.
+    ("[pairs.embedded]\ncontxt_length = 4096\n",
+     (":2:", "pairs.embedded.contxt_length", "did you mean `context_length`?")),
+    ("[pairs.embedded.target]\nparams = 1\n", (":2:", "pairs.embedded.target.params", "did you mean `params_b`?")),
+    ("[pairs.embedded.target]\ncolour = 1\n", (":2:", "colour: unknown key: known keys are repo, revision")),
+    ("pair = 1\n[pairs.embedded]\nname = 'x'\n", (":1:", "pair: unknown key: did you mean `pairs`?")),
 ])
 def test_errors_name_the_file_the_line_and_the_field(tmp_path, text, fragments):
     path = tmp_path / "models.toml"
@@ -136,3 +158,18 @@ def test_a_pair_row_keeps_the_listing_keys():
     nearest = row["fit_alternatives"][0]
     assert (nearest["pair_id"], nearest["context"]) == ("qwen3-8b", 123904)
     assert json.loads(json.dumps(row)) == row
+
+
+def test_a_bad_models_file_exits_2_with_its_line(tmp_path):
+    """Through the CLI: one line naming the file and line, exit 2 (inf used to crash with exit 1)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "bad.toml"
+    path.write_text("[pairs.embedded.target]\nparams_b = inf\n")
+    completed = subprocess.run(
+        [sys.executable, "-c", "from specchat.app.cli import main; raise SystemExit(main())",
+         "models", "list", "--models-file", str(path)], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2, completed.stderr
+    assert completed.stderr == (f"specchat: error: {path}:2: pairs.embedded.target.params_b: "
+                                "must be a finite number, got inf\n")
