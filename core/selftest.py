@@ -26,13 +26,13 @@ EXACT_TOLERANCE = 1e-9  # enumeration in float64: exactness up to rounding
 CHI_SQUARE_LEVEL = 1e-3  # seeded, so a pass is reproducible; a wrong rule lands far below
 ENUMERATION_CASES = 12  # random (P, Q) pairs per rule, zeros and disjoint supports included
 CHAIN_VOCAB, TREE_VOCAB = 4, 5
-CHAIN_DRAWS, TREE_DRAWS = 4000, 2000
+CHAIN_DRAWS, TREE_DRAWS = 3000, 1500
 # Root with 3 children; its first child has 2 children, the first of which has one: depth 3.
 SAMPLED_TREE = Tree((-1, 0, 0, 0, 1, 1, 4))
 # The final verification of "triforce with a tree": small enough for any retrieval budget.
 TRIFORCE_TREE = Tree((-1, 0, 0, 1, 1, 3))
 QUESTION = "Summarize the document above in a few sentences."
-NEW_TOKENS, QUICK_NEW_TOKENS = 48, 24
+NEW_TOKENS, QUICK_NEW_TOKENS = 32, 16
 CUDA_TOLERANCE = 1e-3  # fp32 logits, CPU against CUDA kernels (different summation orders)
 
 
