@@ -16,7 +16,7 @@ def add_parser(commands, add_model_option) -> None:
         "selftest", help="check that decoding is lossless here: the verification rules, every mode "
                          "against plain decoding, the GPU paths (under a minute)")
     add_model_option(selftest)
-    selftest.add_argument("--quick", action="store_true", help="shorter answers for the mode checks")
+    selftest.add_argument("--quick", action="store_true", help="answers half as long in the mode checks")
     selftest.add_argument("--json", action="store_true", help="print one JSON object")
 
 
