@@ -135,3 +135,26 @@ def test_the_whole_selftest_passes_on_the_embedded_model_in_under_a_minute(embed
         assert line.startswith("PASS") and "tokens identical" in line
     assert len(checks) == 3 + len(names) + 2
     assert elapsed < 60, elapsed
+
+
+def test_a_divergence_at_a_rounding_tie_passes_and_any_other_fails(monkeypatch):
+    """The verdict on a divergence, without a model: plain answers 1 2 3 4, the mode 1 2 9 4."""
+    answers = {"plain": [1, 2, 3, 4], "chain": [1, 2, 9, 4]}
+    stats = SimpleNamespace(accepted_draft_tokens=1, drafted_tokens=2)
+    monkeypatch.setattr(selftest, "_greedy", lambda engine, prompt, mode, new_tokens:
+                        SimpleNamespace(token_ids=answers[mode], stats=stats))
+    engine = SimpleNamespace(chat_ids=lambda messages: [0], triforce=SimpleNamespace(draft="lookup"), auto_mode="chain",
+                             model=SimpleNamespace(hf=SimpleNamespace(dtype=torch.bfloat16)))
+    gaps = []
+    monkeypatch.setattr(selftest, "_logit_gap", lambda engine, ids, chosen, other: gaps.append(ids) or gap)
+
+    gap = (0.01, 0.1)  # the target's logits of 3 and 9 differ by less than bf16 rounding
+    result = selftest.greedy_identity(engine, "chain", selftest.PlainReference(engine, 4))
+    assert result.status == "pass" and "near tie at token 2 of 4" in result.detail
+    assert gaps == [[0, 1, 2]]  # asked after the prompt and the common prefix
+    gap = (2.5, 0.1)
+    result = selftest.greedy_identity(engine, "chain", selftest.PlainReference(engine, 4))
+    assert result.status == "fail" and "differs from plain at token 2 of 4" in result.detail
+    answers["chain"] = [1, 2]  # ended early (an end-of-turn token where plain went on)
+    result = selftest.greedy_identity(engine, "chain", selftest.PlainReference(engine, 4))
+    assert result.status == "fail" and "at token 2 of 4 (plain [3], chain []" in result.detail
