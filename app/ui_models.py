@@ -1,6 +1,6 @@
 """The app's "Models & hardware" tab: every registry pair with its fit and download status,
 downloads with live progress and cancel, switching the loaded pair, this machine's hardware
-profile and the loaded engine's plan.
+profile, the loaded engine's plan and its self-test.
 
 The state (a background download, the cached profile) and the rendering are plain classes and
 functions, tested without a browser; `build_models_tab` only wires them to components and polls
@@ -22,9 +22,11 @@ from ..core.files import human_size
 from ..core.hardware import HardwareProfile, load_or_probe
 from ..core.plan import PlanRefused, make_plan
 from ..core.registry import ModelPair, Registry, load_registry
+from ..core.selftest import run_selftest
 from .engine_handle import EngineHandle
 from .models_cmd import listing_profile, pair_row, progress_text
 from .plan_cmd import plan_markdown, profile_markdown
+from .selftest_cmd import report_markdown
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -309,6 +311,17 @@ class ModelsPanel:
         self.handle.switch(pair_id)
         return ""
 
+    def self_test(self) -> str:
+        """`specchat selftest` on the loaded engine, as Markdown. It runs through `handle.call`,
+        on the engine's own thread, so never beside an answer (which would share its caches)."""
+        if self.handle.status() != "ready":
+            return "The self-test runs on the loaded model: wait until one is loaded."
+        try:
+            name, results = self.handle.call(lambda engine: (engine.name, run_selftest(engine)))
+        except SpecchatError as error:  # the model was switched or failed meanwhile
+            return f"⚠️ {error}"
+        return report_markdown(name, results)
+
 
 # ---- the Gradio wiring ------------------------------------------------------------------------
 
@@ -341,6 +354,11 @@ def build_models_tab(handle: EngineHandle, registry_file: str | None, downloads:
     measure = gr.Button("Measure again", size="sm", elem_id="measure-again")
     gr.Markdown("### The plan of the loaded model")
     plan = gr.Markdown(lambda: loaded_plan_markdown(handle), elem_id="plan")
+    gr.Markdown("### Self-test\nChecks on this machine that decoding is lossless with the loaded model: the "
+                "verification rules, every decoding mode against plain decoding, the GPU paths (under a minute "
+                "on a small model; answers wait meanwhile).")
+    run_test = gr.Button("Run the self-test", size="sm", elem_id="run-selftest")
+    test_report = gr.Markdown("", elem_id="selftest-report")
     shown = gr.State({})  # what this session's components show, so a poll sends only changes
 
     def refresh(before: dict):
@@ -355,3 +373,4 @@ def build_models_tab(handle: EngineHandle, registry_file: str | None, downloads:
     for button, action, inputs in ((download, panel.download, picker), (cancel, panel.downloads.cancel, None),
                                    (use, panel.use, picker), (measure, panel.profiles.measure_again, None)):
         button.click(action, inputs, message).then(refresh, shown, outputs, show_progress="hidden")
+    run_test.click(panel.self_test, None, test_report)

@@ -16,6 +16,7 @@ cache remembers the files a model needs, so offline mode can say exactly what is
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -316,8 +317,7 @@ def _transfer(model: ModelSpec, file: _RemoteFile, part: Path, hub: _Hub, counte
             if part.stat().st_size >= file.size:
                 return
         except OSError as error:
-            raise DownloadError(f"cannot write {part}: {error.strerror or error}; free some disk space or point "
-                                "HF_HUB_CACHE at another disk, then run the download again to resume") from None
+            raise _write_error(error, model, file, part) from None
         except httpx2.TransportError as error:
             if pause is None:
                 raise DownloadError(
@@ -327,6 +327,19 @@ def _transfer(model: ModelSpec, file: _RemoteFile, part: Path, hub: _Hub, counte
         if pause is not None:
             time.sleep(pause)
     raise DownloadError(f"downloading {model.repo} {file.name} kept ending early; run the download again to resume")
+
+
+def _write_error(error: OSError, model: ModelSpec, file: _RemoteFile, part: Path) -> DownloadError:
+    """One sentence for a failed write of `part`. A full disk (despite the check before the
+    download: something else filled it meanwhile) says so; either way the bytes written stay, and
+    the next download resumes from them."""
+    kept = human_size(part.stat().st_size if part.exists() else 0)
+    if error.errno == errno.ENOSPC:
+        return DownloadError(f"the disk is full: {model.repo} {file.name} stopped at {kept} of "
+                             f"{human_size(file.size)}, kept in {part.parent}; free some space (or point "
+                             "HF_HUB_CACHE at another disk) and run the download again to resume")
+    return DownloadError(f"cannot write {part}: {error.strerror or error}; {kept} are kept: free some disk space or "
+                         "point HF_HUB_CACHE at another disk, then run the download again to resume")
 
 
 def _link(blob: Path, pointer: Path) -> None:

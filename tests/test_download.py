@@ -4,6 +4,9 @@ gated repos, offline mode, removal; and the CLI on top (`specchat models ...`, l
 
 from __future__ import annotations
 
+import builtins
+import errno
+import hashlib
 import json
 import os
 import shutil
@@ -107,6 +110,59 @@ def test_too_little_disk_space_is_refused_before_any_download(hub, caches, regis
     with hub_online(), pytest.raises(DownloadError, match="not enough disk space"):
         download_pair(registry.get("tiny"), endpoint=hub.endpoint)
     assert hub.gets() == []
+
+
+class _FillingDisk:
+    """A partial file on a disk with `room` bytes left: writes what fits, then ENOSPC, as a full
+    disk does (a short write, then the error)."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data: bytes) -> int:
+        fits = min(len(data), self.room)
+        self.room -= self.file.write(data[:fits])
+        if fits < len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return fits
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+def test_a_full_disk_mid_file_says_so_keeps_the_part_and_resumes(hub, caches, registry, tiny_pair, monkeypatch):
+    """The disk fills up (after the space check) halfway through the target's weights: one line
+    saying so, the partial file kept, and a later download with room resumes it and verifies."""
+    pair = registry.get("tiny")
+    weights = tiny_pair.target.files["model.safetensors"]
+    size, room = len(weights), len(weights) // 2
+    weights_part = f"{hashlib.sha256(weights).hexdigest()}.specchat-part"  # named by the Hub's sha256
+    disk = {"full": True}
+
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        file = builtins.open(path, mode, *args, **kwargs)
+        full = disk["full"] and mode.startswith(("w", "a")) and os.path.basename(path) == weights_part
+        return _FillingDisk(file, room) if full else file
+
+    monkeypatch.setattr(download, "open", open_on_a_full_disk, raising=False)  # shadows the builtin there
+    with hub_online(), pytest.raises(DownloadError) as failure:
+        download_pair(pair, endpoint=hub.endpoint)
+    message = str(failure.value)
+    assert message.startswith("the disk is full: ") and "\n" not in message
+    assert f"stopped at {human_size(room)} of {human_size(size)}" in message and "run the download again" in message
+    parts = list(download.hub_cache().rglob("*.specchat-part"))
+    assert [(part.name, part.stat().st_size) for part in parts] == [(weights_part, room)]
+    assert not model_status(pair.target).complete
+
+    disk["full"] = False  # space was freed
+    with hub_online():
+        download_pair(pair, endpoint=hub.endpoint)
+    assert [request.range for request in hub.gets(TARGET_WEIGHTS)][-1] == f"bytes={room}-"
+    assert model_status(pair.target).complete and model_status(pair.draft).complete
+    assert snapshot_files(pair.target)["model.safetensors"] == tiny_pair.target.files["model.safetensors"]
 
 
 def test_gated_repos_need_a_token(embedded_dir, tmp_path, caches):

@@ -4,6 +4,7 @@ real huggingface_hub from the loopback stand-in hub), switching pairs, and the t
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 from conftest import DATA
@@ -22,12 +23,13 @@ from specchat.app.ui_models import (
     download_markdown,
     engine_plan_markdown,
 )
-from specchat.core import download, embedded
+from specchat.core import download, embedded, selftest
 from specchat.core.files import human_size
 from specchat.core.hardware import HardwareProfile
 from specchat.core.loading import load_engine
 from specchat.core.plan import make_plan
 from specchat.core.registry import load_registry
+from specchat.core.spec import verify
 
 TARGET_WEIGHTS = f"{TARGET_REPO}/model.safetensors"
 PROFILES = DATA / "profiles"
@@ -117,6 +119,42 @@ def test_the_profile_is_read_once_and_measured_again_on_request():
     assert holder.measure_again() == ""
     wait_for(lambda: reads == [False, True] and "Measuring again" not in holder.markdown(), timeout=10,
              what="the second measurement")
+
+
+class EngineThreadHandle:
+    """A stand-in for `EngineHandle` with the engine loaded: `call(fn)` runs `fn(engine)` (on the
+    engine thread, in the app); `get` would hand the engine out beside an answer, so it fails."""
+
+    def __init__(self, engine, status: str = "ready"):
+        self.engine, self.model, self._status, self.calls = engine, "stub", status, 0
+
+    def status(self) -> str:
+        return self._status
+
+    def call(self, fn):
+        self.calls += 1
+        return fn(self.engine)
+
+    def get(self, timeout=None):
+        raise AssertionError("the self-test must run through handle.call, never beside an answer")
+
+
+def test_the_self_test_button_runs_on_the_engine_thread_and_shows_the_report(monkeypatch):
+    monkeypatch.setattr(selftest, "engine_modes", lambda engine: [])  # the rules only: no model needed
+    handle = EngineThreadHandle(SimpleNamespace(name="stub"))
+    panel = ModelsPanel(handle, load_registry(), profiles=synthetic("cpu-only-32gb"))
+    report = panel.self_test()
+    assert handle.calls == 1
+    rows = [row for row in report.splitlines() if row.startswith("| ")]
+    assert report.startswith("**Self-test of `stub`**") and len(rows) == 1 + 5  # the header, 5 checks
+    assert sum("✅ PASS" in row for row in rows) == 3 and "**all checks hold" in report
+    assert "max \\|emitted - P\\|" in report  # a detail's | does not split its table cell
+
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)  # TriForce's bug
+    report = panel.self_test()
+    assert "❌ FAIL" in report and "FAILED" in report
+    assert ModelsPanel(EngineThreadHandle(None, "loading"), load_registry(),
+                       profiles=synthetic("cpu-only-32gb")).self_test().startswith("The self-test runs on the loaded")
 
 
 # ---- downloads through the stand-in hub -----------------------------------------------------
