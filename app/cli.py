@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_models_file_option(action)
     from .plan_cmd import add_parsers as add_plan_parsers
     add_plan_parsers(commands, _add_models_file_option)
+    from .selftest_cmd import add_parser as add_selftest_parser
+    add_selftest_parser(commands, _add_model_option)
     return parser
 
 
@@ -164,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("profile", "plan"):
             from .plan_cmd import run_plan, run_profile
             return run_profile(args) if args.command == "profile" else run_plan(args)
+        if args.command == "selftest":
+            from .selftest_cmd import run as run_selftest
+            return run_selftest(args)
         if args.command == "models":
             from .models_cmd import run_models
             return run_models(args, registry(args))
