@@ -127,6 +127,29 @@ def test_a_model_forward_with_the_past_unmasked_equals_plain_sdpa(mask, device, 
     assert len(calls) == (2 if mask == "hidden past" else 4)  # 2 layers per split forward
 
 
+def test_without_a_fused_kernel_the_forward_keeps_plain_sdpa(monkeypatch):
+    """Where the private fused op is missing (another torch, another device), nothing changes."""
+    from conftest import tiny_llama
+    from specchat.core.kv import past_attention, queries
+
+    model, ids, tree = tiny_llama(6), torch.arange(3, 43) % 97, torch.ones(4, 4, dtype=torch.bool).tril()
+    tree[3, 2] = False
+    mask = torch.zeros(4, 40).masked_fill(~torch.cat([torch.ones(4, 36, dtype=torch.bool), tree], 1), float("-inf"))
+
+    def verify():
+        cache = model.new_cache()
+        model.forward(ids[:36], torch.arange(36), cache)
+        return model.forward(ids[36:], torch.tensor([36, 37, 38, 38]), cache, mask=mask[None, None])
+
+    monkeypatch.setattr(queries, "SPLIT_DEVICES", set())
+    expected = verify()
+    monkeypatch.setattr(queries, "SPLIT_DEVICES", {"cpu"})
+    monkeypatch.setattr(past_attention, "_unavailable", {("cpu", torch.float64, False)})
+    assert past_attention.past_and_new_attention(*_attention_case("cpu", torch.float64, 4, 8, "chain", 0)[:3], 0.25,
+                                                 past_attention.NewTokenMask(None, 4)) is None
+    torch.testing.assert_close(verify(), expected, rtol=1e-12, atol=1e-12)
+
+
 @CUDA
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("shape, n", [("chain", 8), ("tree", 6), ("prefill chunk", 48)])
