@@ -15,7 +15,7 @@ import torch
 
 from .kv.full import FullCache
 from .kv.offload import OffloadedCache
-from .kv.queries import ATTENTION
+from .kv.queries import ATTENTION, new_tokens_see_the_past
 
 if TYPE_CHECKING:
     from .placement import LoadOptions
@@ -132,13 +132,15 @@ class TransformersLM:
 
     @torch.inference_mode()
     def forward(self, ids, positions, cache, mask=None, last_only=False):
-        out = self.hf(
-            input_ids=ids[None].to(self.device),
-            position_ids=positions[None].to(self.device),
-            attention_mask=None if mask is None else mask.to(self.device, self.hf.dtype),
-            past_key_values=cache.hf,
-            use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-        )
+        mask = None if mask is None else mask.to(self.device, self.hf.dtype)
+        with new_tokens_see_the_past(mask, len(ids)):
+            out = self.hf(
+                input_ids=ids[None].to(self.device),
+                position_ids=positions[None].to(self.device),
+                attention_mask=mask,
+                past_key_values=cache.hf,
+                use_cache=True,
+                logits_to_keep=1 if last_only else 0,
+            )
         logits = out.logits[0].float().cpu()  # verification and sampling run on the CPU
         return torch.nn.functional.pad(logits, (0, self._pad), value=-torch.inf) if self._pad else logits

@@ -60,6 +60,20 @@ def test_streaming_cache_rolls_back_and_compacts():
     assert (cache.length, cache.slots) == (1, 1)
 
 
+def test_a_compacted_streaming_cache_attends_what_a_fresh_one_holds():
+    """Compaction moves the kept slots inside the cache's buffers: the next forwards must see
+    the sinks and the window (not stale slots), like a cache built with those positions."""
+    model = tiny_llama(1)
+    ids = torch.arange(3, 40) % 97
+    compacted = StreamingCache(model.hf.config, sinks=2, window=6)
+    model.forward(ids[:20], torch.arange(20), compacted)
+    compacted.compact()
+    fresh = StreamingCache.from_layers(model.hf.config, full_layers(model, ids[:20]), sinks=2, window=6)
+    for start, end in ((20, 23), (23, 27)):  # after the compaction, then after a further update
+        new, positions = ids[start:end], torch.arange(start, end)
+        torch.testing.assert_close(model.forward(new, positions, compacted), model.forward(new, positions, fresh))
+
+
 def test_selection_keeps_sink_recent_and_each_kv_heads_own_chunks():
     kv_heads, length, head_dim = 2, 64, 4
     keys = torch.zeros(kv_heads, length, head_dim)
@@ -99,6 +113,25 @@ def test_retrieval_cache_attends_its_selection_and_rolls_back_to_its_build():
     assert retrieval.length == len(ids) + 1
     with pytest.raises(ValueError):
         retrieval.trim(len(ids) - 1)
+
+
+def test_a_retrieval_cache_after_keep_attends_like_a_full_cache_after_keep():
+    """A tree's accepted path kept in a retrieval cache (holding everything, so it must equal
+    the full cache): the following forwards see the kept slots, not stale ones."""
+    model = tiny_llama(2)
+    ids, tree = torch.arange(3, 40) % 97, torch.tensor([7, 8, 9, 10])
+    full = model.new_cache()
+    with record_queries() as queries:
+        model.forward(ids, torch.arange(len(ids)), full)
+    queries = {layer: q[0, :, -1] for layer, q in queries.items()}
+    retrieval = RetrievalCache.build(model.hf.config, full.layers(), queries, budget=64, chunk_size=4, recent=8)
+    path = torch.tensor(list(range(len(ids))) + [len(ids), len(ids) + 2])  # drop the tree's second node
+    for cache in (full, retrieval):
+        model.forward(tree, torch.arange(len(ids), len(ids) + 4), cache)
+        cache.keep(path)
+    for start in (len(ids) + 2, len(ids) + 5):  # after the keep, then after a further update
+        new, positions = torch.tensor([11, 12, 13]), torch.arange(start, start + 3)
+        torch.testing.assert_close(model.forward(new, positions, retrieval), model.forward(new, positions, full))
 
 
 def offloaded_like_full(model, device, cpu_attention=False):

@@ -18,7 +18,7 @@ def test_two_parts_merge_into_full_attention_with_grouped_heads_and_a_causal_tai
         queries[None], keys[None], values[None], attn_mask=allowed, scale=dim ** -0.5, enable_gqa=True)[0]
     cpu_part = attention_with_lse(queries, keys[:, :prefix], values[:, :prefix], dim ** -0.5)
     new_part = attention_with_lse(queries, keys[:, prefix:], values[:, prefix:], dim ** -0.5, causal)
-    torch.testing.assert_close(merge(*cpu_part, *new_part), expected.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merge(*cpu_part, *new_part), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_a_part_no_query_sees_contributes_nothing():
@@ -53,3 +53,111 @@ def test_verification_attention_folds_grouped_heads_without_changing_a_score(tre
     reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
     assert folded.shape == reference.shape == (1, n, kv_heads * groups, dim)
     torch.testing.assert_close(folded, reference, rtol=1e-12, atol=1e-12)
+
+
+def _attention_case(device, dtype, n, past, shape, seed):
+    """A query, keys and values with grouped heads, and the new tokens' mask among themselves."""
+    generator = torch.Generator(device).manual_seed(seed)
+    kv_heads, groups, dim = 2, 4, 16
+    query = torch.randn(1, kv_heads * groups, n, dim, generator=generator, device=device, dtype=dtype)
+    key, value = (torch.randn(1, kv_heads, past + n, dim, generator=generator, device=device, dtype=dtype)
+                  for _ in "kv")
+    among_new = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    if shape == "tree":  # node 3 hangs off node 1, node 4 off node 3
+        among_new[3, 2] = among_new[4, 2] = False
+    allowed = torch.cat([torch.ones(n, past, dtype=torch.bool, device=device), among_new], dim=1)
+    return query, key, value, among_new if shape == "tree" else None, allowed
+
+
+def _sdpa_reference(query, key, value, allowed, scale):
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], layer_idx=0, is_causal=True)
+    return sdpa_attention_forward(module, query, key, value, allowed[None, None], scaling=scale)[0]
+
+
+@pytest.mark.parametrize("shape, n", [("chain", 8), ("tree", 6), ("prefill chunk", 48)])
+def test_past_unmasked_and_new_masked_merge_into_sdpa_exactly(shape, n):
+    from specchat.core.kv.past_attention import NewTokenMask, past_and_new_attention
+
+    query, key, value, among_new, allowed = _attention_case("cpu", torch.float64, n, 40, shape, seed=n)
+    got = past_and_new_attention(query, key, value, 0.25, NewTokenMask(among_new, n))
+    assert got is not None, "the CPU's fused attention with log-sum-exp is missing"
+    torch.testing.assert_close(got, _sdpa_reference(query, key, value, allowed, 0.25), rtol=1e-12, atol=1e-12)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("mask", ["chain", "tree", "hidden past"])
+def test_a_model_forward_with_the_past_unmasked_equals_plain_sdpa(mask, device, monkeypatch):
+    """Through the model (the mask checked, split per layer): the same logits as without the split,
+    for a chain, a tree, and a mask hiding a past position (which must not split)."""
+    from conftest import tiny_llama
+    from specchat.core.kv import queries
+
+    model = tiny_llama(5, dtype=torch.float64 if device == "cpu" else torch.float32)
+    model.hf.to(device)
+    tolerance = 1e-10 if device == "cpu" else 1e-4
+    ids = torch.arange(3, 63) % 97
+    allowed = torch.ones(6, 60, dtype=torch.bool)
+    allowed[:, 54:] = torch.ones(6, 6, dtype=torch.bool).tril()
+    if mask == "tree":
+        allowed[3, 55] = False
+    if mask == "hidden past":
+        allowed[2, 10] = False
+    additive = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
+    calls = []
+
+    def run(devices):
+        monkeypatch.setattr(queries, "SPLIT_DEVICES", devices)  # the split is on for `devices` only
+        cache = model.new_cache()
+        model.forward(ids[:30], torch.arange(30), cache)  # a prefill chunk after...
+        model.forward(ids[30:54], torch.arange(30, 54), cache)  # ...the next one: split when enabled
+        return model.forward(ids[54:], torch.arange(54, 60), cache,
+                             mask=None if mask == "chain" else additive[None, None])
+
+    expected = run(set())
+    counted = queries.past_and_new_attention
+    monkeypatch.setattr(queries, "past_and_new_attention", lambda *a: calls.append(a) or counted(*a))
+    torch.testing.assert_close(run({device}), expected, rtol=tolerance, atol=tolerance)
+    assert len(calls) == (2 if mask == "hidden past" else 4)  # 2 layers per split forward
+
+
+def test_without_a_fused_kernel_the_forward_keeps_plain_sdpa(monkeypatch):
+    """Where the private fused op is missing (another torch, another device), nothing changes."""
+    from conftest import tiny_llama
+    from specchat.core.kv import past_attention, queries
+
+    model, ids, tree = tiny_llama(6), torch.arange(3, 43) % 97, torch.ones(4, 4, dtype=torch.bool).tril()
+    tree[3, 2] = False
+    mask = torch.zeros(4, 40).masked_fill(~torch.cat([torch.ones(4, 36, dtype=torch.bool), tree], 1), float("-inf"))
+
+    def verify():
+        cache = model.new_cache()
+        model.forward(ids[:36], torch.arange(36), cache)
+        return model.forward(ids[36:], torch.tensor([36, 37, 38, 38]), cache, mask=mask[None, None])
+
+    monkeypatch.setattr(queries, "SPLIT_DEVICES", set())
+    expected = verify()
+    monkeypatch.setattr(queries, "SPLIT_DEVICES", {"cpu"})
+    monkeypatch.setattr(past_attention, "_unavailable", {("cpu", torch.float64, False)})
+    assert past_attention.past_and_new_attention(*_attention_case("cpu", torch.float64, 4, 8, "chain", 0)[:3], 0.25,
+                                                 past_attention.NewTokenMask(None, 4)) is None
+    torch.testing.assert_close(verify(), expected, rtol=1e-12, atol=1e-12)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape, n", [("chain", 8), ("tree", 6), ("prefill chunk", 48)])
+def test_past_unmasked_and_new_masked_on_cuda(shape, n, dtype, tolerance):
+    from specchat.core.kv.past_attention import NewTokenMask, past_and_new_attention
+
+    query, key, value, among_new, allowed = _attention_case("cuda", dtype, n, 1000, shape, seed=n)
+    got = past_and_new_attention(query, key, value, 0.25, NewTokenMask(among_new, n))
+    assert got is not None, f"no fused attention with log-sum-exp for {dtype} on this GPU"
+    reference = _sdpa_reference(*(t.double() for t in (query, key, value)), allowed, 0.25)
+    torch.testing.assert_close(got.double(), reference, rtol=tolerance, atol=tolerance)

@@ -18,7 +18,9 @@ class GrowingLayer(DynamicLayer):
     """transformers' DynamicLayer appends by `torch.cat`, which copies the whole layer on every
     forward: at 32K positions that was 58% of a one-token forward of Llama-3.1-8B's shape on an
     H100 (13 ms). This layer writes new entries into spare capacity and keeps `keys`/`values`
-    as views of its buffers, so `crop` and in-place edits (`FullCache.keep`) work unchanged."""
+    as views of its buffers, so `crop` and in-place edits (`keep_slots`) work unchanged. Never
+    assign `keys`/`values` from outside: the next `update` writes into the buffer and returns
+    its prefix, which would bring back whatever the buffer held there."""
 
     def __init__(self, max_positions: int | None = None):
         super().__init__()
@@ -51,6 +53,26 @@ class GrowingLayer(DynamicLayer):
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
         super().reset()
+
+
+@torch.inference_mode()
+def keep_slots(cache: DynamicCache, slots: torch.Tensor) -> None:
+    """Keep only `slots` (ascending) of every layer, moved in place to the first slots, and
+    drop the rest. In place because a `GrowingLayer`'s keys must stay views of its buffer;
+    only the part after the untouched leading slots is copied, so keeping a tree's accepted
+    path costs the tree, not the context."""
+    slots = slots.to(torch.long)
+    unchanged = int((slots == torch.arange(slots.shape[0])).cumprod(0).sum())
+    moved = slots[unchanged:]
+    if moved.numel():
+        for layer in cache.layers:
+            target = slice(unchanged, unchanged + moved.shape[0])
+            # The gather on the right copies before the write, so overlapping ranges are safe.
+            layer.keys[:, :, target] = layer.keys[:, :, moved.to(layer.keys.device)]
+            layer.values[:, :, target] = layer.values[:, :, moved.to(layer.values.device)]
+    excess = cache.get_seq_length() - slots.shape[0]
+    if excess:
+        cache.crop(-excess)
 
 
 def _growing_cache(hf_config) -> DynamicCache:
@@ -118,16 +140,7 @@ class FullCache:
         if excess:
             self.hf.crop(-excess)
 
-    @torch.inference_mode()
     def keep(self, positions: torch.Tensor) -> None:
         """Keep only `positions` (ascending), moved to consecutive slots: after a tree
-        verification, the accepted path's entries follow the prefix. Only the part after the
-        untouched prefix is copied, so the cost is that of the tree, not of the context."""
-        positions = positions.to(torch.long)
-        unchanged = int((positions == torch.arange(positions.shape[0])).cumprod(0).sum())
-        moved = positions[unchanged:]
-        for layer in self.hf.layers:
-            if moved.numel():
-                layer.keys[:, :, unchanged:unchanged + moved.shape[0]] = layer.keys[:, :, moved]
-                layer.values[:, :, unchanged:unchanged + moved.shape[0]] = layer.values[:, :, moved]
-        self.trim(positions.shape[0])
+        verification, the accepted path's entries follow the prefix."""
+        keep_slots(self.hf, positions)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .full import hf_cache
+from .full import hf_cache, keep_slots
 
 
 def select_positions(queries: torch.Tensor, keys: torch.Tensor, budget: int, chunk_size: int,
@@ -90,7 +90,6 @@ class RetrievalCache:
     def length(self) -> int:
         return self.base_length + self.hf.get_seq_length() - self.base_slots
 
-    @torch.inference_mode()
     def keep(self, positions: torch.Tensor) -> None:
         """Keep only `positions` (ascending, every one before `base_length` included) in
         consecutive slots: after a tree, the accepted path's entries follow the committed text."""
@@ -100,8 +99,7 @@ class RetrievalCache:
             raise ValueError("a retrieval cache keeps everything before its build")
         slots = torch.cat([torch.arange(self.base_slots),
                            self.base_slots + positions[self.base_length:] - self.base_length])
-        for layer in self.hf.layers:
-            layer.keys, layer.values = layer.keys[:, :, slots], layer.values[:, :, slots]
+        keep_slots(self.hf, slots)
 
     def trim(self, length: int) -> None:
         if length < self.base_length:

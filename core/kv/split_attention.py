@@ -17,22 +17,23 @@ def attention_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.
                        allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """queries [heads, n, d]; keys, values [kv_heads, length, d] (grouped-query attention: each KV
     head serves heads / kv_heads query heads); allowed [n, length] bool or None (all visible).
-    Returns (out [heads, n, d] in fp32, lse [heads, n] in fp32): softmax attention over these keys,
+    Returns (out [heads, n, d], lse [heads, n], both in fp32, or fp64 for fp64 inputs): softmax attention over these keys,
     and the log-sum-exp of its scores (-inf where a query sees none of them)."""
     heads, n, dim = queries.shape
     kv_heads = keys.shape[0]
     # Products in the keys' own dtype (bf16 on the CPU reads half the bytes; accumulation is fp32),
     # softmax in fp32.
+    precise = torch.promote_types(keys.dtype, torch.float32)
     grouped = queries.reshape(kv_heads, heads // kv_heads * n, dim).to(keys.dtype)
-    scores = (grouped @ keys.transpose(1, 2)).float() * scale  # [kv_heads, group * n, length]
+    scores = (grouped @ keys.transpose(1, 2)).to(precise) * scale  # [kv_heads, group * n, length]
     scores = scores.reshape(heads, n, -1)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [heads, n]
-    weights = torch.exp(scores - lse[..., None].clamp(min=torch.finfo(torch.float32).min))
+    weights = torch.exp(scores - lse[..., None].clamp(min=torch.finfo(precise).min))
     weights = torch.nan_to_num(weights, nan=0.0)  # rows that see no key here
     weights = weights.reshape(kv_heads, heads // kv_heads * n, keys.shape[1]).to(values.dtype)
-    out = (weights @ values).float().reshape(heads, n, dim)
+    out = (weights @ values).to(precise).reshape(heads, n, dim)
     return out, lse
 
 

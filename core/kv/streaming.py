@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .full import hf_cache
+from .full import hf_cache, keep_slots
 
 
 class StreamingCache:
@@ -57,15 +57,13 @@ class StreamingCache:
             self.hf.crop(kept - self.slots)
         self._positions = self._positions[:kept]
 
-    @torch.inference_mode()
     def compact(self) -> None:
         """Drop everything but the sinks and the window (called between drafts, never mid-draft)."""
         self._sync_positions()
         if self.slots <= self.sinks + self.window:
             return
         kept = torch.cat([torch.arange(self.sinks), torch.arange(self.slots - self.window, self.slots)])
-        for layer in self.hf.layers:
-            layer.keys, layer.values = layer.keys[:, :, kept], layer.values[:, :, kept]
+        keep_slots(self.hf, kept)
         self._positions = self._positions[kept]
 
     def _sync_positions(self) -> None:
