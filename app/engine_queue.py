@@ -75,7 +75,8 @@ class Ticket:
 
     @property
     def position(self) -> int:
-        """1 for the next job to run, 2 behind it, ...; 0 once it runs (or ended)."""
+        """How many jobs run before this one (the running job and those ahead in line); 0 once
+        it runs, has ended, or runs next on an idle engine."""
         return self._line.position(self)
 
     def cancel(self) -> None:
@@ -235,7 +236,7 @@ class EngineLine:
     def position(self, ticket: Ticket) -> int:
         with self._lock:
             try:
-                return self._waiting.index(ticket) + 1
+                return self._waiting.index(ticket) + (self._running is not None)
             except ValueError:
                 return 0
 

@@ -170,9 +170,10 @@ class ChatLogic:
             ticket = self._cancels[session] = self.handle.submit(
                 _answer_job(model_messages(conversation), int(settings.max_new_tokens), settings.sampling(),
                             settings.mode))
-            if ticket.position > 1:
+            ahead = ticket.position
+            if ahead:
                 yield View(conversation=conversation, streaming=True,
-                           status=f"Waiting for the engine: {ticket.position - 1} answers ahead of yours…")
+                           status=f"Waiting for the engine: {ahead} answer{'s' if ahead > 1 else ''} before yours…")
             yield from self._stream(conversation, reply, ticket)
             if reply["partial"]:  # stopped while it waited in line: no answer, the question stays
                 conversation.messages[:] = [m for m in conversation.messages if m is not reply]
@@ -187,9 +188,9 @@ class ChatLogic:
             yield View(conversation=conversation, status=problem_text(error))
         finally:
             # An error, or the page went away mid-answer: the engine is freed now, what was said kept.
-            if self._cancels.get(session) is ticket:
-                del self._cancels[session]
             if ticket is not None:
+                if self._cancels.get(session) is ticket:
+                    del self._cancels[session]
                 ticket.close()
             if reply["partial"]:
                 reply.update(partial=False, finish_reason="cancelled")

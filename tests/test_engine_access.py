@@ -82,7 +82,7 @@ def test_jobs_run_in_order_and_a_waiting_one_can_leave_the_line(handle):
     first = handle.submit(counting(2, gate, started))
     assert started.wait(WAIT)
     second, third = handle.submit(counting(2)), handle.submit(counting(2))
-    assert (first.position, second.position, third.position) == (0, 1, 2)
+    assert (first.position, second.position, third.position) == (0, 1, 2)  # jobs before each
     second.cancel()
     assert third.position == 1 and list(second) == []  # removed: it ends at once, having run nothing
     gate.set()
