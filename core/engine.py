@@ -121,7 +121,10 @@ class Engine:
         self.triforce = TriforceSettings()  # triforce mode's stages and budgets
         self.plan = None  # core.plan.Plan for this machine, when the model is a registry pair
         self.auto_mode = "chain"  # what `auto` means here: the plan's mode
-        self._lock = threading.Lock()  # one generation at a time per loaded model
+        # One step at a time (a prefill chunk, a decoding step, the prefix store's bookkeeping):
+        # two answers driven from two threads interleave step by step, each on its own cache and
+        # decoder. The app runs every answer on one engine thread (app/engine_queue.py) anyway.
+        self._lock = threading.Lock()
 
     @property
     def context_length(self) -> int:
