@@ -275,7 +275,8 @@ class EngineLine:
             try:
                 self._run(ticket)
             finally:
-                self._running = None
+                with self._lock:
+                    self._running = None
 
     def _run(self, ticket: Ticket) -> None:
         try:
