@@ -3,105 +3,240 @@
 
 Requests are stateless, as in OpenAI's API: each one resends the conversation, and the engine's
 prefix store reuses the KV of what it has already seen, so a follow-up prefills only its new
-tokens. The engine answers one request at a time; the others wait in line in worker threads,
-each with its own cache and generator, so concurrent clients never share state.
+tokens. Every answer is a job in the engine's line (`engine_queue`), tokenized and generated on
+the engine thread; the routes are coroutines, so a request waiting in line holds no thread, and a
+client that goes away (waiting, streaming or not) cancels its job at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import math
 import secrets
 import time
-from typing import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Iterator
 
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+import anyio
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.engine import Finished, TextDelta
 from ..core.errors import InputError, SpecchatError
+from ..core.sampling import SamplingParams
+from .engine_handle import EngineHandle
+from .engine_queue import Busy
+from .stop_text import StopText
 
 DEFAULT_MAX_TOKENS = 512
+MAX_STOPS = 4
+RETRY_AFTER_SECONDS = 5
 ROLES = ("system", "user", "assistant")
 UNSUPPORTED = ("tools", "functions", "logprobs", "response_format")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.param = status, kind, param
 
 
-def add_api(app: FastAPI, get_engine: Callable[[], object], api_key: str | None) -> None:
-    """Mount the /v1 routes on `app`; with `api_key`, every request needs `Authorization: Bearer <key>`."""
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
 
-    def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if not secrets.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", "authentication_error")
 
-    router = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+@dataclass(frozen=True)
+class Options:
+    conversation: list[dict]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def add_api(app: FastAPI, handle: EngineHandle) -> None:
+    """Mount the /v1 routes on `app` (authentication, when wanted, is the app's middleware)."""
+    router = APIRouter(prefix="/v1")
 
     @router.get("/models")
-    def models() -> dict:
-        engine = get_engine()
+    async def models() -> dict:
+        engine = await _engine(handle)
         return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": 0,
                                             "owned_by": "specchat"}]}
 
     @router.post("/chat/completions")
-    def chat_completions(body: dict):
-        engine = get_engine()
-        request = _parse(body, engine)
-        events = engine.generate(request["prompt_ids"], request["max_tokens"], request["sampling"], "auto")
-        first = next(events)  # bad requests raise here, before any response is sent
-        if request["stream"]:
-            return StreamingResponse(_stream(first, events, engine.name, request["include_usage"]),
-                                     media_type="text/event-stream")
-        return _complete(first, events, engine.name)
+    async def chat_completions(request: Request):
+        body = _json_object(await request.body())
+        engine = await _engine(handle)
+        options = _parse(body, engine.name)
+        ticket = handle.submit(_job(options))
+        events = ticket.__aiter__()
+        gone = asyncio.ensure_future(_disconnected(request))
+        streaming = False
+        try:
+            if options.stream:
+                first = await _unless_gone(anext(events), gone)  # a bad request raises here: a 400, no byte sent
+                streaming = True
+                return StreamingResponse(_stream(first, events, ticket, engine.name, options.include_usage),
+                                         media_type="text/event-stream")
+            return _completion(await _unless_gone(_result(events), gone), engine.name)
+        except ClientGone:
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        finally:
+            gone.cancel()
+            if not streaming:
+                ticket.close()  # a no-op once the answer is complete
 
     @app.exception_handler(ApiError)
     def api_error(_request, error: ApiError):
-        return _error(error.status, str(error), error.kind)
+        return _error(error.status, str(error), error.kind, error.param)
 
     @app.exception_handler(SpecchatError)
     def specchat_error(_request, error: SpecchatError):
+        if isinstance(error, Busy):
+            return _error(503, str(error), "server_error", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         status = 400 if isinstance(error, InputError) else 503
         return _error(status, str(error), "invalid_request_error" if status == 400 else "server_error")
 
     app.include_router(router)
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
+async def _engine(handle: EngineHandle):
+    """The engine, for its name; a model still loading is waited for off the event loop."""
+    if handle.status() == "loading":
+        return await anyio.to_thread.run_sync(handle.get)
+    return handle.get()
 
 
-def _parse(body: dict, engine) -> dict:
-    from ..core.sampling import SamplingParams
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
-    if body.get("model") not in (None, engine.name):
-        raise ApiError(404, f"model {body.get('model')!r} is not served here; this server runs {engine.name!r}",
-                       "not_found_error")
+
+async def _unless_gone(awaitable, gone: asyncio.Future):
+    """`awaitable`'s result, or `ClientGone` (the awaitable cancelled) if the client leaves first."""
+    step = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not step.done():
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await step
+    if step.cancelled():
+        raise ClientGone()
+    return step.result()
+
+
+def _job(options: Options):
+    """The answer as a job for the engine thread: tokenizing included, off the event loop."""
+    def job(engine, cancel) -> Iterator:
+        prompt_ids = engine.chat_ids(options.conversation)
+        events = engine.generate(prompt_ids, options.max_tokens, options.sampling, "auto", cancel)
+        return _until_stop(events, StopText(options.stops), cancel) if options.stops else events
+    return job
+
+
+def _until_stop(events: Iterator, stop: StopText, cancel) -> Iterator:
+    """The events with the text cut before the first stop string; generation is cancelled
+    once one is seen, and the answer then ends with finish_reason "stop"."""
+    for event in events:
+        if isinstance(event, TextDelta):
+            shown = stop.feed(event.text)
+            if stop.matched:
+                cancel.set()
+            if shown:
+                yield replace(event, text=shown)
+        elif isinstance(event, Finished):
+            tail = stop.finish()
+            if tail:
+                yield TextDelta(tail, [], event.result.stats)
+            reason = "stop" if stop.matched else event.result.finish_reason
+            yield Finished(replace(event.result, text=stop.text, finish_reason=reason))
+        else:
+            yield event
+
+
+# --- the request ------------------------------------------------------------------------------
+
+def _json_object(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _parse(body: dict, model: str) -> Options:
+    if body.get("model") not in (None, model):
+        raise ApiError(404, f"model {body.get('model')!r} is not served here; this server runs {model!r}",
+                       "not_found_error", "model")
     for name in UNSUPPORTED:
         if body.get(name):
-            raise ApiError(400, f"{name!r} is not supported by specchat")
+            raise ApiError(400, f"{name!r} is not supported by specchat", param=name)
     if body.get("n", 1) != 1:
-        raise ApiError(400, "only n = 1 is supported")
+        raise ApiError(400, "only n = 1 is supported", param="n")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content}")
+        raise ApiError(400, "messages must be a non-empty list of {role, content}", param="messages")
     conversation = [{"role": _role(message), "content": _content(message)} for message in messages]
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ApiError(400, "max_tokens must be a positive integer")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_low=True)
+    seed = body.get("seed")
+    if seed is not None and not _is_integer(seed):
+        raise ApiError(400, f"seed must be a whole number, got {seed!r}", param="seed")
     try:
-        sampling = SamplingParams(float(body.get("temperature", 1.0)), 0, float(body.get("top_p", 1.0)),
-                                  body.get("seed"))
-    except (TypeError, ValueError) as error:
-        raise ApiError(400, str(error)) from None
-    options = body.get("stream_options") or {}
-    return {"prompt_ids": engine.chat_ids(conversation), "max_tokens": max_tokens, "sampling": sampling,
-            "stream": bool(body.get("stream")), "include_usage": bool(options.get("include_usage"))}
+        sampling = SamplingParams(temperature, 0, top_p, seed)
+    except ValueError as error:
+        raise ApiError(400, str(error), param="seed") from None
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be true or false, got {stream!r}", param="stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, f"stream_options must be an object, got {options!r}", param="stream_options")
+    return Options(conversation, _max_tokens(body), sampling, _stops(body.get("stop")), bool(stream),
+                   bool((options or {}).get("include_usage")))
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or not (low < value if open_low else low <= value) or value > high:
+        interval = f"{'(' if open_low else '['}{low:g}, {high:g}]"
+        raise ApiError(400, f"{name} must be a number in {interval}, got {value!r}", param=name)
+    return float(value)
+
+
+def _max_tokens(body: dict) -> int:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(name)
+    if value is None:
+        return DEFAULT_MAX_TOKENS
+    if not _is_integer(value) or value < 1:
+        raise ApiError(400, f"{name} must be a whole number of at least 1, got {value!r}", param=name)
+    return value
+
+
+def _stops(stop) -> list[str]:
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS \
+            or not all(isinstance(item, str) and item for item in stops):
+        raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them, "
+                            f"got {stop!r}", param="stop")
+    return stops
 
 
 def _role(message) -> str:
@@ -109,7 +244,7 @@ def _role(message) -> str:
     if role == "developer":  # OpenAI's newer name for the system role
         return "system"
     if role not in ROLES:
-        raise ApiError(400, f"message role must be one of {', '.join(ROLES)}, got {role!r}")
+        raise ApiError(400, f"message role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
     return role
 
 
@@ -119,7 +254,14 @@ def _content(message: dict) -> str:
         return content
     if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" for part in content):
         return "".join(str(part.get("text", "")) for part in content)
-    raise ApiError(400, "message content must be text (a string or a list of text parts)")
+    raise ApiError(400, "message content must be text (a string or a list of text parts)", param="messages")
+
+
+# --- the response -----------------------------------------------------------------------------
+
+def _error(status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status,
+                        headers=headers)
 
 
 def _completion_id() -> str:
@@ -135,15 +277,21 @@ def _finish_reason(result) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def _complete(first, events: Iterator, model: str) -> dict:
-    result = next(event.result for event in _chain(first, events) if isinstance(event, Finished))
+async def _result(events: AsyncIterator):
+    async for event in events:
+        if isinstance(event, Finished):
+            return event.result
+    raise SpecchatError("the answer was cancelled before it started")
+
+
+def _completion(result, model: str) -> dict:
     return {"id": _completion_id(), "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
                          "finish_reason": _finish_reason(result)}],
             "usage": _usage(result), "specchat": {"mode": result.mode, "stats": result.to_json()["stats"]}}
 
 
-def _stream(first, events: Iterator, model: str, include_usage: bool) -> Iterator[str]:
+async def _stream(first, events: AsyncIterator, ticket, model: str, include_usage: bool) -> AsyncIterator[str]:
     completion_id, created = _completion_id(), int(time.time())
 
     def chunk(delta: dict, finish_reason: str | None = None) -> str:
@@ -156,7 +304,7 @@ def _stream(first, events: Iterator, model: str, include_usage: bool) -> Iterato
 
     try:
         yield chunk({"role": "assistant", "content": ""})
-        for event in _chain(first, events):
+        async for event in _chain(first, events):
             if isinstance(event, TextDelta) and event.text:
                 yield chunk({"content": event.text})
             elif isinstance(event, Finished):
@@ -164,12 +312,15 @@ def _stream(first, events: Iterator, model: str, include_usage: bool) -> Iterato
                 if include_usage:
                     yield message([], usage=_usage(event.result))
         yield "data: [DONE]\n\n"
-    except SpecchatError as error:
-        yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'server_error'}})}\n\n"
+    except Exception as error:  # the headers are sent: the error goes in the stream, in one line
+        text = str(error) if isinstance(error, SpecchatError) else f"unexpected error: {type(error).__name__}: {error}"
+        payload = {"error": {"message": text, "type": "server_error", "param": None, "code": None}}
+        yield f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
     finally:
-        events.close()  # a client that went away releases the engine at once
+        ticket.close()  # a client that went away (Starlette cancels this task) frees the engine now
 
 
-def _chain(first, events: Iterator) -> Iterator:
+async def _chain(first, events: AsyncIterator) -> AsyncIterator:
     yield first
-    yield from events
+    async for event in events:
+        yield event

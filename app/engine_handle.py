@@ -1,19 +1,23 @@
-"""The app's engine: loaded in a background thread, so the page is up at once, and switchable to
-another model pair while the server runs."""
+"""The app's engine: loaded in a background thread, so the page is up at once, switchable to
+another model pair while the server runs, and used only from its own thread: the page and the API
+`submit` jobs that wait in one line (`engine_queue`)."""
 
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from ..core.errors import SpecchatError
+from .engine_queue import EngineLine, Job, Ticket
 
 
 class EngineHandle:
     """`get()` waits for the current load and returns its engine or raises its error. `switch`
-    starts loading another model; requests keep the engine they got until their answer ends."""
+    starts loading another model; a job runs on the engine current when its turn comes.
+    `submit` and `call` run work on the engine thread; `close` stops that thread."""
 
-    def __init__(self, load: Callable[[str], object], model: str):
+    def __init__(self, load: Callable[[str], object], model: str, max_waiting: int | None = None,
+                 stall_seconds: float | None = None):
         self._load_model = load
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -21,6 +25,7 @@ class EngineHandle:
         self._error: Exception | None = None
         self.model = model
         self._start(model)
+        self._line = EngineLine(self.get, max_waiting, stall_seconds)
 
     def _start(self, model: str) -> None:
         ready = threading.Event()
@@ -62,3 +67,15 @@ class EngineHandle:
             if not self._ready.is_set():
                 return "loading"
             return f"failed: {self._error}" if self._error is not None else "ready"
+
+    def submit(self, job: Job) -> Ticket:
+        """Queue `job(engine, cancel)`; raises `engine_queue.Busy` when the line is full."""
+        return self._line.submit(job)
+
+    def call(self, fn: Callable[[Any], Any], cancel: threading.Event | None = None):
+        """`fn(engine)` run alone on the engine thread, in line with the answers; its result."""
+        return self._line.call(fn, cancel)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (on shutdown): the running answer is cancelled."""
+        self._line.close(timeout)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from .context_meter import Meter, cut_document, describe, measure
 from .conversation import Conversation, model_messages, shown_messages, title_from, to_json, to_markdown
 from .documents import read_document
 from .engine_handle import EngineHandle
+from .engine_queue import Ticket
 from .history import HistoryStore
 from .speculation_view import colored_tokens, stage_table, stats_line
 
@@ -76,13 +76,14 @@ class ChatLogic:
         self.handle = handle
         self.store = store
         self.registry_file = registry_file
-        self._cancels: dict[str, threading.Event] = {}  # per browser session: its answer's Stop
+        self._cancels: dict[str, Ticket] = {}  # per browser session: its answer, for Stop
 
     def stop(self, session: str) -> None:
-        """Stop the session's answer: it ends at the next token, saved, with its figures."""
-        cancel = self._cancels.get(session)
-        if cancel is not None:
-            cancel.set()
+        """Stop the session's answer: it ends at the next token, saved, with its figures (or
+        leaves the line, if it was still waiting)."""
+        ticket = self._cancels.get(session)
+        if ticket is not None:
+            ticket.cancel()
 
     # --- documents and the meter -------------------------------------------------------------
 
@@ -162,15 +163,23 @@ class ChatLogic:
     def _answer(self, conversation: Conversation, settings: Settings, session: str) -> Iterator[View]:
         reply = {"role": "assistant", "content": "", "partial": True, "stats": None, "origins": []}
         conversation.messages.append(reply)
-        cancel = self._cancels[session] = threading.Event()
-        events = None
+        ticket = None
         try:
             # The previous answer's figures go as this one starts: a stale "done" misleads.
             yield View(conversation=conversation, streaming=True, stats="", stages="", tokens="")
-            engine = self.handle.get()
-            events = engine.generate(engine.chat_ids(model_messages(conversation)), int(settings.max_new_tokens),
-                                     settings.sampling(), settings.mode, cancel)
-            yield from self._stream(conversation, reply, events, engine.auto_mode, settings.mode)
+            ticket = self._cancels[session] = self.handle.submit(
+                _answer_job(model_messages(conversation), int(settings.max_new_tokens), settings.sampling(),
+                            settings.mode))
+            ahead = ticket.position
+            if ahead:
+                yield View(conversation=conversation, streaming=True,
+                           status=f"Waiting for the engine: {ahead} answer{'s' if ahead > 1 else ''} before yours…")
+            yield from self._stream(conversation, reply, ticket)
+            if reply["partial"]:  # stopped while it waited in line: no answer, the question stays
+                conversation.messages[:] = [m for m in conversation.messages if m is not reply]
+                reply["partial"] = False
+                self.store.save(conversation)
+                yield View(conversation=conversation, status="Stopped before the answer started.")
         except Exception as error:  # shown in the page, never as a traceback; the question stays
             if not reply["content"]:  # an empty answer is no answer: the question stays, to retry
                 conversation.messages[:] = [m for m in conversation.messages if m is not reply]
@@ -178,22 +187,24 @@ class ChatLogic:
             self.store.save(conversation)
             yield View(conversation=conversation, status=problem_text(error))
         finally:
-            # An error, or the page went away mid-answer: keep what was said.
-            if self._cancels.get(session) is cancel:
-                del self._cancels[session]
-            if events is not None:
-                events.close()
+            # An error, or the page went away mid-answer: the engine is freed now, what was said kept.
+            if ticket is not None:
+                if self._cancels.get(session) is ticket:
+                    del self._cancels[session]
+                ticket.close()
             if reply["partial"]:
                 reply.update(partial=False, finish_reason="cancelled")
                 self.store.save(conversation)
 
-    def _stream(self, conversation, reply, events, auto_mode: str, requested_mode: str) -> Iterator[View]:
-        from ..core.engine import Finished, Notice, PrefillProgress, TextDelta, resolve_mode
+    def _stream(self, conversation, reply, events) -> Iterator[View]:
+        from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
 
-        mode = reply["mode"] = resolve_mode(requested_mode, auto_mode)
+        mode = ""
         saved_at = time.monotonic()
         for event in events:
-            if isinstance(event, PrefillProgress):
+            if isinstance(event, _Started):
+                mode = reply["mode"] = event.mode
+            elif isinstance(event, PrefillProgress):
                 yield View(conversation=conversation, streaming=True,
                            status=f"Reading the prompt: {event.done:,} / {event.total:,} tokens")
             elif isinstance(event, Notice):
@@ -312,6 +323,23 @@ class ChatLogic:
         for path, text in files.items():
             path.write_text(text, encoding="utf-8")
         return [str(path) for path in files]
+
+
+@dataclass(frozen=True)
+class _Started:
+    """The first event of the page's answer job: the mode that runs (`auto` resolved)."""
+    mode: str
+
+
+def _answer_job(messages: list[dict], max_new_tokens: int, sampling, mode: str):
+    """An answer as a job for the engine thread (`engine_queue`)."""
+    def job(engine, cancel) -> Iterator:
+        from ..core.engine import resolve_mode
+
+        events = engine.generate(engine.chat_ids(messages), max_new_tokens, sampling, mode, cancel)
+        yield _Started(resolve_mode(mode, engine.auto_mode))
+        yield from events
+    return job
 
 
 def problem_text(error: Exception) -> str:

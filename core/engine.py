@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from .decoding import MODES, DecodeState, TriforceSettings, decode, make_decoder, prefill, triforce_decoder
-from .errors import InputError
+from .errors import InputError, SpecchatError
 from .kv.document_store import DocumentStore
 from .kv.full import FullCache
 from .kv.prefix_store import PrefixStore
@@ -121,7 +121,10 @@ class Engine:
         self.triforce = TriforceSettings()  # triforce mode's stages and budgets
         self.plan = None  # core.plan.Plan for this machine, when the model is a registry pair
         self.auto_mode = "chain"  # what `auto` means here: the plan's mode
-        self._lock = threading.Lock()  # one generation at a time per loaded model
+        # One step at a time (a prefill chunk, a decoding step, the prefix store's bookkeeping):
+        # two answers driven from two threads interleave step by step, each on its own cache and
+        # decoder. The app runs every answer on one engine thread (app/engine_queue.py) anyway.
+        self._lock = threading.Lock()
 
     @property
     def context_length(self) -> int:
@@ -146,8 +149,20 @@ class Engine:
         """
         mode = resolve_mode(mode, self.auto_mode)
         max_new_tokens = self._check_request(prompt_ids, max_new_tokens)
-        with self._lock:
-            yield from self._generate(prompt_ids, max_new_tokens, sampling, mode, cancel, document_tokens)
+        events = self._generate(prompt_ids, max_new_tokens, sampling, mode, cancel, document_tokens)
+        # The lock is held while the engine computes, never across a yield: a caller that stops
+        # listening without closing this generator cannot keep the engine from others.
+        try:
+            while True:
+                with self._lock:
+                    try:
+                        event = next(events)
+                    except StopIteration:
+                        return
+                yield event
+        finally:
+            with self._lock:
+                events.close()  # the answer's KV is kept for the next turn now, not when collected
 
     def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> int:
         if not prompt_ids:
@@ -173,18 +188,28 @@ class Engine:
                 yield Notice(problem)
         state = DecodeState(self.model, cache, torch.tensor(prompt_ids, dtype=torch.long), sampling,
                             make_generator(sampling.seed))
-        finished = False
+        finished, answering = False, False
         try:
-            yield from self._run(state, max_new_tokens, mode, cancel or threading.Event(), started, reused, source)
+            for event in self._run(state, max_new_tokens, mode, cancel or threading.Event(), started, reused, source):
+                answering = answering or isinstance(event, TextDelta)
+                yield event
             finished = True
         except GeneratorExit:
             finished = True  # the caller stopped listening between two events
             raise
+        except torch.OutOfMemoryError:
+            pass  # handled below, once this frame no longer holds the traceback's tensors
         finally:
             if finished:
                 if document_tokens and self.documents is not None and state.cache.length >= document_tokens:
                     self.documents.save_once(prompt_ids[:document_tokens], state.cache)
                 self.prefixes.put(state.ids[:state.cache.length].tolist(), state.cache)
+        if not finished:  # out of memory: this answer's KV goes, never kept for reuse
+            del state, cache
+            _free_accelerator_memory()
+            doing = "writing the answer" if answering else "reading the prompt"
+            raise SpecchatError(f"the GPU ran out of memory while {doing}: try a shorter "
+                                f"{'answer' if answering else 'document'} or a smaller pair")
 
     def _reusable_cache(self, prompt_ids: list[int]) -> tuple[FullCache, int, str]:
         """A cache already holding the longest available prefix of the prompt: from a recent
@@ -259,6 +284,12 @@ def _update_rates(stats: Stats, committed: int, new_tokens: int, decode_seconds:
     stats.decode_seconds = decode_seconds
     stats.mean_accepted_per_forward = committed / stats.target_forwards
     stats.tokens_per_second = new_tokens / decode_seconds if decode_seconds > 0 else 0.0
+
+
+def _free_accelerator_memory() -> None:
+    """Give the memory of a failed answer back to the GPU, so the next request has it."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _stop_ids(tokenizer, model: CausalLM) -> set[int]:

@@ -41,7 +41,10 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # Shifted so the largest logit is 0 before dividing (softmax is shift-invariant, so the same
+    # distribution): the others go to -inf, never NaN, however small the temperature. Divided in
+    # float64, because a float32 temperature below 1e-45 rounds to 0 (and 0 / 0 is NaN).
+    logits = ((logits - logits.amax(-1, keepdim=True)).double() / params.temperature).float()
     if 0 < params.top_k < logits.shape[-1]:
         kth_largest = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -1,28 +1,33 @@
-"""The OpenAI-compatible API on the live server, driven by the `openai` Python client: models,
-answers streamed and not, follow-ups that reuse the KV, errors, the API key, and a burst of 16
-concurrent streams that must come back as 16 correct, separate answers while the page stays up."""
+"""The OpenAI-compatible API over real HTTP, driven by the `openai` Python client and by raw
+requests: models, answers streamed and not, follow-ups that reuse the KV, stop strings, errors in
+OpenAI's shape for every malformed field, a full line answered 503, and a burst of 16 concurrent
+streams that must come back as 16 correct, separate answers while the page stays up.
+(The API key is the app's middleware, tested with it.)"""
 
 from __future__ import annotations
 
-import os
+import json
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
-from live_server import running_specchat
+from api_server import serving_api
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 KEY = "test-key-123"
 MODEL = "embedded/SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server(embedded_dir):
-    with running_specchat(env={**os.environ, "SPECCHAT_API_KEY": KEY}) as url:
-        yield url
+def server(embedded_engine):
+    with serving_api(embedded_engine) as (url, _handle):
+        yield f"{url}/"
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +75,6 @@ def test_errors_are_openai_errors(client, server):
         client.chat.completions.create(model=MODEL, messages=[])
     with pytest.raises(openai.BadRequestError, match="reads at most"):
         ask(client, "word " * 9000)
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{server}v1", api_key="wrong", max_retries=0).models.list()
 
 
 def test_sixteen_concurrent_streams_come_back_correct_and_separate(client, server):
@@ -89,3 +92,105 @@ def test_sixteen_concurrent_streams_come_back_correct_and_separate(client, serve
     assert answers == alone  # each stream got its own answer, exactly as when asked alone
     assert len(set(answers)) > 8  # and they are different answers
     assert page_times and max(page_times) < 5
+
+
+def post(server: str, body, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server}v1/chat/completions", content=content, timeout=120,
+                      headers={"content-type": "application/json"}, **kwargs)
+
+
+def refused(response: httpx.Response, status: int = 400) -> dict:
+    """The error of a refused request, checked to be in OpenAI's shape."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def sse_text(response: httpx.Response) -> tuple[str, list[dict]]:
+    chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert response.text.rstrip().endswith("data: [DONE]")
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]), chunks
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (b"{not json", None, "not valid JSON"),
+    (b"[1, 2]", None, "must be a JSON object"),
+    ({"messages": FRANCE, "temperature": 2.5}, "temperature", "in [0, 2]"),
+    ({"messages": FRANCE, "temperature": -0.1}, "temperature", "in [0, 2]"),
+    ({"messages": FRANCE, "temperature": "hot"}, "temperature", "a number"),
+    ({"messages": FRANCE, "temperature": True}, "temperature", "a number"),
+    ({"messages": FRANCE, "top_p": 0}, "top_p", "in (0, 1]"),
+    ({"messages": FRANCE, "top_p": 1.5}, "top_p", "in (0, 1]"),
+    ({"messages": FRANCE, "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"messages": FRANCE, "max_tokens": -3}, "max_tokens", "at least 1"),
+    ({"messages": FRANCE, "max_tokens": 1.5}, "max_tokens", "whole number"),
+    ({"messages": FRANCE, "max_tokens": True}, "max_tokens", "whole number"),
+    ({"messages": FRANCE, "max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
+    ({"messages": FRANCE, "seed": 1.5}, "seed", "whole number"),
+    ({"messages": FRANCE, "seed": True}, "seed", "whole number"),
+    ({"messages": FRANCE, "seed": -1}, "seed", "between 0"),
+    ({"messages": FRANCE, "stream": True, "stream_options": "usage"}, "stream_options", "an object"),
+    ({"messages": FRANCE, "stream_options": [1]}, "stream_options", "an object"),
+    ({"messages": FRANCE, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"messages": FRANCE, "stop": 3}, "stop", "non-empty string"),
+    ({"messages": FRANCE, "stop": [""]}, "stop", "non-empty string"),
+    ({"messages": FRANCE, "n": 2}, "n", "n = 1"),
+])
+def test_malformed_requests_are_400s_in_openai_shape(server, body, param, words):
+    error = refused(post(server, body))
+    assert words in error["message"] and error["param"] == param and error["type"] == "invalid_request_error"
+    streamed = refused(post(server, {**body, "stream": True} if isinstance(body, dict) else body))
+    assert streamed == error or param == "stream_options"
+
+
+def test_any_temperature_above_zero_works_even_a_tiny_one(server):
+    seeded = {"messages": FRANCE, "max_tokens": 8, "temperature": 1e-300, "seed": 3}
+    greedy = post(server, {**seeded, "temperature": 0}).json()["choices"][0]["message"]["content"]
+    assert post(server, seeded).json()["choices"][0]["message"]["content"] == greedy
+    text, _ = sse_text(post(server, {**seeded, "stream": True}))
+    assert text == greedy
+
+
+def test_absent_or_null_limits_take_their_defaults(server):
+    answer = post(server, {"messages": FRANCE, "max_tokens": None, "max_completion_tokens": 3, "seed": None,
+                           "stream_options": None, "stop": None, "temperature": None, "top_p": None}).json()
+    assert answer["usage"]["completion_tokens"] == 3 and answer["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_strings_end_the_answer_before_them(server):
+    whole = post(server, {"messages": FRANCE, "max_tokens": 24, "temperature": 0}).json()
+    whole = whole["choices"][0]["message"]["content"]
+    assert "Paris" in whole
+    for stop, first in ((" Paris", " Paris"), (["nothing like this", "aris"], "aris")):
+        body = {"messages": FRANCE, "max_tokens": 24, "temperature": 0, "stop": stop}
+        answer = post(server, body).json()
+        content = answer["choices"][0]["message"]["content"]
+        assert content == whole.split(first)[0] and answer["choices"][0]["finish_reason"] == "stop"
+        text, chunks = sse_text(post(server, {**body, "stream": True}))
+        # What was streamed is exactly the cut answer: no piece of the stop string went out.
+        assert text == content and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_full_line_is_a_503_with_the_count(embedded_engine):
+    with serving_api(embedded_engine, max_waiting=1) as (url, handle):
+        gate, started = threading.Event(), threading.Event()
+
+        def holding(engine, cancel):
+            started.set()
+            gate.wait(30)
+            yield "held"
+
+        held = handle.submit(holding)
+        assert started.wait(30)
+        waiting = handle.submit(holding)  # the line (of one) is full now
+        try:
+            response = post(f"{url}/", {"messages": FRANCE, "max_tokens": 2})
+            error = refused(response, 503)
+            assert error["message"] == "busy: 1 requests waiting, try again shortly" and error["type"] == "server_error"
+            assert int(response.headers["retry-after"]) > 0
+        finally:
+            gate.set()
+            assert list(held) == ["held"] and list(waiting) == ["held"]

@@ -38,3 +38,18 @@ def test_top_p_keeps_smallest_set_reaching_p():
 def test_invalid_params_are_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-30, 1e-3])
+def test_any_positive_temperature_gives_a_distribution(temperature):
+    # A tiny temperature concentrates on the most likely tokens (ties share), never NaN or inf.
+    logits = torch.tensor([[1.0, 3.0, 3.0, -float("inf")], [-2.0, 0.5, 0.25, 0.0]])
+    probs = warp(logits, SamplingParams(temperature=temperature))
+    assert probs.tolist() == [[0.0, 0.5, 0.5, 0.0], [0.0, 1.0, 0.0, 0.0]]
+
+
+def test_shifting_before_the_temperature_keeps_the_distribution():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 4
+    for temperature in (0.3, 1.0, 1.7):
+        expected = torch.softmax(logits.double() / temperature, -1).float()
+        assert torch.allclose(warp(logits, SamplingParams(temperature=temperature)), expected, atol=1e-7)

@@ -2,6 +2,8 @@
 saved when, stop, regenerate, edit, and the over-limit choice. The browser tests drive the same
 code through the page."""
 
+import threading
+
 import pytest
 
 from conftest import DATA
@@ -19,7 +21,8 @@ SETTINGS = Settings(system="", preset="free", temperature=0.0, top_p=1.0, top_k=
 def logic(tiny_model_dir, tmp_path):
     handle = EngineHandle(lambda model: load_engine(model), str(tiny_model_dir))
     handle.get()
-    return ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
+    yield ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
+    handle.close()
 
 
 def run(views):
@@ -94,3 +97,54 @@ def test_conversations_survive_a_new_store_on_the_same_folder(logic):
     assert again.load(conversation.id).messages[0]["content"] == "Remember me"
     logic.delete(conversation)
     assert again.list() == []
+
+
+def holding(handle):
+    """Hold the engine thread with a job until the returned gate is set."""
+    gate, started = threading.Event(), threading.Event()
+
+    def job(engine, cancel):
+        started.set()
+        gate.wait(30)
+        yield "held"
+
+    ticket = handle.submit(job)
+    assert started.wait(30)
+    return gate, ticket
+
+
+@pytest.fixture
+def small_line(tiny_model_dir, tmp_path):
+    handle = EngineHandle(lambda model: load_engine(model), str(tiny_model_dir), max_waiting=1)
+    handle.get()
+    yield ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
+    handle.close()
+
+
+def test_an_answer_waits_in_the_engines_line_and_stop_takes_it_out(small_line):
+    gate, held = holding(small_line.handle)
+    try:
+        views = small_line.send("Waiting here", None, "", None, SETTINGS, session="s1")
+        statuses = [next(views).status for _ in range(3)]  # the question, the start, the wait
+        assert statuses[-1] == "Waiting for the engine: 1 answer before yours…"
+        small_line.stop("s1")
+        (last,) = run(views)
+        assert last.status == "Stopped before the answer started."
+        assert [m["role"] for m in saved(small_line).messages] == ["user"]  # the question stays
+    finally:
+        gate.set()
+    assert list(held) == ["held"]
+    conversation = run(small_line.send("Now answer", None, "", None, SETTINGS))[-1].conversation
+    assert conversation.messages[-1]["role"] == "assistant" and not conversation.messages[-1]["partial"]
+
+
+def test_a_full_line_is_one_busy_line_and_the_question_stays(small_line):
+    gate, held = holding(small_line.handle)
+    waiting = small_line.handle.submit(lambda engine, cancel: iter(["waited"]))  # the line (of one) is full
+    try:
+        views = run(small_line.send("Am I too late?", None, "", None, SETTINGS))
+        assert views[-1].status == "⚠️ busy: 1 requests waiting, try again shortly"
+        assert [(m["role"], m["content"]) for m in saved(small_line).messages] == [("user", "Am I too late?")]
+    finally:
+        gate.set()
+    assert list(held) == ["held"] and list(waiting) == ["waited"]

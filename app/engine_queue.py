@@ -1,0 +1,310 @@
+"""One engine thread, a bounded line of jobs, and tickets that hand each job's events to whoever
+asked for them (a worker thread of the page, a coroutine of the API).
+
+Why a thread and not a lock: a lock held by a paused generator stays held until someone closes
+the generator, and that someone may be a client who has gone away (the engine then waits for the
+garbage collector). Here only the engine thread ever touches the engine; it never waits for a
+consumer (events are buffered), so a slow or vanished client cannot hold it, and it ends a job
+as soon as the job is cancelled, its consumer closes the ticket, or the consumer stops taking
+events for `stall_seconds` while some are waiting (the backstop for consumers that vanish
+without closing anything).
+
+Vocabulary: a *job* is `job(engine, cancel) -> Iterator[event]`, run on the engine thread; its
+*ticket* is the caller's end: iterate it (`for` or `async for`), read `position` while it waits,
+`cancel()` it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+from ..core.errors import SpecchatError
+
+Job = Callable[[Any, threading.Event], Iterator[Any]]
+_END = object()  # the job ended (finished, cancelled or removed from the line)
+
+
+class Busy(SpecchatError):
+    """The line is full: the caller should try again shortly (the API answers 503)."""
+
+    def __init__(self, waiting: int):
+        super().__init__(f"busy: {waiting} requests waiting, try again shortly")
+        self.waiting = waiting
+
+
+class Cancelled(SpecchatError):
+    """`call` was cancelled before its function could run."""
+
+
+def setting_from_env(variable: str, default: float, kind: type = int) -> float:
+    """A positive number from the environment, else `default`; a bad value is one clear line."""
+    raw = os.environ.get(variable, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise SpecchatError(f"{variable} must be a positive {'whole ' if kind is int else ''}number, got {raw!r}")
+    return value
+
+
+class Ticket:
+    """The consumer's end of one job. Events arrive in a buffer filled by the engine thread;
+    taking them is blocking for `for` and awaiting (never blocking the loop) for `async for`.
+    Leaving either loop early (break, an exception, GeneratorExit, CancelledError) cancels the
+    job; an exception raised by the job is raised again in the consumer."""
+
+    def __init__(self, job: Job, line: "EngineLine"):
+        self.job = job
+        self.cancel_event = threading.Event()  # the running job's: it ends at its next step
+        self._line = line
+        self._lock = threading.Condition()
+        self._events: collections.deque = collections.deque()
+        self._error: BaseException | None = None
+        self._ended = False
+        self.abandoned = False  # nobody will read on: the engine thread drops the job at once
+        self._waiting_since: float | None = None  # when the oldest untaken event arrived
+        self._wakers: list[Callable[[], None]] = []  # async consumers waiting for an event
+
+    @property
+    def position(self) -> int:
+        """How many jobs run before this one (the running job and those ahead in line); 0 once
+        it runs, has ended, or runs next on an idle engine."""
+        return self._line.position(self)
+
+    def cancel(self) -> None:
+        """Remove the job from the line, or tell the running job to end at its next step (its
+        last events, a `Finished` say, still arrive)."""
+        self.cancel_event.set()
+        self._line.remove(self)
+
+    def close(self) -> None:
+        """The consumer is gone: cancel, and let the engine thread drop the job's events."""
+        self.abandoned = True
+        self.cancel()
+
+    # --- the engine thread's side --------------------------------------------------------------
+
+    def put(self, event) -> None:
+        with self._lock:
+            if not self._events:
+                self._waiting_since = time.monotonic()
+            self._events.append(event)
+            self._wake()
+
+    def end(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if not self._ended:
+                self._ended, self._error = True, error
+                self._wake()
+
+    def stalled(self, seconds: float) -> bool:
+        """An event has waited `seconds` for a consumer that takes none."""
+        with self._lock:
+            return self._waiting_since is not None and time.monotonic() - self._waiting_since > seconds
+
+    def _wake(self) -> None:  # holding self._lock
+        self._lock.notify_all()
+        wakers, self._wakers = self._wakers, []
+        for wake in wakers:
+            wake()
+
+    # --- the consumer's side -------------------------------------------------------------------
+
+    def _take(self):
+        """The next event, `_END`, or None when nothing is there yet (holding self._lock)."""
+        if self._events:
+            event = self._events.popleft()
+            self._waiting_since = time.monotonic() if self._events else None
+            return event
+        if self._ended:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            return _END
+        return None
+
+    def __iter__(self) -> Iterator:
+        return self._iterate()
+
+    def _iterate(self) -> Iterator:
+        ended = False
+        try:
+            while True:
+                with self._lock:
+                    event = self._take()
+                    while event is None:
+                        self._lock.wait()
+                        event = self._take()
+                if event is _END:
+                    ended = True
+                    return
+                yield event
+        except BaseException:
+            ended = ended or self._ended  # the job's own error: it has ended already
+            raise
+        finally:
+            if not ended:
+                self.close()
+
+    def __aiter__(self):
+        return self._aiterate()
+
+    async def _aiterate(self):
+        loop = asyncio.get_running_loop()
+        ended = False
+        try:
+            while True:
+                woken = asyncio.Event()
+                with self._lock:
+                    event = self._take()
+                    if event is None:
+                        self._wakers.append(lambda: _call_soon(loop, woken.set))
+                if event is None:
+                    await woken.wait()
+                    continue
+                if event is _END:
+                    ended = True
+                    return
+                yield event
+        except BaseException:
+            ended = ended or self._ended
+            raise
+        finally:
+            if not ended:
+                self.close()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:  # the loop has closed: its consumer is gone
+        pass
+
+
+class EngineLine:
+    """The waiting line and the thread that serves it, in order, one job at a time.
+
+    `get_engine()` returns the engine a job runs on (waiting for a model that is still loading;
+    its error becomes the job's)."""
+
+    def __init__(self, get_engine: Callable[[], Any], max_waiting: int | None = None,
+                 stall_seconds: float | None = None):
+        self._get_engine = get_engine
+        self.max_waiting = max_waiting or setting_from_env("SPECCHAT_MAX_WAITING", 128)
+        self.stall_seconds = stall_seconds or setting_from_env("SPECCHAT_STALL_SECONDS", 30.0, float)
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[Ticket] = collections.deque()
+        self._closed = False
+        self._running: Ticket | None = None
+        self._thread = threading.Thread(target=self._serve, name="specchat-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Ticket:
+        ticket = Ticket(job, self)
+        with self._lock:
+            if self._closed:
+                raise SpecchatError("the server is shutting down")
+            if len(self._waiting) >= self.max_waiting:
+                raise Busy(len(self._waiting))
+            self._waiting.append(ticket)
+            self._lock.notify()
+        return ticket
+
+    def call(self, fn: Callable[[Any], Any], cancel: threading.Event | None = None):
+        """`fn(engine)` run alone on the engine thread; its result (or its error). `cancel`, when
+        set, removes the call from the line (raising `Cancelled`) or sets the running job's
+        cancel event (which `fn` may watch through its own reference to `cancel`)."""
+        ticket = self.submit(lambda engine, _cancel: iter([fn(engine)]))
+        done = threading.Event()
+        if cancel is not None:
+            threading.Thread(target=_link, args=(cancel, ticket, done), daemon=True).start()
+        try:
+            for result in ticket:
+                return result
+            raise Cancelled("cancelled before it started")
+        finally:
+            done.set()
+
+    def position(self, ticket: Ticket) -> int:
+        with self._lock:
+            try:
+                return self._waiting.index(ticket) + (self._running is not None)
+            except ValueError:
+                return 0
+
+    def remove(self, ticket: Ticket) -> None:
+        with self._lock:
+            try:
+                self._waiting.remove(ticket)
+            except ValueError:
+                return  # running or ended: its cancel event does the rest
+        ticket.end()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop serving: waiting jobs end with an error, the running one is cancelled; waits up
+        to `timeout` for the engine thread (a forward cannot be interrupted)."""
+        with self._lock:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            self._lock.notify_all()
+        for ticket in waiting:
+            ticket.end(SpecchatError("the server is shutting down"))
+        running = self._running
+        if running is not None:
+            running.close()
+        self._thread.join(timeout)
+
+    # --- the engine thread ---------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while not self._waiting and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                ticket = self._running = self._waiting.popleft()
+            try:
+                self._run(ticket)
+            finally:
+                with self._lock:
+                    self._running = None
+
+    def _run(self, ticket: Ticket) -> None:
+        try:
+            engine = self._get_engine()
+            if ticket.cancel_event.is_set():  # cancelled as it left the line
+                ticket.end()
+                return
+            events = ticket.job(engine, ticket.cancel_event)
+            try:
+                for event in events:
+                    ticket.put(event)
+                    if ticket.stalled(self.stall_seconds):
+                        ticket.close()  # a consumer that took nothing for so long is gone
+                    if ticket.abandoned:
+                        break
+            finally:
+                close = getattr(events, "close", None)
+                if close is not None:
+                    close()  # the job's own cleanup runs now, on this thread
+        except BaseException as error:  # the consumer's to handle; the thread serves on
+            ticket.end(error)
+        else:
+            ticket.end()
+
+
+def _link(cancel: threading.Event, ticket: Ticket, done: threading.Event) -> None:
+    """Cancel `ticket` when `cancel` is set, until the caller is `done` with it."""
+    while not done.is_set():
+        if cancel.wait(0.1):
+            ticket.cancel()
+            return
