@@ -29,6 +29,7 @@ from .security import Guard, uploaded_file  # noqa: E402
 from .ui_chat import ChatLogic, Settings, View, problem_text, shown  # noqa: E402
 
 DEFAULT_HOST = "127.0.0.1"
+SHUTDOWN_GRACE_SECONDS = 1
 MODES = ["auto", "chain", "tree", "triforce", "plain"]
 # Dark mode follows the visitor's last choice (kept in the browser), else the system's.
 DARK_MODE_JS = """() => { const dark = !document.body.classList.contains('dark');
@@ -244,7 +245,7 @@ def build_app(handle: EngineHandle, store: HistoryStore, registry_file: str | No
     from .api import add_api
 
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-    add_api(app, handle.get, None)  # the key is the Guard's, for every route alike
+    add_api(app, handle)  # the key is the Guard's, for every route alike
     demo = build_ui(handle, store, registry_file).queue(default_concurrency_limit=1)
     app = gr.mount_gradio_app(app, demo, path="/", ssr_mode=False, footer_links=[],
                               max_file_size=limits.UPLOAD.bytes)
@@ -275,4 +276,10 @@ def launch(load: Callable[[str], object], model: str = "embedded", registry_file
           + ("; both need the key (the page asks for it once per browser)" if api_key else ""), file=sys.stderr)
     if open_browser:
         threading.Timer(1.5, webbrowser.open, args=(f"{url}/",)).start()
-    uvicorn.run(app, host=host, port=port, log_level="warning", ws_max_size=limits.REQUEST_BODY.bytes)
+    # Open streams (an answer, a tab's event stream) get SHUTDOWN_GRACE_SECONDS to end on Ctrl-C,
+    # then are cut: waiting for all of them kept the server up for minutes with a tab open.
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", ws_max_size=limits.REQUEST_BODY.bytes,
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
+    finally:
+        handle.close(timeout=5)  # the running answer is cancelled, the waiting ones told why

@@ -10,7 +10,6 @@ middle of an answer loses at most that answer's last seconds.
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +17,11 @@ from typing import Iterator
 
 from ..core.errors import InputError, SpecchatError
 from .context_meter import Meter, cut_document, describe, measure
-from .conversation import Conversation, model_messages, shown_messages, title_from, to_json, to_markdown
+from .conversation import Conversation, model_messages, shown_messages, title_from
 from .documents import read_document
 from .engine_handle import EngineHandle
 from .engine_queue import Ticket
+from .exports import write_export
 from .history import HistoryStore
 from .speculation_view import colored_tokens, stage_table, stats_line
 
@@ -155,7 +155,11 @@ class ChatLogic:
                 or conversation.messages[index]["role"] != "user":
             yield View(conversation=conversation, status="Only your own messages can be edited.")
             return
-        edited = dict(conversation.messages[index], content=_without_attachment_line(text).strip())
+        # The chat shows questions made inert (images as links, HTML as text): an edit that kept
+        # that text as shown keeps the question as it was written.
+        unchanged = text == shown_messages(conversation)[index]["content"]
+        content = conversation.messages[index]["content"] if unchanged else _without_attachment_line(text).strip()
+        edited = dict(conversation.messages[index], content=content)
         conversation.messages[index:] = [edited]
         self.store.save(conversation)
         yield from self._answer(conversation, settings, session)
@@ -184,8 +188,8 @@ class ChatLogic:
             if not reply["content"]:  # an empty answer is no answer: the question stays, to retry
                 conversation.messages[:] = [m for m in conversation.messages if m is not reply]
             reply["partial"] = False
-            self.store.save(conversation)
-            yield View(conversation=conversation, status=problem_text(error))
+            also = self._save_after_error(conversation)
+            yield View(conversation=conversation, status=" ".join(filter(None, [problem_text(error), also])))
         finally:
             # An error, or the page went away mid-answer: the engine is freed now, what was said kept.
             if ticket is not None:
@@ -194,7 +198,16 @@ class ChatLogic:
                 ticket.close()
             if reply["partial"]:
                 reply.update(partial=False, finish_reason="cancelled")
-                self.store.save(conversation)
+                self._save_after_error(conversation)
+
+    def _save_after_error(self, conversation: Conversation) -> str:
+        """Save on a path that is already ending badly: a failure here (a full disk) becomes a
+        line for the page instead of a second error over the first; "" when the save worked."""
+        try:
+            self.store.save(conversation)
+        except SpecchatError as error:
+            return problem_text(error)
+        return ""
 
     def _stream(self, conversation, reply, events) -> Iterator[View]:
         from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
@@ -315,14 +328,7 @@ class ChatLogic:
         return view
 
     def export(self, conversation: Conversation | None) -> list[str]:
-        if conversation is None or not conversation.messages:
-            raise InputError("nothing to export yet: this conversation is empty")
-        folder = Path(tempfile.mkdtemp(prefix="specchat-export-"))
-        stem = "".join(c if c.isalnum() or c in "-_" else "-" for c in conversation.title)[:40] or "conversation"
-        files = {folder / f"{stem}.md": to_markdown(conversation), folder / f"{stem}.json": to_json(conversation)}
-        for path, text in files.items():
-            path.write_text(text, encoding="utf-8")
-        return [str(path) for path in files]
+        return write_export(conversation)
 
 
 @dataclass(frozen=True)
