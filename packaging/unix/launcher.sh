@@ -34,6 +34,9 @@ marker="$inst/installed.txt"         # written last: its presence means the inst
 unfinished="$inst/install-started"   # present while an install runs (or after one was cut off)
 dry=${SPECCHAT_DRY_RUN:-0}
 export UV_PYTHON_INSTALL_DIR="$inst/python"
+# An activated virtualenv or conda env, or Python paths set for other programs, would leak into
+# the isolated environment (or make uv pick their interpreter).
+unset VIRTUAL_ENV CONDA_PREFIX PYTHONPATH PYTHONHOME
 [ -n "${UV_CACHE_DIR:-}" ] || export UV_CACHE_DIR="$inst/cache/uv"
 
 say() {
@@ -456,6 +459,8 @@ $(shortcut_paths)
 EOF
     say "Removing $inst ($size)."
     [ "$dry" = 1 ] || rm -rf "$inst" || fail "$inst could not be removed completely (is specchat still running?)."
+    # The editable install's build note, unless a developer's .venv (packaging/install.sh) uses it.
+    [ "$dry" = 1 ] || [ -d "$repo/.venv" ] || rm -rf "$repo/specchat.egg-info"
     say "specchat is uninstalled. Left in place: this folder's own files, your conversations and settings (in your user data folder), and any Hugging Face cache you had before."
 }
 
