@@ -137,6 +137,23 @@ def test_macos_dry_run_refuses_an_intel_mac_in_one_sentence(tmp_path):
     assert "specchat: This is an Intel Mac" in result.stderr
 
 
+def test_a_failed_download_ends_in_one_sentence_and_the_log(tmp_path):
+    copy = tmp_path / "blocked ü"
+    shutil.copytree(PACKAGING, copy / "packaging")
+    # No reachable package source: the first download (uv, from PyPI through pip) fails.
+    env = {**os.environ, "SPECCHAT_UNATTENDED": "1", "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1",
+           "PIP_FIND_LINKS": str(tmp_path)}
+    result = subprocess.run(["bash", str(copy / "packaging" / "start_linux.sh")], capture_output=True, text=True,
+                            env=env, timeout=120)
+    log = copy / "installer_files" / "logs" / "install.log"
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "specchat: uv could not be downloaded from PyPI: check the internet connection (a firewall or antivirus "
+        "may block the download).", f"The details are in {log}"]
+    assert "No matching distribution found for uv" in log.read_text(encoding="utf-8")
+    assert (copy / "installer_files" / "install-started").exists()  # the next run knows to continue
+
+
 def test_dry_run_update_and_uninstall(tmp_path):
     assert "not a git checkout" in dry_run("update_linux.sh", tmp_path=tmp_path)
     assert "Nothing to uninstall" in dry_run("uninstall_macos.command", tmp_path=tmp_path)

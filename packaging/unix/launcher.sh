@@ -41,7 +41,7 @@ unset VIRTUAL_ENV CONDA_PREFIX PYTHONPATH PYTHONHOME
 
 say() {
     printf '%s\n' "$*"
-    [ "$dry" = 1 ] || { [ -d "$inst/logs" ] && printf '%s\n' "$*" >>"$log"; }
+    if [ "$dry" != 1 ] && [ -d "$inst/logs" ]; then printf '%s\n' "$*" >>"$log"; fi
 }
 
 interactive() {
@@ -414,7 +414,8 @@ launch() {
     "$env_dir/bin/specchat" "$@" 2>&1 | tee -a "$inst/logs/specchat.log"
     status=${PIPESTATUS[0]}
     kill "$watcher" 2>/dev/null
-    if [ "$status" -ne 0 ] && [ "$status" -ne 130 ]; then
+    # 129, 130, 143: the window was closed, Ctrl+C, or a stop request: a normal end.
+    if [ "$status" -ne 0 ] && [ "$status" -ne 129 ] && [ "$status" -ne 130 ] && [ "$status" -ne 143 ]; then
         fail "specchat stopped with an error (exit code $status): the lines above say why; they are also in $inst/logs/specchat.log."
     fi
 }
@@ -480,3 +481,4 @@ case $action in
     uninstall) uninstall ;;
     *) fail "Unknown action '$action' (start, update or uninstall)." ;;
 esac
+exit 0

@@ -420,3 +420,4 @@ switch ($Action) {
     'uninstall' { Uninstall-Specchat }
     default { Stop-WithError "Unknown action '$Action' (start, update or uninstall)." }
 }
+exit 0
