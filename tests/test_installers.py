@@ -159,6 +159,26 @@ def test_dry_run_update_and_uninstall(tmp_path):
     assert "Nothing to uninstall" in dry_run("uninstall_macos.command", tmp_path=tmp_path)
 
 
+def test_linux_shortcuts_quote_the_folder_path_and_uninstall_finds_them(tmp_path):
+    folder = tmp_path / 'odd "$name` ü'
+    shutil.copytree(PACKAGING, folder / "packaging")
+    home = tmp_path / "home"
+    (home / "Desktop").mkdir(parents=True)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("XDG_")}
+    env["HOME"] = str(home)
+    script = 'source "$1"; make_shortcuts; shortcut_paths'
+    result = subprocess.run(["bash", "-c", script, "-", str(folder / "packaging" / "unix" / "launcher.sh")],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    listed = result.stdout.strip().splitlines()[-2:]
+    desktop, menu = home / "Desktop" / "specchat.desktop", home / ".local/share/applications/specchat.desktop"
+    assert listed == [str(desktop), str(menu)]
+    start = str(folder / "packaging" / "start_linux.sh").replace("\\", "\\\\").replace('"', '\\"') \
+        .replace("`", "\\`").replace("$", "\\$")
+    for path in (desktop, menu):
+        assert f'Exec="{start}"' in path.read_text(encoding="utf-8").splitlines()
+
+
 def test_ready_finds_the_server_from_specchat_arguments():
     assert ready.server_url([]) == ("http://127.0.0.1:7860", os.environ.get("SPECCHAT_API_KEY"))
     assert ready.server_url(["--port", "8000", "--api-key", "k"]) == ("http://127.0.0.1:8000", "k")

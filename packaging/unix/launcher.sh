@@ -25,7 +25,7 @@ action=${1:-start}
 started=$(date +%s.%N 2>/dev/null)
 case $started in *N*|"") started=$(date +%s) ;; esac  # macOS date has no %N
 
-here=$(cd "$(dirname "$0")" && pwd)
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 inst="$repo/installer_files"
 env_dir="$inst/env"
@@ -465,6 +465,8 @@ EOF
     say "specchat is uninstalled. Left in place: this folder's own files, your conversations and settings (in your user data folder), and any Hugging Face cache you had before."
 }
 
+# Sourced (by tests), it only defines the functions above.
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0
 if [ "$dry" = 1 ]; then
     say "Dry run: nothing is downloaded, installed or removed; every step is printed instead."
 fi
