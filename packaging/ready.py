@@ -2,6 +2,7 @@
 
 Usage (by the launchers, beside `specchat ARGS`, in specchat's environment):
     python ready.py STARTED INSTALL_SECONDS LOG -- ARGS
+    python ready.py --running -- ARGS    exit 0 (and open the page) when specchat already serves there
 STARTED is the epoch time the launcher started (the double-click), INSTALL_SECONDS how much of
 the wait was installing. `GET /v1/models` answers only once the model is loaded, so its first
 answer marks a usable chat. Exits quietly when ARGS start no server, or when the launcher is gone.
@@ -48,7 +49,26 @@ def answers(url: str, api_key: str | None) -> bool:
         return False
 
 
+def already_running(url: str) -> bool:
+    """Whether specchat's page answers at `url` (a second double-click while the chat runs)."""
+    try:
+        with OPENER.open(f"{url}/", timeout=3) as response:
+            return response.status == 200 and b"<title>specchat</title>" in response.read(200_000)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--running":
+        target = server_url(argv[2:] if argv[1:2] == ["--"] else argv[1:])
+        if target is None or not already_running(target[0]):
+            return 1
+        if "--no-browser" not in argv:
+            import webbrowser
+
+            webbrowser.open(f"{target[0]}/")
+        print(f"specchat is already running at {target[0]}/ (opened in the browser).", file=sys.stderr)
+        return 0
     started, install_seconds, log = float(argv[0]), float(argv[1]), argv[2]
     target = server_url(argv[4:] if len(argv) > 3 and argv[3] == "--" else argv[3:])
     if target is None:

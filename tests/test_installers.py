@@ -188,6 +188,35 @@ def test_ready_finds_the_server_from_specchat_arguments():
     assert ready.server_url(["--help"]) is None
 
 
+def test_ready_recognizes_a_specchat_already_serving_the_port():
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        body = b"<html><head><title>specchat</title></head></html>"
+
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(self.body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert ready.already_running(url)
+        assert ready.main(["--running", "--", "--port", str(server.server_address[1]), "--no-browser"]) == 0
+        Page.body = b"<title>another program</title>"
+        assert not ready.already_running(url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not ready.already_running(url)  # nothing listens any more
+
+
 def test_pip_sources_become_uv_settings(tmp_path):
     settings = {"find-links": f"{tmp_path} /no/such/folder https://example.org/wheels",
                 "extra-index-url": "file:///opt/a/simple\nhttps://mirror/simple", "index-url": "https://corp/simple",
@@ -308,6 +337,10 @@ def test_start_linux_installs_resumes_launches_updates_and_uninstalls():
             assert get(f"http://127.0.0.1:{port}/")[0] == 200
             models = json.loads(get(f"http://127.0.0.1:{port}/v1/models")[1])
             assert models["data"][0]["id"] == "embedded/SmolLM2-135M-Instruct"
+            # Double-clicking again while the chat runs opens it instead of failing on the port.
+            again = subprocess.run(["bash", str(packaging / "start_linux.sh"), "--no-browser", "--port", str(port)],
+                                   env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+            assert again.returncode == 0 and "already running" in again.stderr, again.stdout + again.stderr
         finally:
             second.stop()
         print(re.search(r"specchat: ready for chat.*", out).group(0))

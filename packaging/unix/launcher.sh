@@ -118,7 +118,7 @@ ensure_uv() {
     if [ -n "$python" ] && "$python" -m pip --version >/dev/null 2>&1; then
         say "Getting uv $UV_VERSION (the installer's package manager) from PyPI with $python's pip."
         run "uv could not be downloaded from PyPI: check the internet connection (a firewall or antivirus may block the download)." \
-            env PIP_BREAK_SYSTEM_PACKAGES=1 "$python" -m pip install --quiet --disable-pip-version-check \
+            env PIP_BREAK_SYSTEM_PACKAGES=1 PIP_REQUIRE_VIRTUALENV=0 "$python" -m pip install --quiet --disable-pip-version-check \
             --target "$inst/uv" "uv==$UV_VERSION"
     elif command -v curl >/dev/null 2>&1 || command -v wget >/dev/null 2>&1; then
         say "Getting uv $UV_VERSION (the installer's package manager) with its official installer."
@@ -347,6 +347,22 @@ set_caches() {
     [ "$dry" = 1 ] || [ ! -d "$inst" ] || [ -f "$inst/hf_home" ] || printf '%s' "$HF_HOME" >"$inst/hf_home"
 }
 
+# One install at a time (a second double-click while the first installs): a folder made
+# atomically, holding the installing process's id; a dead holder's lock is taken over.
+take_lock() {
+    local lock="$inst/lock" holder
+    if ! mkdir "$lock" 2>/dev/null; then
+        holder=$(cat "$lock/pid" 2>/dev/null)
+        if [ -n "$holder" ] && kill -0 "$holder" 2>/dev/null; then
+            fail "specchat is already being installed in another window (process $holder): wait for it to finish, then start again."
+        fi
+        rm -rf "$lock"
+        mkdir "$lock" || fail "The folder $inst is not writable: move the specchat folder somewhere you can write (your home folder)."
+    fi
+    echo $$ >"$lock/pid"
+    trap 'rm -rf "$inst/lock"' EXIT
+}
+
 install() {
     local how=$1 install_started
     install_started=$(date +%s)
@@ -357,6 +373,7 @@ install() {
     if [ -f "$unfinished" ]; then
         say "The last install did not finish: continuing it."
     fi
+    [ "$dry" = 1 ] || take_lock
     [ "$dry" = 1 ] || : >"$unfinished"
     say "Installing specchat into $inst (nothing outside this folder; no admin rights needed)."
     say "Log: $log"
@@ -393,6 +410,8 @@ install() {
         printf 'installed=%s\ntorch=%s (%s)\ndevice=%s\npython=%s\n' "$(date)" "$TORCH_VERSION" "$torch_source" \
             "$device" "$("$env_dir/bin/python" -c 'import sys; print(sys.version.split()[0])')" >"$marker"
         rm -f "$unfinished"
+        rm -rf "$inst/lock"
+        trap - EXIT
     fi
     install_seconds=$(( $(date +%s) - install_started ))
     say "specchat is installed (${install_seconds} s): $torch_words"
@@ -407,6 +426,9 @@ launch() {
         return 0
     fi
     mkdir -p "$inst/logs"
+    if "$env_dir/bin/python" "$repo/packaging/ready.py" --running -- "$@"; then
+        return 0
+    fi
     export PYTHONUNBUFFERED=1
     say "Starting specchat (the chat opens in your browser; close this window or press Ctrl+C to stop it)."
     "$env_dir/bin/python" "$repo/packaging/ready.py" "$started" "${install_seconds:-0}" "$log" -- "$@" &

@@ -130,6 +130,7 @@ function Initialize-Uv {
     if ($python) { & $python -m pip --version *> $null; $hasPip = ($LASTEXITCODE -eq 0) }
     if ($hasPip) {
         Say "Getting uv $UvVersion (the installer's package manager) from PyPI with $python's pip."
+        $env:PIP_REQUIRE_VIRTUALENV = '0'  # pip installs into installer_files\uv, no environment needed
         Invoke-Step 'uv could not be downloaded from PyPI: check the internet connection (a firewall or antivirus may block the download).' `
             $python @('-m', 'pip', 'install', '--quiet', '--disable-pip-version-check', '--target', $target, "uv==$UvVersion")
     } else {
@@ -298,6 +299,22 @@ function Set-Caches {
     }
 }
 
+# One install at a time (a second double-click while the first installs): a folder made
+# atomically, holding the installing process's id; a dead holder's lock is taken over.
+function Lock-Install {
+    $lock = Join-Path $Inst 'lock'
+    $pidFile = Join-Path $lock 'pid'
+    if (Test-Path -LiteralPath $lock) {
+        $holder = (Get-Content -LiteralPath $pidFile -ErrorAction SilentlyContinue | Select-Object -First 1)
+        if ($holder -and (Get-Process -Id ([int]$holder) -ErrorAction SilentlyContinue)) {
+            Stop-WithError "specchat is already being installed in another window (process $holder): wait for it to finish, then start again."
+        }
+        Remove-Item -LiteralPath $lock -Recurse -Force -ErrorAction SilentlyContinue
+    }
+    New-Item -ItemType Directory -Path $lock -ErrorAction SilentlyContinue | Out-Null
+    Set-Content -LiteralPath $pidFile -Value $PID
+}
+
 function Install-Specchat([string]$How) {
     $installStarted = Get-Date
     if (-not $Dry) {
@@ -308,7 +325,7 @@ function Install-Specchat([string]$How) {
         Write-Log "`n=== $How $(Get-Date) $Repo"
     }
     if (Test-Path -LiteralPath $Unfinished) { Say 'The last install did not finish: continuing it.' }
-    if (-not $Dry) { Set-Content -LiteralPath $Unfinished -Value '' }
+    if (-not $Dry) { Lock-Install; Set-Content -LiteralPath $Unfinished -Value '' }
     Say "Installing specchat into $Inst (nothing outside this folder; no admin rights needed)."
     Say "Log: $Log"
     Import-PipSources
@@ -339,6 +356,7 @@ function Install-Specchat([string]$How) {
         Set-Content -LiteralPath $Marker -Encoding UTF8 -Value @("installed=$(Get-Date)",
             "torch=$TorchVersion ($($script:TorchSource))", "device=$device", "python=$pythonVersion")
         Remove-Item -LiteralPath $Unfinished -Force
+        Remove-Item -LiteralPath (Join-Path $Inst 'lock') -Recurse -Force -ErrorAction SilentlyContinue
     }
     $script:InstallSeconds = [int]((Get-Date) - $installStarted).TotalSeconds
     Say "specchat is installed ($($script:InstallSeconds) s): $($script:TorchWords)"
@@ -355,6 +373,8 @@ function Test-Installed {
 function Start-Specchat {
     Set-Caches
     if ($Dry) { Write-Host ('  would run: ' + (Format-Command $Specchat $Rest)); return }
+    & $EnvPython (Join-Path $Repo 'packaging\ready.py') --running -- @Rest
+    if ($LASTEXITCODE -eq 0) { return }
     Say 'Starting specchat (the chat opens in your browser; close this window or press Ctrl+C to stop it).'
     # Windows PowerShell 5.1 joins -ArgumentList with spaces: quote each argument.
     $watcherArgs = @((Join-Path $Repo 'packaging\ready.py'), [string]$Started, [string]$script:InstallSeconds, $Log, '--') + $Rest |
