@@ -53,9 +53,11 @@ def already_running(url: str) -> bool:
     """Whether specchat's page answers at `url` (a second double-click while the chat runs)."""
     try:
         with OPENER.open(f"{url}/", timeout=3) as response:
-            return response.status == 200 and b"<title>specchat</title>" in response.read(200_000)
+            page = response.read(5_000_000)
     except (urllib.error.URLError, OSError, ValueError):
         return False
+    # Gradio renders the title in the browser; the page carries it in its embedded config.
+    return b'"title":"specchat"' in page or b"<title>specchat</title>" in page
 
 
 def main(argv: list[str]) -> int:

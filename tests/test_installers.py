@@ -193,7 +193,7 @@ def test_ready_recognizes_a_specchat_already_serving_the_port():
     import threading
 
     class Page(http.server.BaseHTTPRequestHandler):
-        body = b"<html><head><title>specchat</title></head></html>"
+        body = b'<html><script>window.gradio_config = {"title":"specchat","mode":"blocks"};</script></html>'
 
         def do_GET(self):
             self.send_response(200)
