@@ -95,12 +95,19 @@ def test_linux_dry_run_without_a_gpu_chooses_a_cpu_pytorch(tmp_path):
 
 
 def fake_nvidia_smi(folder: Path, cuda: str) -> Path:
+    """An nvidia-smi printing what a real one printed on an H100 machine, with another CUDA version."""
     folder.mkdir()
     script = folder / "nvidia-smi"
     script.write_text(f"""#!/bin/sh
 case "$1" in
   --query-gpu*) echo "NVIDIA GeForce RTX 4090, 570.86" ;;
-  *) echo "| NVIDIA-SMI 570.86   Driver Version: 570.86   CUDA Version: {cuda}     |" ;;
+  *) cat <<'END'
+Mon Nov 23 06:19:29 2026
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 580.159.04             Driver Version: 580.159.04     CUDA Version: {cuda}     |
++-----------------------------------------+------------------------+----------------------+
+END
+  ;;
 esac
 """)
     script.chmod(0o755)
