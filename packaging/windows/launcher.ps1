@@ -196,7 +196,7 @@ function Select-Torch {
     $smi = Get-Command 'nvidia-smi' -ErrorAction SilentlyContinue
     if ($smi) {
         $header = (& nvidia-smi 2>$null) -join "`n"
-        $name = @(& nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>$null)[0]
+        $name = @(& nvidia-smi '--query-gpu=name,driver_version' '--format=csv,noheader' 2>$null)[0]
         if ($header -match 'CUDA Version:\s*(\d+\.\d+)') {
             $cuda = $Matches[1]
             foreach ($build in $CudaBuilds) {
