@@ -186,6 +186,32 @@ def test_linux_shortcuts_quote_the_folder_path_and_uninstall_finds_them(tmp_path
         assert f'Exec="{start}"' in path.read_text(encoding="utf-8").splitlines()
 
 
+def test_a_moved_folder_sets_its_environment_up_again(tmp_path):
+    folder = tmp_path / "moved here"
+    shutil.copytree(PACKAGING, folder / "packaging")
+    marker = folder / "installer_files" / "installed.txt"
+    marker.parent.mkdir()
+    marker.write_text(f"installed=yesterday\nfolder={tmp_path / 'first place'}\ndevice=cpu\n")
+    env = {**os.environ, "SPECCHAT_DRY_RUN": "1", "SPECCHAT_UNATTENDED": "1"}
+    result = subprocess.run(["bash", str(folder / "packaging" / "start_linux.sh")], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "This folder was moved or renamed" in result.stdout and "[2/5] Python" in result.stdout
+    assert marker.exists()  # a dry run removes nothing
+
+
+def test_a_cpu_install_on_a_machine_that_gained_a_gpu_says_to_update(tmp_path):
+    folder = tmp_path / "folder"
+    shutil.copytree(PACKAGING, folder / "packaging")
+    (folder / "installer_files").mkdir()
+    (folder / "installer_files" / "installed.txt").write_text(f"folder={folder}\ndevice=cpu\n")
+    gpu = fake_nvidia_smi(tmp_path / "bin", "12.8")
+    env = {**os.environ, "PATH": f"{gpu}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", "-c", 'source "$1"; gpu_hint', "-", str(folder / "packaging/unix/launcher.sh")],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert "run update_linux.sh to switch to the GPU build" in result.stdout
+
+
 def test_ready_finds_the_server_from_specchat_arguments():
     assert ready.server_url([]) == ("http://127.0.0.1:7860", os.environ.get("SPECCHAT_API_KEY"))
     assert ready.server_url(["--port", "8000", "--api-key", "k"]) == ("http://127.0.0.1:8000", "k")
@@ -376,6 +402,19 @@ def test_start_linux_installs_resumes_launches_updates_and_uninstalls():
         assert update.returncode == 0, update.stdout + update.stderr
         assert "not a git checkout" in update.stdout and "is already installed" in update.stdout
         assert (inst / "installed.txt").exists() and not (inst / "install-started").exists()
+
+        # A moved (renamed) folder: the next update or start sets the environment up again there.
+        moved = repo.with_name("spec chat moved ñ")
+        repo.rename(moved)
+        repo, packaging, inst = moved, moved / "packaging", moved / "installer_files"
+        update = subprocess.run(["bash", str(packaging / "update_linux.sh")], env=env, stdin=subprocess.DEVNULL,
+                                capture_output=True, text=True, timeout=300)
+        assert update.returncode == 0, update.stdout + update.stderr
+        assert "This folder was moved or renamed" in update.stdout
+        assert f"folder={repo}" in (inst / "installed.txt").read_text(encoding="utf-8").splitlines()
+        works = subprocess.run([str(inst / "env" / "bin" / "specchat"), "--help"], env=env, capture_output=True,
+                               text=True, timeout=120)
+        assert works.returncode == 0 and "usage: specchat" in works.stdout, works.stderr
 
         # Uninstall leaves the folder as it was shipped.
         uninstall = subprocess.run(["bash", str(packaging / "uninstall_linux.sh")], env=env,

@@ -407,8 +407,8 @@ install() {
         if [ -n "$gpu" ] && [ "$device" != cuda ]; then
             say "Warning: PyTorch was installed for CUDA but cannot use the GPU ($gpu); specchat will run on the CPU. The log has the details."
         fi
-        printf 'installed=%s\ntorch=%s (%s)\ndevice=%s\npython=%s\n' "$(date)" "$TORCH_VERSION" "$torch_source" \
-            "$device" "$("$env_dir/bin/python" -c 'import sys; print(sys.version.split()[0])')" >"$marker"
+        printf 'installed=%s\nfolder=%s\ntorch=%s (%s)\ndevice=%s\npython=%s\n' "$(date)" "$repo" "$TORCH_VERSION" \
+            "$torch_source" "$device" "$("$env_dir/bin/python" -c 'import sys; print(sys.version.split()[0])')" >"$marker"
         rm -f "$unfinished"
         rm -rf "$inst/lock"
         trap - EXIT
@@ -442,9 +442,29 @@ launch() {
     fi
 }
 
+# The environment holds its folder's path (scripts' first lines, the editable install): a moved
+# or renamed folder needs it set up again.
+moved() {
+    [ -f "$marker" ] && ! grep -Fxq "folder=$repo" "$marker"
+}
+
+forget_moved_env() {
+    if moved; then
+        say "This folder was moved or renamed: setting up its Python environment again (downloads are reused)."
+        [ "$dry" = 1 ] || rm -rf "$env_dir" "$marker"
+    fi
+}
+
 installed() {
-    [ -f "$marker" ] && [ ! -f "$unfinished" ] && [ -x "$env_dir/bin/specchat" ] \
+    [ -f "$marker" ] && ! moved && [ ! -f "$unfinished" ] && [ -x "$env_dir/bin/specchat" ] \
         && "$env_dir/bin/python" -c 'import sys' >/dev/null 2>&1
+}
+
+# A machine that gained an NVIDIA GPU after a CPU install: say how to use it.
+gpu_hint() {
+    if grep -Fxq "device=cpu" "$marker" 2>/dev/null && nvidia-smi >/dev/null 2>&1; then
+        say "An NVIDIA GPU is here but specchat was installed for the CPU: run update_linux.sh to switch to the GPU build of PyTorch."
+    fi
 }
 
 update() {
@@ -456,6 +476,7 @@ update() {
     else
         say "This folder is not a git checkout: to get a newer specchat, unpack the new release over this folder, then run update again. Refreshing the installed packages now."
     fi
+    forget_moved_env
     [ "$dry" = 1 ] || : >"$unfinished"
     install update
 }
@@ -495,8 +516,10 @@ fi
 case $action in
     start)
         if installed; then
+            gpu_hint
             launch "$@"
         else
+            forget_moved_env
             install install
             ask_shortcut
             launch "$@"

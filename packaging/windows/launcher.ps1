@@ -353,7 +353,7 @@ function Install-Specchat([string]$How) {
             Say "Warning: PyTorch was installed for CUDA but cannot use the GPU ($($script:Gpu)); specchat will run on the CPU. The log has the details."
         }
         $pythonVersion = ([string](& $EnvPython -c 'import sys; print(sys.version.split()[0])')).Trim()
-        Set-Content -LiteralPath $Marker -Encoding UTF8 -Value @("installed=$(Get-Date)",
+        Set-Content -LiteralPath $Marker -Encoding UTF8 -Value @("installed=$(Get-Date)", "folder=$Repo",
             "torch=$TorchVersion ($($script:TorchSource))", "device=$device", "python=$pythonVersion")
         Remove-Item -LiteralPath $Unfinished -Force
         Remove-Item -LiteralPath (Join-Path $Inst 'lock') -Recurse -Force -ErrorAction SilentlyContinue
@@ -362,8 +362,35 @@ function Install-Specchat([string]$How) {
     Say "specchat is installed ($($script:InstallSeconds) s): $($script:TorchWords)"
 }
 
+# The environment holds its folder's path (the launchers in Scripts\, the editable install): a
+# moved or renamed folder needs it set up again.
+function Test-Moved {
+    if (-not (Test-Path -LiteralPath $Marker)) { return $false }
+    return -not (@(Get-Content -LiteralPath $Marker -Encoding UTF8) -contains "folder=$Repo")
+}
+
+function Reset-MovedEnvironment {
+    if (Test-Moved) {
+        Say 'This folder was moved or renamed: setting up its Python environment again (downloads are reused).'
+        if (-not $Dry) {
+            Remove-Item -LiteralPath $EnvDir -Recurse -Force -ErrorAction SilentlyContinue
+            Remove-Item -LiteralPath $Marker -Force
+        }
+    }
+}
+
+# A machine that gained an NVIDIA GPU after a CPU install: say how to use it.
+function Show-GpuHint {
+    if ((@(Get-Content -LiteralPath $Marker -Encoding UTF8) -contains 'device=cpu') -and (Get-Command 'nvidia-smi' -ErrorAction SilentlyContinue)) {
+        & nvidia-smi *> $null
+        if ($LASTEXITCODE -eq 0) {
+            Say 'An NVIDIA GPU is here but specchat was installed for the CPU: run update_windows.bat to switch to the GPU build of PyTorch.'
+        }
+    }
+}
+
 function Test-Installed {
-    if (-not (Test-Path -LiteralPath $Marker) -or (Test-Path -LiteralPath $Unfinished) -or -not (Test-Path -LiteralPath $Specchat)) {
+    if ((Test-Moved) -or -not (Test-Path -LiteralPath $Marker) -or (Test-Path -LiteralPath $Unfinished) -or -not (Test-Path -LiteralPath $Specchat)) {
         return $false
     }
     & $EnvPython -c 'import sys' *> $null
@@ -396,6 +423,7 @@ function Update-Specchat {
     } else {
         Say 'This folder is not a git checkout: to get a newer specchat, unpack the new release over this folder, then run update again. Refreshing the installed packages now.'
     }
+    Reset-MovedEnvironment
     if (-not $Dry) { Set-Content -LiteralPath $Unfinished -Value '' }
     Install-Specchat 'update'
 }
@@ -430,7 +458,10 @@ function Uninstall-Specchat {
 if ($Dry) { Say 'Dry run: nothing is downloaded, installed or removed; every step is printed instead.' }
 switch ($Action) {
     'start' {
-        if (-not (Test-Installed)) {
+        if (Test-Installed) {
+            Show-GpuHint
+        } else {
+            Reset-MovedEnvironment
             Install-Specchat 'install'
             Request-Shortcut
         }
