@@ -366,7 +366,7 @@ def test_start_linux_installs_resumes_launches_updates_and_uninstalls():
                           parent / "second.out")
         try:
             out = second.wait_for("ready for chat", timeout=420)
-            assert "The last install did not finish: continuing it." in out
+            assert "The last install did not finish: installing again (what it downloaded is reused)." in out
             assert get(f"http://127.0.0.1:{port}/")[0] == 200
             models = json.loads(get(f"http://127.0.0.1:{port}/v1/models")[1])
             assert models["data"][0]["id"] == "embedded/SmolLM2-135M-Instruct"

