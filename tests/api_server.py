@@ -1,6 +1,6 @@
-"""The /v1 API (`add_api`) on a loopback uvicorn server, with a trivial page at / served by a
-worker thread (as the app's page is), for tests that need real HTTP: in a background thread
-(`serving_api`), or in a process of its own (`api_process`) when the test's own client threads
+"""Loopback servers for tests that need real HTTP: the /v1 API (`add_api`) with a trivial page at
+/ served by a worker thread, in a background thread (`serving_api`); or the whole app as
+`specchat` serves it, in a process of its own (`api_process`), when the test's own client threads
 must not compete with the server for the interpreter lock, as real clients never do."""
 
 from __future__ import annotations
@@ -65,14 +65,20 @@ def serving_api(engine, **line_options) -> Iterator[tuple[str, EngineHandle]]:
 
 
 def serve_forever(model: str, port: int) -> None:
-    """The server of `api_process`: `model` loaded as the CLI loads it."""
-    import uvicorn
+    """The server of `api_process`: the whole app as `specchat` serves it (the Gradio page, its
+    routes and the API behind the guard), `model` loaded as the CLI loads it."""
+    import tempfile
 
+    from specchat.app.history import HistoryStore
+    from specchat.app.ui import SHUTDOWN_GRACE_SECONDS, build_app
     from specchat.core.loading import load_engine
 
     handle = EngineHandle(load_engine, model)
     handle.get()
-    uvicorn.run(api_app(handle), host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=2)
+    with tempfile.TemporaryDirectory(prefix="specchat-data-") as data:
+        app = build_app(handle, HistoryStore(Path(data)))
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
 
 
 @contextlib.contextmanager

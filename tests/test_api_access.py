@@ -1,8 +1,9 @@
 """Clients that go away and crowds of clients, over real loopback HTTP: a disconnect frees the
 engine at once (issue 14, finding 1), more concurrent streams than the server has worker threads
 all finish while the server keeps answering (finding 2), and the acceptance test: 64 concurrent
-streams of which half disconnect at random moments. The server runs in its own process, so the
-test's client threads measure it without slowing it."""
+streams of which half disconnect at random moments. The server is the whole app (the Gradio page
+and its routes, the API, the guard) in its own process, so the test's client threads measure it
+without slowing it."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def raw_stream(url: str, request: dict) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     data = json.dumps(request).encode()
     sock = socket.create_connection((host, int(port)), timeout=WAIT)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
     return sock
 
