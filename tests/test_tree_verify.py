@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from chisquare import chi_square_p_value
+from specchat.core.selftest import chi_square_p_value
+from specchat.core.selftest import without_replacement_draws
 from specchat.core.sampling import SamplingParams, sample_without_replacement, warp
 from specchat.core.spec.tree import Tree
 from specchat.core.spec.verify import (NodeState, child_acceptance, child_proposal, node_start,
@@ -22,18 +23,6 @@ def random_dist(generator, zeros=0):
     probs = torch.rand(VOCAB, generator=generator, dtype=torch.float64) + 0.05
     probs[torch.randperm(VOCAB, generator=generator)[:zeros]] = 0.0
     return probs / probs.sum()
-
-
-def without_replacement_draws(q, k):
-    """Every ordered tuple `sample_without_replacement(q, k)` can return, with its exact
-    probability: min(k, |support of Q|) distinct tokens, the j-th with probability
-    Q(x_j) / (1 - Q(x_1) - ... - Q(x_{j-1}))."""
-    support = q.nonzero().flatten().tolist()
-    for draw in itertools.permutations(support, min(k, len(support))):
-        prob, left = 1.0, 1.0
-        for x in draw:
-            prob, left = prob * float(q[x]) / left, left - float(q[x])
-        yield draw, prob
 
 
 def with_replacement_draws(q, k):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from chisquare import chi_square_p_value
+from specchat.core.selftest import chi_square_p_value
 from specchat.core.sampling import SamplingParams, warp
 from specchat.core.spec.verify import acceptance_probability, residual, verify_chain
 
