@@ -221,6 +221,11 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
         rename.click(once(logic.rename), [conversation, title], outputs, **light)
         delete.click(once(logic.delete), conversation, outputs, cancels=answering, **light)
         export.click(_exporter(logic), conversation, [exported, status])
+        # Leaving a running answer (new, open, delete) cancels its Gradio event, which abandons the
+        # answer without closing it: cancel its ticket too, so the engine moves on at once instead of
+        # after the line's stall backstop.
+        for leave in (new.click, chatbot.clear, conversations.input, delete.click):
+            leave(stop_answer, None, None, queue=False)
         dark.click(None, js=DARK_MODE_JS)
         demo.load(once(logic.newest), None, outputs).then(update_meter, meter_inputs, meter, **light)
         demo.load(None, js=RESTORE_DARK_MODE_JS)

@@ -171,6 +171,9 @@ class ChatLogic:
         try:
             # The previous answer's figures go as this one starts: a stale "done" misleads.
             yield View(conversation=conversation, streaming=True, stats="", stages="", tokens="")
+            # A browser session answers one question at a time: an earlier answer it left without
+            # closing (the page moved on to another conversation) gives the engine up now.
+            self.stop(session)
             ticket = self._cancels[session] = self.handle.submit(
                 _answer_job(model_messages(conversation), int(settings.max_new_tokens), settings.sampling(),
                             settings.mode))

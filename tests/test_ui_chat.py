@@ -148,3 +148,15 @@ def test_a_full_line_is_one_busy_line_and_the_question_stays(small_line):
     finally:
         gate.set()
     assert list(held) == ["held"] and list(waiting) == ["waited"]
+
+
+def test_a_new_answer_in_the_same_session_ends_the_one_the_page_left(logic):
+    """The page leaves an answer without closing it (another conversation opened mid-answer);
+    the session's next question cancels it, so the engine need not wait for the stall backstop."""
+    left = logic.send("Tell me a long story", None, "", None, SETTINGS, session="s1")
+    while "s1" not in logic._cancels:  # until the answer has its place in the engine's line
+        next(left)
+    left_ticket = logic._cancels["s1"]
+    answered = run(logic.send("Hello", None, "", None, SETTINGS, session="s1"))[-1].conversation
+    assert answered.messages[-1]["role"] == "assistant" and not answered.messages[-1]["partial"]
+    assert left_ticket.cancel_event.is_set()
