@@ -229,8 +229,8 @@ def test_an_event_cannot_read_a_file_that_was_not_uploaded(server, tmp_path):
 
 
 def raw_request(server, head: str, body_parts, read_timeout: float = 1.0) -> tuple[str, float]:
-    """Send `head`, then body parts until the server answers; its answer's head and the seconds
-    it took from the end of `head`."""
+    """Send `head`, then body parts until the server answers; its answer (head and body, the
+    body read to its Content-Length) and the seconds it took from the end of `head`."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=read_timeout) as sock:
         sock.sendall(head.encode())
         started = time.monotonic()
@@ -245,9 +245,14 @@ def raw_request(server, head: str, body_parts, read_timeout: float = 1.0) -> tup
         try:
             while b"\r\n\r\n" not in answer and (chunk := sock.recv(65536)):
                 answer += chunk
+            seconds = time.monotonic() - started
+            head_end = answer.find(b"\r\n\r\n") + 4
+            length = re.search(rb"(?i)content-length: *(\d+)", answer[:head_end])
+            while length and len(answer) - head_end < int(length.group(1)) and (chunk := sock.recv(65536)):
+                answer += chunk  # the body may come in a packet of its own
         except (TimeoutError, ConnectionError):
-            pass
-        return answer.decode("latin-1"), time.monotonic() - started
+            seconds = time.monotonic() - started
+        return answer.decode("latin-1"), seconds
 
 
 @pytest.mark.slow
