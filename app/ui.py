@@ -8,7 +8,9 @@ return `View`s that `_render` maps onto components. Errors become a line in the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -260,6 +262,13 @@ def build_app(handle: EngineHandle, store: HistoryStore, registry_file: str | No
     return Guard(app, api_key, host, allowed_hosts)
 
 
+def _quiet_forced_shutdown(record: logging.LogRecord) -> bool:
+    """On Ctrl-C uvicorn cuts the streams still open after the grace period (an open tab's event
+    stream always is one) and logs each cut as an error with a traceback: expected, so not shown."""
+    cut = record.exc_info is not None and isinstance(record.exc_info[1], asyncio.CancelledError)
+    return not (cut or "timeout graceful shutdown exceeded" in record.getMessage())
+
+
 def launch(load: Callable[[str], object], model: str = "embedded", registry_file: str | None = None,
            host: str = DEFAULT_HOST, port: int = 7860, open_browser: bool = True, api_key: str | None = None,
            allowed_hosts: Iterable[str] = ()) -> None:
@@ -283,8 +292,12 @@ def launch(load: Callable[[str], object], model: str = "embedded", registry_file
         threading.Timer(1.5, webbrowser.open, args=(f"{url}/",)).start()
     # Open streams (an answer, a tab's event stream) get SHUTDOWN_GRACE_SECONDS to end on Ctrl-C,
     # then are cut: waiting for all of them kept the server up for minutes with a tab open.
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", ws_max_size=limits.REQUEST_BODY.bytes,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)  # configures uvicorn's logging
+    logging.getLogger("uvicorn.error").addFilter(_quiet_forced_shutdown)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", ws_max_size=limits.REQUEST_BODY.bytes,
-                    timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how the app is stopped: a normal end, as with uvicorn.run
     finally:
         handle.close(timeout=5)  # the running answer is cancelled, the waiting ones told why
