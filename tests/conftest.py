@@ -4,6 +4,7 @@ batched and single-token forwards) and the real embedded model (converted once p
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,17 @@ def hub(tiny_pair):
 
     with StandinHub(tiny_pair.repos) as server:
         yield server
+
+
+def holding(handle):
+    """Hold the engine thread with a job until the returned gate is set."""
+    gate, started = threading.Event(), threading.Event()
+
+    def job(engine, cancel):
+        started.set()
+        gate.wait(30)
+        yield "held"
+
+    ticket = handle.submit(job)
+    assert started.wait(30)
+    return gate, ticket

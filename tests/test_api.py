@@ -7,7 +7,6 @@ streams that must come back as 16 correct, separate answers while the page stays
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from api_server import serving_api
+from conftest import holding
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -176,16 +176,8 @@ def test_stop_strings_end_the_answer_before_them(server):
 
 def test_a_full_line_is_a_503_with_the_count(embedded_engine):
     with serving_api(embedded_engine, max_waiting=1) as (url, handle):
-        gate, started = threading.Event(), threading.Event()
-
-        def holding(engine, cancel):
-            started.set()
-            gate.wait(30)
-            yield "held"
-
-        held = handle.submit(holding)
-        assert started.wait(30)
-        waiting = handle.submit(holding)  # the line (of one) is full now
+        gate, held = holding(handle)
+        waiting = handle.submit(lambda engine, cancel: iter(["waited"]))  # the line (of one) is full now
         try:
             response = post(f"{url}/", {"messages": FRANCE, "max_tokens": 2})
             error = refused(response, 503)
@@ -193,4 +185,4 @@ def test_a_full_line_is_a_503_with_the_count(embedded_engine):
             assert int(response.headers["retry-after"]) > 0
         finally:
             gate.set()
-            assert list(held) == ["held"] and list(waiting) == ["held"]
+            assert list(held) == ["held"] and list(waiting) == ["waited"]

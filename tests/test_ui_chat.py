@@ -2,11 +2,10 @@
 saved when, stop, regenerate, edit, and the over-limit choice. The browser tests drive the same
 code through the page."""
 
-import threading
 
 import pytest
 
-from conftest import DATA
+from conftest import DATA, holding
 from specchat.app.conversation import model_messages
 from specchat.app.engine_handle import EngineHandle
 from specchat.app.history import HistoryStore
@@ -97,20 +96,6 @@ def test_conversations_survive_a_new_store_on_the_same_folder(logic):
     assert again.load(conversation.id).messages[0]["content"] == "Remember me"
     logic.delete(conversation)
     assert again.list() == []
-
-
-def holding(handle):
-    """Hold the engine thread with a job until the returned gate is set."""
-    gate, started = threading.Event(), threading.Event()
-
-    def job(engine, cancel):
-        started.set()
-        gate.wait(30)
-        yield "held"
-
-    ticket = handle.submit(job)
-    assert started.wait(30)
-    return gate, ticket
 
 
 @pytest.fixture
