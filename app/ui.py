@@ -108,7 +108,7 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
 
         settings_inputs = [system, preset, temperature, top_p, top_k, seed, max_new_tokens, mode]
         outputs = [conversation, chatbot, status, message, attachment, attachment_line, pasted, stats, stages,
-                   tokens, over_group, over_text, cut_row, longer_pairs, conversations, title]
+                   tokens, over_group, over_text, cut_row, longer_pairs, conversations, title, system, preset]
 
         def render(view: View) -> tuple:
             keep = gr.update()
@@ -135,7 +135,9 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
                     gr.update(visible=view.cuts_possible) if view.over_limit else keep,
                     keep if view.longer_pairs is None else gr.update(choices=view.longer_pairs, value=None),
                     listing,
-                    "" if view.clear_conversation else keep if chat is None else chat.title)
+                    "" if view.clear_conversation else keep if chat is None else chat.title,
+                    keep if view.system is None else view.system,
+                    keep if view.preset is None or view.preset not in PRESETS else view.preset)
 
         def streamed(views):
             """A handler's stream of views, rendered; an error ends it as a line in the page."""
@@ -210,8 +212,7 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
             update_meter, meter_inputs, meter, **light)
         switch.click(once(logic.switch_pair), longer_pairs, outputs)
         color.change(lambda on: gr.update(visible=on), color, tokens)
-        preset.change(lambda key, text: (PRESETS[key].system, text or PRESETS[key].question),
-                      [preset, message], [system, message])
+        preset.change(_preset_chosen, [preset, message, conversation], [system, message])
 
         for clear in (new.click, chatbot.clear):  # the chat's own Clear starts afresh too; nothing is deleted
             clear(once(lambda: View(clear_conversation=True, conversations_changed=True, status="", stats="",
@@ -232,6 +233,14 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
         demo.load(once(logic.newest), None, outputs).then(update_meter, meter_inputs, meter, **light)
         demo.load(None, js=RESTORE_DARK_MODE_JS)
     return demo
+
+
+def _preset_chosen(key: str, text: str, chat) -> tuple[str, str]:
+    """The system prompt and message box for a preset. The conversation's own preset (set as it
+    is opened) keeps its own system prompt, which may have been edited, and adds no question."""
+    if chat is not None and chat.preset == key:
+        return chat.system, text
+    return PRESETS[key].system, text or PRESETS[key].question
 
 
 def _exporter(logic: ChatLogic):

@@ -69,6 +69,10 @@ class View:
     streaming: bool = False
     conversations_changed: bool = False
     clear_conversation: bool = False  # show an empty, new conversation
+    # An opened conversation's own system prompt and preset, shown in the settings: otherwise the
+    # page's (after a reload, the defaults) would replace them at its next question.
+    system: str | None = None
+    preset: str | None = None
 
 
 class ChatLogic:
@@ -303,7 +307,7 @@ class ChatLogic:
         conversation = self.store.load(conversation_id)
         last = next((m for m in reversed(conversation.messages) if m["role"] == "assistant"), None)
         stats = last.get("stats") if last else None
-        return View(conversation=conversation, over_limit="",
+        return View(conversation=conversation, over_limit="", system=conversation.system, preset=conversation.preset,
                     stats=stats_line(stats, last.get("mode", ""), None) if stats else "",
                     stages=stage_table(stats) if stats else "",
                     tokens=colored_tokens(last.get("origins") or []) if last else "")

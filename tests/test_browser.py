@@ -11,6 +11,7 @@ import pytest
 from conftest import DATA
 from live_server import running_specchat, specchat_process
 from pdf_fixture import write_pdf
+from specchat.app.presets import PRESETS
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parent.parent / "artifacts"
@@ -278,3 +279,36 @@ def test_a_kill_in_mid_answer_loses_no_earlier_message(embedded_dir, playwright_
         assert "interrupted" in last_answer(page)  # the answer so far, marked as cut short
         shot(page, "after-kill-and-restart")
         page.close()
+
+
+def test_a_reopened_conversation_keeps_its_preset_and_system_prompt(page):
+    """After a reload the page shows the conversation's own preset and system prompt, and its
+    next question leaves them as they were saved (they used to fall back to Free chat's empty
+    prompt, which the next question then wrote over the saved one)."""
+    summarize = PRESETS["summarize"]
+    page.locator("#new-conversation").click()
+    wait_for(lambda: answers(page).count() == 0, what="an empty chat")
+    set_max_new_tokens(page, 16)
+    for preset in (PRESETS["free"], summarize):  # from whatever an earlier flow left chosen
+        page.locator("#preset input").click()
+        page.get_by_role("option", name=preset.label).click()
+    wait_for(lambda: page.locator("#message textarea").input_value() == summarize.question, what="the preset's question")
+    page.locator("#send").click()
+    wait_until_finished(page, lambda: answers(page).count() == 1, "the first answer")
+
+    def reopened_settings():
+        page.reload()
+        page.locator("#message textarea").wait_for(timeout=60_000)
+        wait_for(lambda: answers(page).count() >= 1, what="the conversation to come back")
+        open_accordion(page, "Settings")
+        system = page.locator("#system textarea")
+        wait_for(lambda: system.input_value() == summarize.system, timeout=30, what="its system prompt")
+        shown = page.locator("#preset input").input_value(), system.input_value()
+        open_accordion(page, "Settings")
+        return shown
+
+    assert reopened_settings() == (summarize.label, summarize.system)
+    send(page, "And in one sentence?")
+    wait_until_finished(page, lambda: answers(page).count() == 2, "the follow-up")
+    assert reopened_settings() == (summarize.label, summarize.system)  # as saved, not replaced
+    shot(page, "reopened-keeps-its-settings")

@@ -2,6 +2,7 @@
 saved when, stop, regenerate, edit, and the over-limit choice. The browser tests drive the same
 code through the page."""
 
+import dataclasses
 
 import pytest
 
@@ -145,3 +146,11 @@ def test_a_new_answer_in_the_same_session_ends_the_one_the_page_left(logic):
     answered = run(logic.send("Hello", None, "", None, SETTINGS, session="s1"))[-1].conversation
     assert answered.messages[-1]["role"] == "assistant" and not answered.messages[-1]["partial"]
     assert left_ticket.cancel_event.is_set()
+
+
+def test_an_opened_conversation_brings_back_its_own_system_prompt_and_preset(logic):
+    settings = dataclasses.replace(SETTINGS, system="Answer in French.", preset="answer")
+    conversation = run(logic.send("Hello", None, "", None, settings))[-1].conversation
+    view = logic.open(conversation.id)
+    assert (view.system, view.preset) == ("Answer in French.", "answer")
+    assert (logic.newest().system, logic.newest().preset) == ("Answer in French.", "answer")  # after a reload
