@@ -14,6 +14,7 @@ import os
 import sys
 
 from ..core.errors import InputError, SpecchatError, first_line
+from ..core.modes import REQUEST_MODES
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
@@ -60,8 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_options(chat)
 
     calibrate = commands.add_parser(
-        "calibrate", help="measure a draft's positional acceptance vector (for Sequoia trees)")
+        "calibrate", help="measure the model's step times on this machine again (the first use does it "
+                          "once), and a draft's positional acceptance vector (for Sequoia trees)")
     _add_generation_options(calibrate, mode=False)
+    calibrate.add_argument("--pair", dest="model", default=argparse.SUPPRESS,
+                           help="the pair to calibrate (same as --model)")
     calibrate.add_argument("--draft-layers", type=int,
                            help="draft = the target's first N layers (layer-skip self-draft); default: "
                                 "the pair's draft model, or 24 layers when the pair has none")
@@ -74,15 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt", default="Summarize this document.")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--draft-layers", type=int, default=24)
-    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload"), default="trees",
-                       help="trees: decoding modes side by side (default); prefill: time to first token "
+    bench.add_argument("--documents", nargs="+", metavar="FILE",
+                       help="the documents of the auto suite (each answered with --prompt)")
+    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload", "auto"), default="trees",
+                       help="trees: decoding modes side by side (default); auto: every mode and auto on "
+                            "several --documents, with the cost model's predictions; prefill: time to first token "
                             "for a first question, a follow-up and a reloaded document; longctx: every mode "
                             "including triforce on a long document; offload: a full "
                             "verification against a 128K offloaded KV cache on a CUDA GPU, random weights "
                             "of Llama-3.1-8B's shape (no document, no download)")
     bench.add_argument("--out", default="bench", help="folder for the results (default: bench)")
     bench.add_argument("--repeats", type=int, default=1,
-                       help="longctx: measure every mode N times in shuffled rounds; report medians (default 1)")
+                       help="longctx, auto: measure every mode N times in shuffled rounds; report medians (default 1)")
 
     models = commands.add_parser("models", help="model pairs: list, download, remove")
     _add_models_file_option(models)
@@ -143,7 +150,7 @@ def _add_generation_options(parser: argparse.ArgumentParser, mode: bool = True) 
     parser.add_argument("--top-k", type=int, default=0, help="0 (default): no top-k filter")
     parser.add_argument("--seed", type=int)
     if mode:
-        parser.add_argument("--mode", choices=("plain", "chain", "tree", "triforce", "auto"), default="auto",
+        parser.add_argument("--mode", choices=REQUEST_MODES, default="auto",
                             help="plain decoding, chain or tree speculation, triforce (a draft, the target "
                                  "over a retrieval cache, the target over the full cache), or auto "
                                  "(the plan's choice)")
@@ -152,6 +159,10 @@ def _add_generation_options(parser: argparse.ArgumentParser, mode: bool = True) 
                                  "skipN (the target's first N layers), pair (the pair's draft model) or none")
         parser.add_argument("--retrieval-budget", type=int, default=1024, metavar="N",
                             help="with --mode triforce, positions of the retrieval cache (default 1024)")
+        parser.add_argument("--triforce-verify", choices=("chain", "tree"),
+                            help="with --mode triforce, the final verification against the full cache: a chain "
+                                 "or the optimizer's Sequoia tree, grown by the retrieval stage (default: the "
+                                 "plan's choice)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         hosts = allowed_hosts(args)  # a bad name, registry or --models-file fails here, before the server
         registry(args)
         from .ui import launch
-        launch(lambda model: _load(args, model), model_id(args), getattr(args, "models_file", None),
+        launch(lambda model, progress: _load(args, model, progress=progress), model_id(args), getattr(args, "models_file", None),
                host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
                open_browser=not getattr(args, "no_browser", False),
                api_key=getattr(args, "api_key", None) or os.environ.get("SPECCHAT_API_KEY") or None,
@@ -228,16 +239,22 @@ def registry(args):
     return load_registry(getattr(args, "models_file", None))
 
 
-def _load(args, model: str | None = None):
-    """The engine for `model` (default: `--model`)."""
+def _load(args, model: str | None = None, recalibrate: bool = False, progress=None):
+    """The engine for `model` (default: `--model`); progress lines go to stderr, and to
+    `progress` when given (the app's status line)."""
     from .models_cmd import ProgressLine
 
     reg = registry(args)  # a bad registry fails before transformers is imported
     _quiet_transformers()
     from ..core.loading import load_engine
 
-    return load_engine(model or model_id(args), progress=lambda message: print(message, file=sys.stderr),
-                       registry=reg, download_progress=ProgressLine())
+    def report(message: str) -> None:
+        print(message, file=sys.stderr)
+        if progress is not None:
+            progress(message)
+
+    return load_engine(model or model_id(args), progress=report,
+                       registry=reg, download_progress=ProgressLine(), recalibrate=recalibrate)
 
 
 def _quiet_transformers() -> None:
@@ -268,14 +285,15 @@ def _generate(args) -> int:
     from ..core.engine import Finished, Notice, TextDelta
 
     engine = _load(args)
-    engine.triforce = _check_triforce(engine, triforce)
     system = [{"role": "system", "content": args.system}] if args.system else []
     prompt_ids = engine.chat_ids(system + [{"role": "user", "content": content}])
+    triforce = _check_triforce(engine, triforce, args.triforce_verify, len(prompt_ids))
     saved_tokens = document_tokens(engine, system, document) if args.cache_document else 0
     draft = _draft(engine, args.draft_layers) if args.mode == "tree" else None
     plan = _plan_tree_draft(engine, draft, params, len(prompt_ids)) if draft is not None else None
     result = None
-    for event in engine.generate(prompt_ids, args.max_new_tokens, params, args.mode, document_tokens=saved_tokens):
+    for event in engine.generate(prompt_ids, args.max_new_tokens, params, args.mode, document_tokens=saved_tokens,
+                                 triforce=triforce, tree_draft=plan.tree_draft if plan else None):
         if isinstance(event, Notice):
             print(f"specchat: note: {event.text}", file=sys.stderr)
         elif isinstance(event, TextDelta) and not args.json:
@@ -313,12 +331,22 @@ def triforce_settings(args):
     return settings
 
 
-def _check_triforce(engine, settings):
+def _check_triforce(engine, settings, verify: str | None, context: int):
+    """The request's TriForce stages: the engine's (the plan's) gammas, window and final
+    verification with the options given; `verify` "tree" makes the final verification the
+    optimizer's Sequoia tree, "chain" a chain."""
+    from dataclasses import replace
+
+    from ..core.tree_choice import triforce_tree
+
     if settings.draft.startswith("skip"):
         _check_draft_layers(engine, int(settings.draft[len("skip"):]), "the N of --triforce-draft skipN")
     if settings.draft == "pair" and engine.draft is None:
         raise InputError(f"--triforce-draft pair: {engine.name} has no draft model (use lookup or skipN)")
-    return settings
+    chosen = replace(engine.settings.triforce, draft=settings.draft, budget=settings.budget)
+    if verify is None:
+        return chosen
+    return replace(chosen, tree=triforce_tree(engine.settings, context) if verify == "tree" else None)
 
 
 def _check_draft_layers(engine, draft_layers: int, option: str = "--draft-layers") -> None:
@@ -344,7 +372,6 @@ def _plan_tree_draft(engine, draft, params, context: int):
 
     print(f"Measuring the draft and the target at {context} tokens of context...", file=sys.stderr)
     plan = plan_tree_draft(engine, draft, params, context)
-    engine.tree_draft = plan.tree_draft
     print(f"Tree plan: {plan.choice.reason}", file=sys.stderr)
     return plan
 
@@ -353,7 +380,7 @@ def _calibrate(args) -> int:
     params = sampling_params(args)
     if args.width < 1 or args.max_new_tokens < 1:
         raise InputError("--width and --max-new-tokens must be at least 1")
-    engine = _load(args)
+    engine = _load(args, recalibrate=True)
     from ..core.calibration import calibrate
 
     draft = _draft(engine, args.draft_layers) or _draft(engine, min(24, engine.model.num_layers - 1))
@@ -381,6 +408,8 @@ def _bench(args) -> int:
         return 0
     if args.repeats < 1:
         raise InputError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.suite == "auto":
+        return _bench_auto(args)
     if args.document is None:
         raise InputError(f"the {args.suite} suite needs --document FILE")
     document = read_document_or_text(args.document)
@@ -404,6 +433,24 @@ def _bench(args) -> int:
         else:
             paths = run_bench(engine, prompt_ids, args.max_new_tokens, args.draft_layers, Path(args.out))
     for path in paths:
+        print(path)
+    return 0
+
+
+def _bench_auto(args) -> int:
+    from pathlib import Path
+
+    from .documents import read_document_or_text, user_turn
+
+    if not args.documents:
+        raise InputError("the auto suite needs --documents FILE [FILE ...]")
+    texts = {Path(name).name: read_document_or_text(name) for name in args.documents}
+    engine = _load(args)
+    from ..core.bench_auto import run_auto_bench
+
+    prompts = {name: engine.chat_ids([{"role": "user", "content": user_turn(args.prompt, text)}])
+               for name, text in texts.items()}
+    for path in run_auto_bench(engine, prompts, args.max_new_tokens, args.repeats, Path(args.out)):
         print(path)
     return 0
 

@@ -16,9 +16,12 @@ class EngineHandle:
     starts loading another model; a job runs on the engine current when its turn comes.
     `submit` and `call` run work on the engine thread; `close` stops that thread."""
 
-    def __init__(self, load: Callable[[str], object], model: str, max_waiting: int | None = None,
-                 stall_seconds: float | None = None):
+    def __init__(self, load: Callable[[str, Callable[[str], None]], object], model: str,
+                 max_waiting: int | None = None, stall_seconds: float | None = None):
+        """`load(model, progress)` builds the engine, calling `progress(line)` as it goes (a
+        download, the first use's calibration): the page shows the latest line."""
         self._load_model = load
+        self._progress = ""
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._engine = None
@@ -31,18 +34,29 @@ class EngineHandle:
         ready = threading.Event()
         with self._lock:
             self.model, self._ready, self._engine, self._error = model, ready, None, None
+            self._progress = ""
         threading.Thread(target=self._load, args=(model, ready), daemon=True).start()
 
     def _load(self, model: str, ready: threading.Event) -> None:
         engine, error = None, None
         try:
-            engine = self._load_model(model)
+            engine = self._load_model(model, lambda line: self._note(line, ready))
         except Exception as failure:  # shown in the app instead of killing the server
             error = failure
         with self._lock:
             if self._ready is ready:  # a later switch supersedes this load
                 self._engine, self._error = engine, error
             ready.set()
+
+    def _note(self, line: str, ready: threading.Event) -> None:
+        with self._lock:
+            if self._ready is ready:
+                self._progress = line.strip()
+
+    def progress(self) -> str:
+        """The loading model's latest progress line ("" when none, or once loaded)."""
+        with self._lock:
+            return "" if self._ready.is_set() else self._progress
 
     def switch(self, model: str) -> None:
         """Load `model` in the background; a no-op when it is the model already loaded."""

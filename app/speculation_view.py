@@ -24,7 +24,9 @@ def stats_line(stats: dict, mode: str, new_tokens: int | None = None, finish_rea
     acceptance = f" · {accepted / drafted:.0%} of draft tokens accepted" if drafted else ""
     reused = stats.get("reused_prompt_tokens", 0)
     reused_text = f" ({reused:,} prompt tokens reused)" if reused else ""
-    line = (f"**{stats.get('tokens_per_second', 0):.1f} tok/s** · "
+    predicted = stats.get("predicted_tokens_per_second")
+    predicted_text = f" (cost model: {predicted:.1f})" if predicted else ""
+    line = (f"**{stats.get('tokens_per_second', 0):.1f} tok/s**{predicted_text} · "
             f"**{stats.get('mean_accepted_per_forward', 0):.2f}** tokens per target forward · "
             f"{stats.get('target_forwards', 0)} target forwards{acceptance} · "
             f"first token after {stats.get('prefill_seconds', 0):.2f} s{reused_text}"

@@ -22,6 +22,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 
 from ..core import limits  # noqa: E402
+from ..core.modes import REQUEST_MODES  # noqa: E402
 from .conversation import attachment_label  # noqa: E402
 from .documents import DOCUMENT_SUFFIXES  # noqa: E402
 from .engine_handle import EngineHandle  # noqa: E402
@@ -32,7 +33,7 @@ from .ui_chat import ChatLogic, Settings, View, problem_text, shown  # noqa: E40
 
 DEFAULT_HOST = "127.0.0.1"
 SHUTDOWN_GRACE_SECONDS = 1
-MODES = ["auto", "chain", "tree", "triforce", "plain"]
+MODES = list(REQUEST_MODES)
 # Dark mode follows the visitor's last choice (kept in the browser), else the system's.
 DARK_MODE_JS = """() => { const dark = !document.body.classList.contains('dark');
   document.body.classList.toggle('dark', dark); localStorage.setItem('specchat-dark', dark ? '1' : '0'); }"""
@@ -278,11 +279,11 @@ def _quiet_forced_shutdown(record: logging.LogRecord) -> bool:
     return not (cut or "timeout graceful shutdown exceeded" in record.getMessage())
 
 
-def launch(load: Callable[[str], object], model: str = "embedded", registry_file: str | None = None,
+def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "embedded", registry_file: str | None = None,
            host: str = DEFAULT_HOST, port: int = 7860, open_browser: bool = True, api_key: str | None = None,
            allowed_hosts: Iterable[str] = ()) -> None:
-    """Serve the chat at / and the OpenAI-compatible API at /v1 on one server; `load(model)` loads
-    an engine (in the background, so the page is up at once)."""
+    """Serve the chat at / and the OpenAI-compatible API at /v1 on one server; `load(model,
+    progress)` loads an engine (in the background, so the page is up at once)."""
     import uvicorn
 
     if host not in (DEFAULT_HOST, "localhost", "::1"):

@@ -139,8 +139,14 @@ class ChatLogic:
         conversation.messages.append({"role": "user", "content": question, "document": attachment})
         self.store.save(conversation)  # the question is on disk before the answer starts
         yield View(conversation=conversation, message="", clear_attachment=True, pasted="", over_limit="",
-                   conversations_changed=True, status="Loading the model…" if self.handle.status() == "loading" else "")
+                   conversations_changed=True, status=self._loading_line())
         yield from self._answer(conversation, settings, session)
+
+    def _loading_line(self) -> str:
+        if self.handle.status() != "loading":
+            return ""
+        progress = self.handle.progress()
+        return "Loading the model…" + (f" {progress}" if progress else "")
 
     def regenerate(self, conversation: Conversation | None, settings: Settings, session: str = "") -> Iterator[View]:
         """A new answer to the last question (the old one is replaced)."""

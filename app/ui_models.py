@@ -221,7 +221,8 @@ def model_label(model: str, registry: Registry) -> str:
 def status_markdown(handle: EngineHandle, registry: Registry) -> str:
     label, status = model_label(handle.model, registry), handle.status()
     if status == "loading":
-        return f"Loading {label}…"
+        progress = handle.progress()
+        return f"Loading {label}…" + (f" {progress}" if progress else "")
     if status == "ready":
         return f"Loaded: {label}"
     return f"⚠️ {label} could not be loaded: {status.removeprefix('failed: ')}"

@@ -64,6 +64,7 @@ def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
             rows[label] = {
                 "mode": result.mode, "new_tokens": result.new_tokens,
                 "tokens_per_second": statistics.median(speeds[label]),
+                "predicted_tokens_per_second": stats.predicted_tokens_per_second,
                 "mean_accepted_per_forward": stats.mean_accepted_per_forward,
                 "target_forwards": stats.target_forwards, "tree_size": stats.tree_size,
                 "tree_depth": stats.tree_depth, "decode_seconds": stats.decode_seconds,
@@ -77,14 +78,9 @@ def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
 
 def _answer(engine: Engine, prompt_ids: list[int], max_new_tokens: int, run: tuple):
     mode, tree_draft, *triforce = run
-    default_triforce = engine.triforce
-    engine.tree_draft = tree_draft
-    engine.triforce = triforce[0] if triforce else default_triforce
-    try:
-        return next(e.result for e in engine.generate(prompt_ids, max_new_tokens, SamplingParams(), mode)
-                    if isinstance(e, Finished))
-    finally:
-        engine.tree_draft, engine.triforce = None, default_triforce
+    events = engine.generate(prompt_ids, max_new_tokens, SamplingParams(), mode,
+                             triforce=triforce[0] if triforce else None, tree_draft=tree_draft)
+    return next(e.result for e in events if isinstance(e, Finished))
 
 
 def device_label() -> str:

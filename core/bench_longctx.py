@@ -14,6 +14,7 @@ from .calibration import layer_skip_draft, plan_tree_draft
 from .decoding import TriforceSettings
 from .engine import Engine
 from .sampling import SamplingParams
+from .tree_choice import triforce_tree
 
 
 def run_longctx_bench(engine: Engine, prompt_ids: list[int], max_new_tokens: int, draft_layers: int,
@@ -21,6 +22,7 @@ def run_longctx_bench(engine: Engine, prompt_ids: list[int], max_new_tokens: int
     context = len(prompt_ids)
     plan = plan_tree_draft(engine, layer_skip_draft(engine, draft_layers), SamplingParams(), context)
     draft, template = plan.tree_draft or (engine.model.truncated(draft_layers), plan.template)
+    tree = triforce_tree(engine.settings, context)
     runs = {
         "plain": ("plain", None),
         "chain (prompt lookup)": ("chain", None),
@@ -32,6 +34,8 @@ def run_longctx_bench(engine: Engine, prompt_ids: list[int], max_new_tokens: int
             ("triforce", None, TriforceSettings(draft=f"skip{draft_layers}")),
         "triforce (lookup -> retrieval 2K -> full, gamma2 12)":
             ("triforce", None, TriforceSettings(draft="lookup", budget=2048, gamma2=12)),
+        f"triforce (retrieval 1K -> full verifies a tree, n={tree.size}, d={tree.depth})":
+            ("triforce", None, TriforceSettings(draft="", tree=tree)),
         "auto": ("auto", None),
     }
     rows = decode_speeds(engine, prompt_ids, max_new_tokens, runs, repeats)

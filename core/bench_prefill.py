@@ -39,7 +39,8 @@ def run_prefill_bench(engine: Engine, messages_for, max_new_tokens: int, out_dir
 
     def fresh(documents: bool) -> Engine:
         store = DocumentStore(work, "bench", UNLIMITED) if documents else None
-        return Engine(engine.model, engine.tokenizer, engine.name, prefixes=PrefixStore(UNLIMITED), documents=store)
+        return Engine(engine.model, engine.tokenizer, engine.name, prefixes=PrefixStore(UNLIMITED), documents=store,
+                      settings=engine.settings)
 
     def answer(target: Engine, messages: list[dict], document_tokens: int = 0):
         ids = target.chat_ids(messages)

@@ -16,13 +16,14 @@ from .kv.full import FullCache
 from .kv.queries import record_queries
 from .model import CausalLM
 from .sampling import SamplingParams, sample, warp
-from .spec.drafters import PromptLookupDrafter
+from .modes import MODES
+from .spec.drafters import PromptLookupDrafter, QueryBlind
 from .spec.hierarchy import Drafter, ModelDrafter, RetrievalStage
+from .spec.lookahead import MAX_DRAFT, CostModelLookahead, FixedLookahead, Lookahead
+from .spec.step_times import default_relative
 from .spec.tree import Tree
 from .spec.tree_drafters import ModelTreeDrafter, PromptLookupTreeDrafter, RetrievalTreeDrafter, TreeProposal
 from .spec.verify import verify_chain, verify_tree
-
-MODES = ("plain", "chain", "tree", "triforce")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Step:
     drafted: int = 0  # draft tokens this forward verified
     accepted: int = 0  # of which accepted
     depth: int = 0  # draft levels verified (a chain of g tokens: g)
+    verified: int = 1  # tokens the target forward ran (drafted + 1, or 1 for a plain step)
     last: str = "plain"  # how the last token came: "plain" (nothing drafted), "recovered" (sampled
     #                      after a rejection) or "bonus" (after every draft level was accepted)
 
@@ -53,12 +55,30 @@ class DecodeState:
 
 
 class Decoder(Protocol):
+    drafter_wants_queries: bool  # its drafter scores with the target's queries (see `prefill`)
+
     def step(self, state: DecodeState, budget: int) -> Step:
         """One target forward; commits at most `budget` tokens' worth of work (>= 1)."""
         ...
 
+    def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
+        """The last prompt token's queries, from the prefill."""
+        ...
+
+    def stage_counts(self) -> dict[str, dict[str, int]]:
+        """Forwards and acceptance of the stages below the target (TriForce), for the stats."""
+        ...
+
 
 class PlainDecoder:
+    drafter_wants_queries = False
+
+    def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
+        pass
+
+    def stage_counts(self) -> dict[str, dict[str, int]]:
+        return {}
+
     def step(self, state: DecodeState, budget: int) -> Step:
         position = state.ids.shape[0] - 1
         logits = state.model.forward(state.ids[-1:], torch.tensor([position]), state.cache)
@@ -70,23 +90,21 @@ class PlainDecoder:
 class ChainDecoder:
     """Speculative decoding on a chain: the drafter proposes, one target forward verifies.
 
-    The lookahead adapts (grow after a fully accepted draft, shrink after a rejection), and a
-    step with no proposal is a plain step, so drafting that finds nothing costs nothing.
+    `lookahead` chooses how many tokens to draft each time (the cost model, or TriForce's fixed
+    gamma2); a step with no proposal is a plain step, so drafting that finds nothing costs nothing.
     """
 
-    def __init__(self, drafter: Drafter, lookahead: int = 4,
-                 min_lookahead: int = 1, max_lookahead: int = 16):
+    def __init__(self, drafter: Drafter, lookahead: Lookahead):
         self.drafter = drafter
         self.lookahead = lookahead
-        self.min_lookahead = min_lookahead
-        self.max_lookahead = max_lookahead
         self._plain = PlainDecoder()
 
     def step(self, state: DecodeState, budget: int) -> Step:
         # The forward yields one token beyond the draft, so draft at most budget - 1.
-        proposal = self.drafter.draft(state, state.ids, min(self.lookahead, budget - 1))
-        observe = getattr(self.drafter, "observe_queries", None)
-        if (proposal is None or len(proposal) == 0) and observe is None:
+        wanted = self.lookahead.choose(budget - 1, state.ids.shape[0])
+        proposal = self.drafter.draft(state, state.ids, wanted) if wanted else None
+        observe = self.drafter.wants_queries
+        if (proposal is None or len(proposal) == 0) and not observe:
             return self._plain.step(state, budget)
         draft = proposal.tokens if proposal is not None else state.ids[:0]
         start = state.ids.shape[0] - 1
@@ -102,32 +120,41 @@ class ChainDecoder:
         state.cache.trim(start + 1 + accepted)
         if observe:
             # The queries of the last committed token that ran: the retrieval stage scores with them.
-            observe({layer: q[0, :, accepted] for layer, q in queries.items()})
+            self.drafter.observe_queries({layer: q[0, :, accepted] for layer, q in queries.items()})
         tokens = draft[:accepted].tolist() + [next_token]
         state.commit(tokens)
-        if draft.numel():
-            if accepted == len(draft):
-                self.lookahead = min(self.max_lookahead, self.lookahead + 2)
-            else:
-                self.lookahead = max(self.min_lookahead, self.lookahead - 1)
+        self.lookahead.observe(len(draft), accepted)
         last = "plain" if not draft.numel() else "bonus" if accepted == len(draft) else "recovered"
-        return Step(tokens, drafted=len(draft), accepted=accepted, depth=len(draft), last=last)
+        return Step(tokens, drafted=len(draft), accepted=accepted, depth=len(draft), last=last,
+                    verified=inputs.shape[0])
 
     def stage_counts(self) -> dict[str, dict[str, int]]:
         """Forwards and acceptance of the stages below the target (TriForce), for the stats."""
         return self.drafter.counts()
 
     @property
-    def observe_queries(self):
-        """The drafter's, if it scores with the target's queries (see `prefill`)."""
-        return getattr(self.drafter, "observe_queries", None)
+    def drafter_wants_queries(self) -> bool:
+        return self.drafter.wants_queries
+
+    def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
+        self.drafter.observe_queries(queries)
 
 
 class TreeDrafter(Protocol):
+    wants_queries: bool  # scores with the verification's queries (TriForce's retrieval stage)
+
+    def observe_queries(self, queries: dict[int, torch.Tensor]) -> None: ...
+
+    def prepare(self, state: DecodeState) -> None:
+        """Before each proposal: bring the drafter's own state up to the committed text."""
+        ...
+
     def propose_tree(self, ids: torch.Tensor, params: SamplingParams, generator: torch.Generator,
                      budget: int) -> TreeProposal | None: ...
 
     def accept(self, path: list[int]) -> None: ...
+
+    def counts(self) -> dict[str, dict[str, int]]: ...
 
 
 class TreeDecoder:
@@ -139,13 +166,11 @@ class TreeDecoder:
         self._plain = PlainDecoder()
 
     def step(self, state: DecodeState, budget: int) -> Step:
-        prepare = getattr(self.drafter, "prepare", None)
-        if prepare is not None:
-            prepare(state)
+        self.drafter.prepare(state)
         proposal = self.drafter.propose_tree(state.ids, state.params, state.generator, budget)
-        observe = getattr(self.drafter, "observe_queries", None)
+        observe = self.drafter.wants_queries
         if proposal is None or proposal.tree.size == 1:
-            if observe is None:
+            if not observe:
                 return self._plain.step(state, budget)
             proposal = TreeProposal(Tree((-1,)), state.ids[-1:], None)  # a plain step, queries recorded
         tree, start = proposal.tree, state.ids.shape[0] - 1
@@ -156,21 +181,24 @@ class TreeDecoder:
         state.cache.keep(torch.cat([torch.arange(start), start + torch.tensor([0] + verdict.path)]))
         if observe:
             last = verdict.path[-1] if verdict.path else 0  # the last committed token that ran
-            observe({layer: q[0, :, last] for layer, q in queries.items()})
+            self.drafter.observe_queries({layer: q[0, :, last] for layer, q in queries.items()})
         self.drafter.accept(verdict.path)
         tokens = proposal.tokens[verdict.path].tolist() + [verdict.next_token]
         state.commit(tokens)
         end = verdict.path[-1] if verdict.path else 0
         last = "plain" if tree.size == 1 else "recovered" if tree.children[end] else "bonus"
-        return Step(tokens, drafted=tree.size - 1, accepted=len(verdict.path), depth=tree.depth, last=last)
+        return Step(tokens, drafted=tree.size - 1, accepted=len(verdict.path), depth=tree.depth, last=last,
+                    verified=tree.size)
 
     def stage_counts(self) -> dict[str, dict[str, int]]:
-        counts = getattr(self.drafter, "counts", None)
-        return counts() if counts else {}
+        return self.drafter.counts()
 
     @property
-    def observe_queries(self):
-        return getattr(self.drafter, "observe_queries", None)
+    def drafter_wants_queries(self) -> bool:
+        return self.drafter.wants_queries
+
+    def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
+        self.drafter.observe_queries(queries)
 
 
 @dataclass(frozen=True)
@@ -214,11 +242,10 @@ def triforce_decoder(target: CausalLM, settings: TriforceSettings,
         raise ValueError(f"unknown triforce draft {settings.draft!r}: lookup, skipN, pair or none")
     middle = RetrievalStage(first, target, settings.gamma1, settings.budget,
                             settings.chunk_size, settings.recent, settings.stride)
-    return ChainDecoder(middle, lookahead=settings.gamma2, min_lookahead=settings.gamma2,
-                        max_lookahead=settings.gamma2)
+    return ChainDecoder(middle, FixedLookahead(settings.gamma2))
 
 
-class _NoDraft:
+class _NoDraft(QueryBlind):
     """No first stage: the retrieval stage samples its own tokens, one forward each."""
 
     def draft(self, state, seq, max_tokens):
@@ -228,10 +255,13 @@ class _NoDraft:
         return {}
 
 
-def make_decoder(mode: str, vocab_size: int, tree_draft: tuple[CausalLM, Tree] | None = None,
+def make_decoder(mode: str, vocab_size: int, relative_time: Callable[[int, int], float] = default_relative,
+                 chain_drafts: int = MAX_DRAFT, tree_draft: tuple[CausalLM, Tree] | None = None, lookup_tree_depth: int = 8,
                  triforce: Callable[[], Decoder] | None = None) -> Decoder:
-    """A fresh decoder for one answer. Tree mode grows `tree_draft`'s template with its draft
-    model when one is given, else prompt-lookup branches; `triforce` builds the triforce decoder."""
+    """A fresh decoder for one answer. Chain mode drafts by prompt lookup as long as the cost
+    model (`relative_time`, t(n) at a context) says pays; tree mode grows `tree_draft`'s template
+    with its draft model when one is given, else prompt-lookup branches up to `lookup_tree_depth`;
+    `triforce` builds the triforce decoder."""
     if mode == "triforce":
         if triforce is None:
             raise ValueError("triforce mode needs its settings and models")
@@ -239,11 +269,11 @@ def make_decoder(mode: str, vocab_size: int, tree_draft: tuple[CausalLM, Tree] |
     if mode == "plain":
         return PlainDecoder()
     if mode == "chain":
-        return ChainDecoder(PromptLookupDrafter(vocab_size))
+        return ChainDecoder(PromptLookupDrafter(vocab_size), CostModelLookahead(relative_time, chain_drafts))
     if mode == "tree" and tree_draft is not None:
         return TreeDecoder(ModelTreeDrafter(*tree_draft))
     if mode == "tree":
-        return TreeDecoder(PromptLookupTreeDrafter(PromptLookupDrafter(vocab_size)))
+        return TreeDecoder(PromptLookupTreeDrafter(PromptLookupDrafter(vocab_size), max_depth=lookup_tree_depth))
     raise ValueError(f"unknown decoding mode {mode!r} (choose from {', '.join(MODES)})")
 
 
@@ -256,14 +286,14 @@ def prefill(model: CausalLM, cache: FullCache, ids: torch.Tensor, chunk_size: in
     token's, so its first step already speculates."""
     if cache.length >= ids.shape[0]:
         raise ValueError(f"the cache holds {cache.length} positions; the last prompt token must still run")
-    observe = getattr(decoder, "observe_queries", None)
+    observe = decoder is not None and decoder.drafter_wants_queries
     for start in range(cache.length, ids.shape[0], chunk_size):
         end = min(ids.shape[0], start + chunk_size)
         with record_queries() if observe and end == ids.shape[0] else contextlib.nullcontext() as queries:
             logits = model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
         yield end
     if observe:
-        observe({layer: q[0, :, -1] for layer, q in queries.items()})
+        decoder.observe_queries({layer: q[0, :, -1] for layer, q in queries.items()})
     return logits[-1]
 
 

@@ -13,18 +13,18 @@ from typing import Iterator
 
 import torch
 
-from .decoding import MODES, DecodeState, TriforceSettings, decode, make_decoder, prefill, triforce_decoder
+from .decoding import DecodeState, Step, TriforceSettings, decode, make_decoder, prefill, triforce_decoder
 from .errors import InputError, SpecchatError
 from .kv.document_store import DocumentStore
 from .kv.full import FullCache
 from .kv.prefix_store import PrefixStore
 from .model import CausalLM
+from .modes import REQUEST_MODES
+from .runtime import EngineSettings
 from .sampling import SamplingParams, make_generator
+from .spec.step_times import StepTimes, default_relative
 from .spec.tree import Tree
 from .textstream import TextStream
-
-REQUEST_MODES = MODES + ("auto",)
-PREFILL_CHUNK = 1024
 
 
 def default_prefix_budget() -> int:
@@ -44,6 +44,9 @@ class Stats:
     tree_depth: int = 0  # most draft levels in one verification
     mean_accepted_per_forward: float = 0.0  # tokens committed per target forward; plain = 1
     tokens_per_second: float = 0.0  # new tokens / decode_seconds
+    # The cost model's tok/s for the steps this answer took (measured t(n) at each step's context,
+    # with the stages' forwards); None without a calibration of this model on this machine.
+    predicted_tokens_per_second: float | None = None
     prefill_seconds: float = 0.0  # from the request to the first token's logits, cache lookup included
     decode_seconds: float = 0.0  # from the end of prefill to the last token
     reused_prompt_tokens: int = 0  # prompt tokens whose KV came from an earlier turn or a saved document
@@ -107,24 +110,33 @@ def resolve_mode(mode: str, auto: str = "chain") -> str:
 
 
 class Engine:
+    """Built once from its settings (runtime.py) and never reconfigured: per-answer choices are
+    arguments of `generate`."""
+
     def __init__(self, model: CausalLM, tokenizer, name: str, prefixes: PrefixStore | None = None,
-                 documents: DocumentStore | None = None):
+                 documents: DocumentStore | None = None, settings: EngineSettings = EngineSettings(),
+                 draft: CausalLM | None = None, draft_name: str = "", plan=None):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self.draft: CausalLM | None = None  # a pair's separate draft model, if any
-        self.draft_name = ""
+        self.settings = settings
+        self.draft = draft  # a pair's separate draft model, if any
+        self.draft_name = draft_name
+        if not settings.keep_prefixes:
+            prefixes, documents = PrefixStore(0), None
         self.prefixes = prefixes if prefixes is not None else PrefixStore(default_prefix_budget())  # recent answers
         self.documents = documents  # saved document caches on disk (None: off)
         self.stop_ids = _stop_ids(tokenizer, model)
-        self.tree_draft: tuple[CausalLM, Tree] | None = None  # tree mode's draft model and shape
-        self.triforce = TriforceSettings()  # triforce mode's stages and budgets
-        self.plan = None  # core.plan.Plan for this machine, when the model is a registry pair
-        self.auto_mode = "chain"  # what `auto` means here: the plan's mode
+        self.plan = plan  # core.plan.Plan for this machine, when the model is a registry pair
         # One step at a time (a prefill chunk, a decoding step, the prefix store's bookkeeping):
         # two answers driven from two threads interleave step by step, each on its own cache and
         # decoder. The app runs every answer on one engine thread (app/engine_queue.py) anyway.
         self._lock = threading.Lock()
+
+    @property
+    def auto_mode(self) -> str:
+        """What `auto` means here: the plan's mode."""
+        return self.settings.auto_mode
 
     @property
     def context_length(self) -> int:
@@ -141,15 +153,23 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 256,
                  sampling: SamplingParams = SamplingParams(), mode: str = "auto",
-                 cancel: threading.Event | None = None, document_tokens: int = 0) -> Iterator[Event]:
+                 cancel: threading.Event | None = None, document_tokens: int = 0,
+                 triforce: TriforceSettings | None = None,
+                 tree_draft: tuple[CausalLM, Tree] | None = None) -> Iterator[Event]:
         """Stream events for one answer. Raises `InputError` before any work for a bad request.
 
         `document_tokens`: the prompt's first tokens hold a document whose KV should be saved to
-        disk for later runs (needs a document store).
+        disk for later runs (needs a document store). `triforce`: this answer's TriForce stages
+        (default: the engine's settings); `tree_draft`: a draft model and tree template for tree
+        mode (default: prompt-lookup branches).
         """
         mode = resolve_mode(mode, self.auto_mode)
         max_new_tokens = self._check_request(prompt_ids, max_new_tokens)
-        events = self._generate(prompt_ids, max_new_tokens, sampling, mode, cancel, document_tokens)
+        triforce = triforce or self.settings.triforce
+        decoder = self._decoder(mode, triforce, tree_draft)
+        prediction = _Prediction(self.settings.step_times, self.model, triforce)
+        events = self._generate(prompt_ids, max_new_tokens, sampling, mode, decoder, prediction, cancel,
+                                document_tokens)
         # The lock is held while the engine computes, never across a yield: a caller that stops
         # listening without closing this generator cannot keep the engine from others.
         try:
@@ -177,7 +197,14 @@ class Engine:
                 f"{1 - room} tokens")
         return min(max_new_tokens, room)
 
-    def _generate(self, prompt_ids, max_new_tokens, sampling, mode, cancel, document_tokens) -> Iterator[Event]:
+    def _decoder(self, mode: str, triforce: TriforceSettings, tree_draft):
+        settings = self.settings
+        relative = settings.step_times.relative if settings.step_times else default_relative
+        return make_decoder(mode, self.model.vocab_size, relative, settings.chain_drafts, tree_draft,
+                            settings.tree_depth, lambda: triforce_decoder(self.model, triforce, self.draft))
+
+    def _generate(self, prompt_ids, max_new_tokens, sampling, mode, decoder, prediction, cancel,
+                  document_tokens) -> Iterator[Event]:
         """One answer on a cache that starts from the longest reusable prefix; afterwards the
         cache is kept for the next turn (also when the answer was stopped: at every event the
         cache is consistent), and the document prefix is saved to disk when asked."""
@@ -190,7 +217,8 @@ class Engine:
                             make_generator(sampling.seed))
         finished, answering = False, False
         try:
-            for event in self._run(state, max_new_tokens, mode, cancel or threading.Event(), started, reused, source):
+            for event in self._run(state, max_new_tokens, mode, decoder, prediction, cancel or threading.Event(),
+                                   started, reused, source):
                 answering = answering or isinstance(event, TextDelta)
                 yield event
             finished = True
@@ -224,14 +252,11 @@ class Engine:
             return taken[0], taken[1], "memory"
         return self.model.new_cache(), 0, ""
 
-    def _run(self, state: DecodeState, max_new_tokens: int, mode: str, cancel: threading.Event,
-             started: float, reused: int, source: str) -> Iterator[Event]:
+    def _run(self, state: DecodeState, max_new_tokens: int, mode: str, decoder, prediction: _Prediction,
+             cancel: threading.Event, started: float, reused: int, source: str) -> Iterator[Event]:
         prompt_length = state.ids.shape[0]
-        decoder = make_decoder(mode, self.model.vocab_size, self.tree_draft,
-                               lambda: triforce_decoder(self.model, self.triforce, self.draft))
-        stage_counts = getattr(decoder, "stage_counts", None)
         stats = Stats(reused_prompt_tokens=reused, reused_from=source)
-        chunks = prefill(self.model, state.cache, state.ids, PREFILL_CHUNK, decoder)
+        chunks = prefill(self.model, state.cache, state.ids, self.settings.prefill_chunk, decoder)
         while True:
             try:
                 done = next(chunks)
@@ -250,6 +275,7 @@ class Engine:
         committed = 0  # tokens the target committed, the end-of-turn token included
         finish_reason = "length"
         for step in decode(state, decoder, first_logits, max_new_tokens):
+            context = state.ids.shape[0] - len(step.tokens)  # cached when the step began, plus its root
             tokens = step.tokens
             stop_at = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
             if stop_at is not None:
@@ -264,8 +290,8 @@ class Engine:
                 stats.tree_size = max(stats.tree_size, step.drafted + 1)
                 stats.tree_depth = max(stats.tree_depth, step.depth)
             _update_rates(stats, committed, len(new_ids), time.perf_counter() - decode_started)
-            if stage_counts is not None:
-                stats.stages = stage_counts()
+            stats.stages = decoder.stage_counts()
+            stats.predicted_tokens_per_second = prediction.add(step, context, stats.stages, len(new_ids))
             pieces = tuple((stream.add([token]), origin) for token, origin in zip(tokens, step.origins()))
             yield TextDelta("".join(text for text, _ in pieces), tokens, replace(stats), pieces)
             if finish_reason == "stop":
@@ -278,6 +304,47 @@ class Engine:
             yield TextDelta(tail, [], replace(stats), ((tail, "plain"),))
         result = Result(stream.text, new_ids, prompt_length, len(new_ids), mode, finish_reason, stats)
         yield Finished(result)
+
+
+class _Prediction:
+    """The cost model's decode time for the steps an answer took: each target forward at t(n)
+    for its n tokens at its context, plus the forwards of the stages below it (TriForce): the
+    retrieval stage's over its budget, a layer-skip draft's over its window at its share of the
+    layers. The first token is the prefill's and costs no decode time. None without measured
+    step times, or with a stage it cannot price (a separate draft model: not calibrated)."""
+
+    def __init__(self, times: StepTimes | None, model: CausalLM, triforce: TriforceSettings):
+        self.times, self.model, self.triforce = times, model, triforce
+        self.seconds = 0.0
+        self.stage_forwards: dict[str, int] = {}
+        self.steps = 0
+
+    def add(self, step: Step, context: int, stages: dict[str, dict[str, int]], new_tokens: int) -> float | None:
+        self.steps += 1
+        if self.times is None:
+            return None
+        if self.steps > 1:
+            self.seconds += self.times.seconds(step.verified, context)
+        for name, counts in stages.items():
+            forwards = counts.get("forwards", 0)
+            ran, self.stage_forwards[name] = forwards - self.stage_forwards.get(name, 0), forwards
+            cost = self._stage_forward_seconds(name, counts)
+            if cost is None:
+                self.times = None
+                return None
+            self.seconds += ran * cost
+        return new_tokens / self.seconds if self.seconds > 0 else None
+
+    def _stage_forward_seconds(self, name: str, counts: dict[str, int]) -> float | None:
+        if name == "retrieval":
+            # Its cache holds about the budget; a forward verifies the first stage's tokens.
+            forwards = max(counts.get("forwards", 0), 1)
+            tokens = 1 + counts.get("drafted", 0) / forwards
+            return self.times.seconds(round(tokens), self.triforce.budget)
+        if name.startswith("skip"):
+            window = self.triforce.sinks + self.triforce.window
+            return self.times.seconds(1, window) * int(name[len("skip"):]) / self.model.num_layers
+        return None
 
 
 def _update_rates(stats: Stats, committed: int, new_tokens: int, decode_seconds: float) -> None:

@@ -16,6 +16,7 @@ import math
 import platform
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -307,12 +308,14 @@ def _read_curves(path: Path) -> ModelCurves:
 
 
 def measure_curves(model, model_key: str, contexts: list[int], sizes: list[int], refresh: bool = False,
-                   root: Path | None = None, repeats: int = CURVE_REPEATS) -> ModelCurves:
+                   root: Path | None = None, repeats: int = CURVE_REPEATS,
+                   progress: Callable[[str], None] | None = None, measure: bool = True) -> ModelCurves | None:
     """t(n) of `model` (a core.model.CausalLM) at each of `contexts`, from this machine's cache
     when measured before (unless `refresh`), else measured with optimizer.measure_forward_times
     and saved. Contexts are capped by what fits: those past the model's positions are skipped,
     and on a GPU the first that runs out of memory ends the series (the longer ones would too).
-    Use `curve_key` for `model_key`, so the planner finds the curves again."""
+    Use `curve_key` for `model_key`, so the planner finds the curves again. With `measure` False,
+    only the cache is read (None when it has nothing)."""
     path = _curves_path((root or cache_dir()) / probe_key(), model_key)
     if not refresh and path.is_file():
         try:
@@ -321,8 +324,14 @@ def measure_curves(model, model_key: str, contexts: list[int], sizes: list[int],
                 return cached
         except ValueError:
             pass
+    if not measure:
+        return None
     times = []
-    for context in _fitting(model, contexts, sizes):
+    fitting = _fitting(model, contexts, sizes)
+    for index, context in enumerate(fitting):
+        if progress is not None:
+            progress(f"Calibrating on this machine, once: forward times at {context:,} tokens of context "
+                     f"({index + 1}/{len(fitting)})...")
         try:
             times.append(measure_forward_times(model, context, sizes, repeats))
         except MemoryError:

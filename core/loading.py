@@ -10,28 +10,33 @@ from pathlib import Path
 from . import embedded
 from .download import ProgressCallback, download_pair
 from .engine import Engine
+from .hardware import curve_key
+from .runtime import EngineSettings, settings_from_plan
+from .step_calibration import calibrated_step_times
 from .errors import ModelUnavailable, first_line
 from .kv.document_store import DocumentStore
 from .kv.prefix_store import PrefixStore
 from .model import TransformersLM
-from .placement import LoadOptions, draft_options, offload_capacity, target_options
+from .placement import LoadOptions, draft_options, target_options
 from .registry import Registry, UnknownPair, load_registry
 
 DOCUMENT_CACHE_BYTES = 8 * 10**9  # disk for saved document caches, least recently used dropped first
 
 
 def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = print,
-                registry: Registry | None = None, download_progress: ProgressCallback | None = None) -> Engine:
+                registry: Registry | None = None, download_progress: ProgressCallback | None = None,
+                recalibrate: bool = False) -> Engine:
     """Load a pair id from the registry, or a local directory with a config.json.
 
     A Hub pair is downloaded first if it is not in the cache (offline, a missing file is an error
-    that names it); its draft must share the target's tokenizer.
+    that names it); its draft must share the target's tokenizer. The first load on a machine
+    calibrates the target's step times (step_calibration.py); `recalibrate` measures them again.
     """
     registry = registry or load_registry()
     if model_id not in registry.pairs:
         path = Path(model_id)
         if (path / "config.json").is_file():
-            return _load(path, model_id, f"{path.resolve()}@{_newest_weights(path)}")
+            return _load(path, model_id, f"{path.resolve()}@{_newest_weights(path)}", progress, recalibrate)
         if path.exists():
             raise ModelUnavailable(f"no model at {model_id!r}: a model directory needs a config.json")
         if "/" in model_id or os.sep in model_id:
@@ -42,18 +47,24 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
     plan = _plan(pair, registry)
     options = target_options(plan, pair.target)
     if pair.source == "embedded":
-        engine = _load(embedded.ensure_converted(progress), embedded.EMBEDDED_ID,
-                       f"{embedded.EMBEDDED_ID}@conversion-{embedded.CONVERSION_VERSION}", options)
-        return _follow_plan(engine, plan)
-    progress(f"Checking {pair.name}...")
-    paths = download_pair(pair, download_progress)
-    progress(f"Loading {pair.target.repo}...")
-    engine = _load(paths["target"], pair.id, f"{pair.target.repo}@{pair.target.revision}", options)
-    draft = draft_options(plan)
-    if "draft" in paths and draft is not None:
+        path, name = embedded.ensure_converted(progress), embedded.EMBEDDED_ID
+        weights_key = f"{embedded.EMBEDDED_ID}@conversion-{embedded.CONVERSION_VERSION}"
+        paths = {"target": path}
+    else:
+        progress(f"Checking {pair.name}...")
+        paths = download_pair(pair, download_progress)
+        progress(f"Loading {pair.target.repo}...")
+        name, weights_key = pair.id, f"{pair.target.repo}@{pair.target.revision}"
+    tokenizer, model = _load_model(paths["target"], options)
+    draft, draft_name = None, ""
+    if "draft" in paths and draft_options(plan) is not None:
         progress(f"Loading the draft {pair.draft.repo}...")
-        _attach_draft(engine, paths["draft"], pair.draft.repo, draft)
-    return _follow_plan(engine, plan)
+        draft, draft_name = _load_draft(tokenizer, model, paths["draft"], pair.draft.repo, draft_options(plan)), pair.draft.repo
+    times = calibrated_step_times(model, curve_key(pair.target.repo, pair.target.revision, plan.weights),
+                                  plan.context, progress, recalibrate)
+    return Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
+                  settings=settings_from_plan(plan, times, draft is not None), draft=draft, draft_name=draft_name,
+                  plan=plan)
 
 
 def _plan(pair, registry: Registry):
@@ -67,43 +78,27 @@ def _plan(pair, registry: Registry):
     return make_plan(load_or_probe(), pair, pair.context_length, registry=registry)
 
 
-def _follow_plan(engine: Engine, plan) -> Engine:
-    """What the plan decides beyond loading: where the full KV lives, what `--mode auto` runs,
-    and TriForce's budgets."""
-    from .decoding import TriforceSettings
-
-    engine.plan, engine.auto_mode = plan, plan.mode
-    capacity = offload_capacity(plan)
-    if capacity is not None:
-        # An offloaded cache is pinned memory the size of the whole context: one conversation at a
-        # time, so no kept prefixes or saved documents (which copy caches) for now.
-        engine.model.offload_capacity = capacity
-        engine.prefixes, engine.documents = PrefixStore(0), None
-    if plan.mode == "triforce":
-        gamma2 = plan.gamma2 or TriforceSettings.gamma2
-        engine.triforce = TriforceSettings(
-            draft="pair" if engine.draft is not None else "lookup",
-            gamma1=plan.gamma1 or TriforceSettings.gamma1, gamma2=gamma2,
-            budget=plan.retrieval_budget, chunk_size=plan.retrieval_chunk,
-            # With the KV offloaded a rebuild streams every layer once more (scoring reads all
-            # keys), so it waits for a few verifications' worth of tokens instead of one.
-            stride=TriforceSettings.stride if capacity is None else 4 * gamma2,
-            sinks=plan.draft_sinks or TriforceSettings.sinks, window=plan.draft_window or TriforceSettings.window)
-    return engine
+def _load(path: Path, name: str, weights_key: str, progress: Callable[[str], None], recalibrate: bool) -> Engine:
+    """A local model directory, without a plan: fp32 on the CPU, calibrated like a pair."""
+    tokenizer, model = _load_model(path, None)
+    times = calibrated_step_times(model, curve_key(str(path.resolve()), weights_key, "float32"),
+                                  model.context_length, progress, recalibrate)
+    return Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
+                  settings=EngineSettings(step_times=times))
 
 
-def _load(path: Path, name: str, weights_key: str, options: LoadOptions | None = None) -> Engine:
-    """`weights_key` names these exact weights; with the dtype it keys saved document caches."""
+def _load_model(path: Path, options: LoadOptions | None):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = TransformersLM.from_pretrained(path, options)
+        return AutoTokenizer.from_pretrained(path), TransformersLM.from_pretrained(path, options)
     except (OSError, ValueError) as error:
         raise ModelUnavailable(f"cannot load the model at {path}: {first_line(error) or type(error).__name__}") from None
-    documents = DocumentStore(embedded.cache_root() / "documents", f"{weights_key}:{model.hf.dtype}",
-                              DOCUMENT_CACHE_BYTES)
-    return Engine(model, tokenizer, name, documents=documents)
+
+
+def _document_store(weights_key: str, model: TransformersLM) -> DocumentStore:
+    """`weights_key` names these exact weights; with the dtype it keys saved document caches."""
+    return DocumentStore(embedded.cache_root() / "documents", f"{weights_key}:{model.hf.dtype}", DOCUMENT_CACHE_BYTES)
 
 
 def _newest_weights(path: Path) -> int:
@@ -111,16 +106,16 @@ def _newest_weights(path: Path) -> int:
     return max((int(file.stat().st_mtime) for file in path.glob("*.safetensors")), default=0)
 
 
-def _attach_draft(engine: Engine, path: Path, name: str, options: LoadOptions | None = None) -> None:
+def _load_draft(target_tokenizer, target: TransformersLM, path: Path, name: str,
+                options: LoadOptions | None = None) -> TransformersLM:
     """Load the draft, padded to the target's logits width (some pairs pad their embeddings
     differently), after checking that it tokenizes exactly as the target does."""
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        if tokenizer.get_vocab() != engine.tokenizer.get_vocab():
+        if tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise ModelUnavailable(f"the draft {name} does not share the target's tokenizer: not a speculation pair")
-        draft = TransformersLM.from_pretrained(path, options, vocab_size=engine.model.vocab_size)
+        return TransformersLM.from_pretrained(path, options, vocab_size=target.vocab_size)
     except (OSError, ValueError) as error:
         raise ModelUnavailable(f"cannot load the draft at {path}: {first_line(error) or type(error).__name__}") from None
-    engine.draft, engine.draft_name = draft, name

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from .cpu_linear import use_few_row_linear
 from .kv.full import FullCache
 from .kv.offload import OffloadedCache
 from .kv.queries import ATTENTION, new_tokens_see_the_past
@@ -54,10 +55,12 @@ def _bitsandbytes(quantization: str, compute_dtype: torch.dtype):
 class TransformersLM:
     """A transformers causal LM (batch of one) behind the `CausalLM` interface."""
 
-    def __init__(self, hf_model, vocab_size: int | None = None):
+    def __init__(self, hf_model, vocab_size: int | None = None, offload_capacity: int | None = None,
+                 cpu_attention: bool = False):
         self.hf = hf_model.eval()
         # SDPA that can also record queries, which the retrieval cache scores with (kv/queries.py).
         self.hf.set_attn_implementation(ATTENTION)
+        use_few_row_linear(self.hf)  # cheap verification forwards on the CPU (cpu_linear.py)
         config = hf_model.config
         own_width = hf_model.get_output_embeddings().weight.shape[0]
         # A draft whose embeddings are padded less than its target's answers with the target's
@@ -68,7 +71,8 @@ class TransformersLM:
         eos = getattr(hf_model.generation_config, "eos_token_id", None)
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         # Positions of full KV kept in (pinned) CPU memory and streamed per layer; None: on the device.
-        self.offload_capacity: int | None = None
+        self.offload_capacity = offload_capacity
+        self.cpu_attention = cpu_attention  # attend over the offloaded KV where it lies
 
     @classmethod
     def from_pretrained(cls, path: Path | str, options: LoadOptions | None = None,
@@ -90,7 +94,8 @@ class TransformersLM:
                 config.max_position_embeddings = int(
                     options.rope_scaling["original_max_position_embeddings"] * options.rope_scaling["factor"])
                 kwargs["config"] = config
-        return cls(AutoModelForCausalLM.from_pretrained(path, **kwargs), vocab_size)
+        offload = (options.offload_capacity, options.cpu_attention) if options is not None else (None, False)
+        return cls(AutoModelForCausalLM.from_pretrained(path, **kwargs), vocab_size, *offload)
 
     def truncated(self, num_layers: int) -> "TransformersLM":
         """A layer-skip self-draft: the first `num_layers` decoder layers, then the final norm and
@@ -127,7 +132,8 @@ class TransformersLM:
 
     def new_cache(self) -> FullCache | OffloadedCache:
         if self.offload_capacity is not None:
-            return OffloadedCache(self.hf.config, self.offload_capacity, self.device, self.hf.dtype)
+            return OffloadedCache(self.hf.config, self.offload_capacity, self.device, self.hf.dtype,
+                                  cpu_attention=self.cpu_attention)
         return FullCache(self.hf.config)
 
     @torch.inference_mode()

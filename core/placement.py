@@ -17,12 +17,15 @@ class LoadOptions:
     device_map: str | dict[str, str]  # one device, or module name -> device (layers split over GPUs)
     quantization: str | None  # None, "int8" or "nf4" (bitsandbytes)
     rope_scaling: dict | None  # applied to the config to reach the plan's context
+    offload_capacity: int | None = None  # positions of full KV kept in pinned CPU memory (None: on the device)
+    cpu_attention: bool = False  # with the KV offloaded: attend over it on the CPU instead of streaming it
 
 
 def target_options(plan: Plan, spec: ModelSpec) -> LoadOptions:
     quantization = plan.weights if plan.weights in ("int8", "nf4") else None
     dtype = "bfloat16" if quantization else DTYPES.get(plan.weights, "float32")
-    return LoadOptions(dtype, _device_map(plan), quantization, _rope_scaling(plan, spec))
+    return LoadOptions(dtype, _device_map(plan), quantization, _rope_scaling(plan, spec), offload_capacity(plan),
+                       plan.kv_device == "cpu-pinned" and plan.kv_attention == "cpu")
 
 
 def draft_options(plan: Plan) -> LoadOptions | None:

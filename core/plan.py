@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass, field, replace
 from .errors import InputError
 from .files import human_size
 from .hardware import HardwareProfile, curve_key
+from .modes import MODES
 from .registry import DTYPE_BYTES, ModelPair, ModelSpec, Registry
 
-MODES = ("plain", "chain", "tree", "triforce")
 QUANTIZATIONS = ("none", "int8", "nf4")  # the order they are tried in: most precise first
 
 VRAM_MARGIN_SHARE = 0.10
@@ -56,8 +56,12 @@ GAMMA1 = 2  # TriForce's optimum for the draft -> retrieval stage (Llama2-7B-128
 DEFAULT_GAMMA2 = 6  # TriForce's optimum, when the bandwidths are not measured
 MAX_GAMMA2 = 64
 RETRIEVAL_ACCEPTANCE = 0.9  # TriForce measured above 0.9 for the retrieval stage, also at T = 1
+# Unconditional chance that the k-th child (by rank) is the one the full verification accepts, for
+# the retrieval stage (the target itself over a retrieval cache): mostly its first choice. A stated
+# default until measured per pair.
+RETRIEVAL_SIBLING_ACCEPTANCE = (0.9, 0.04, 0.02, 0.01)
 DRAFT_ACCEPTANCE = 0.8  # the small draft against the retrieval stage, until calibrated (assumed)
-DEFAULT_CHAIN = 4
+MAX_CHAIN = 16  # draft tokens per chain verification at most (the cost model picks each length)
 DEFAULT_TREE = (16, 4)
 MAX_TREE_DEPTH = 12
 PREFILL_CHUNK_CPU = 1024  # as the engine's prefill
@@ -140,6 +144,9 @@ class Plan:
     reasons: dict[str, str] = field(default_factory=dict)  # choice -> one line
     # With the full KV offloaded: "gpu" streams it to the GPU per layer, "cpu" attends where it lies.
     kv_attention: str = "gpu"
+    # TriForce's final verification: "chain" (gamma2 tokens) or "tree" (the tree_size/tree_depth
+    # Sequoia tree, grown by the retrieval stage).
+    triforce_verify: str = "chain"
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -440,7 +447,7 @@ def _finish(layout: _Layout, tried: list[_Layout], reasons: dict) -> Plan:
     reasons["weights"] = _weights_reason(layout, tried)
     reasons["placement"] = _placement_reason(layout)
     reasons["kv"] = _kv_reason(layout)
-    mode, gamma1, gamma2, tree = _speculation(layout, reasons)
+    mode, gamma1, gamma2, tree, verify = _speculation(layout, reasons)
     if layout.retrieval is not None:
         budget, chunk = layout.retrieval
         reasons["retrieval"] = (f"{budget:,}-token retrieval cache in {chunk}-token chunks: TriForce's budget; "
@@ -462,7 +469,7 @@ def _finish(layout: _Layout, tried: list[_Layout], reasons: dict) -> Plan:
         draft_window=layout.draft_window if layout.draft is not None else None,
         gamma1=gamma1, gamma2=gamma2, tree_size=tree[0], tree_depth=tree[1],
         prefill_chunk=layout.prefill_chunk, memory=tuple(layout.items), devices=layout.devices, reasons=reasons,
-        kv_attention=_kv_attention(layout, reasons))
+        kv_attention=_kv_attention(layout, reasons), triforce_verify=verify)
 
 
 def _weights_reason(layout: _Layout, tried: list[_Layout]) -> str:
@@ -548,8 +555,8 @@ def _prefill_reason(layout: _Layout) -> str:
             f"written before it ({human_size(moved)} in all{time}); activations about {act}")
 
 
-def _speculation(layout: _Layout, reasons: dict) -> tuple[str, int | None, int | None, tuple[int, int]]:
-    """(mode, gamma1, gamma2, (tree n, d)) with their reasons."""
+def _speculation(layout: _Layout, reasons: dict) -> tuple[str, int | None, int | None, tuple[int, int], str]:
+    """(mode, gamma1, gamma2, (tree n, d), TriForce's final verification) with their reasons."""
     tree, tree_pays, chain = _tree(layout, reasons)
     mode = layout.mode
     if mode == "speculate":
@@ -558,21 +565,59 @@ def _speculation(layout: _Layout, reasons: dict) -> tuple[str, int | None, int |
             reasons["mode"] = f"tree: the optimizer's tree beats the best chain ({tree_pays.reason})"
         else:
             mode = "chain"
-            reasons["mode"] = ("chain: " + (chain.reason if chain else
-                               "the cheap mode until t(n) and an acceptance vector are measured "
-                               "(`specchat profile`, `specchat calibrate`)"))
+            reasons["mode"] = "chain: " + (chain.reason if chain else
+                                           "prompt lookup drafts from the document and the conversation, for free")
     gamma1 = gamma2 = None
+    verify = "chain"
     if mode == "chain":
-        gamma1 = chain.size - 1 if chain and chain.size > 1 else DEFAULT_CHAIN
-        reasons["gammas"] = f"gamma = {gamma1} draft tokens per verification" + (
-            ": the optimizer's best chain" if chain and chain.size > 1 else ": a stated default (no measured chain)")
+        gamma1 = MAX_CHAIN
+        reasons["gammas"] = (f"up to {gamma1} draft tokens per verification, each length chosen as the answer goes "
+                             f"by the cost model, from the answer's acceptance so far and " + _step_times_source(layout))
     elif mode == "triforce":
         gamma1 = GAMMA1 if layout.draft is not None else None
-        gamma2, why = _gamma2(layout)
+        gamma2, why, costs = _gamma2(layout)
         first = f"gamma1 = {GAMMA1} (TriForce's optimum) draft tokens per retrieval verification; " \
             if gamma1 else "no draft model: the retrieval stage drafts alone; "
         reasons["gammas"] = first + why
-    return mode, gamma1, gamma2, tree
+        verify, tree = _triforce_verify(layout, costs, gamma2, tree, reasons)
+    return mode, gamma1, gamma2, tree, verify
+
+
+def _triforce_verify(layout: _Layout, costs: tuple[float, float] | None, gamma2: int, tree: tuple[int, int],
+                     reasons: dict) -> tuple[str, tuple[int, int]]:
+    """A Sequoia tree as TriForce's final verification where the optimizer's tree beats the
+    gamma2 chain: Speedup = G(n, d) / (t(n) + d c), c = one middle-stage token / one full
+    verification, against E(gamma2) / (t(gamma2 + 1) + gamma2 c) for the chain (both in full
+    verifications' time)."""
+    from .spec.optimizer import choose_tree
+
+    target = layout.pair.target
+    curves = layout.profile.curves_for(curve_key(target.repo, target.revision, layout.weights_label()))
+    if costs is None or curves is None:
+        reasons["triforce_verify"] = ("chain: a tree needs t(n) and the bandwidths measured on this machine "
+                                      "(the first use calibrates)")
+        return "chain", tree
+    t_mid, t_full = costs
+    times, c = curves.at(layout.context), t_mid / t_full
+    a2 = layout.overrides.retrieval_acceptance or RETRIEVAL_ACCEPTANCE
+    chain = _expected_tokens(gamma2, a2) / (times.relative(gamma2 + 1) + gamma2 * c)
+    choice = choose_tree(list(RETRIEVAL_SIBLING_ACCEPTANCE), times, c, max(2, times.sizes[-1]), MAX_TREE_DEPTH)
+    if choice.size > 1 and choice.speedup > chain:
+        reasons["triforce_verify"] = f"tree n={choice.size}, d={choice.depth}: beats the chain's {chain:.2f}x ({choice.reason})"
+        return "tree", (choice.size, choice.depth)
+    reasons["triforce_verify"] = f"chain: {chain:.2f}x over plain, the best tree {choice.speedup:.2f}x ({choice.reason})"
+    return "chain", tree
+
+
+def _step_times_source(layout: _Layout) -> str:
+    """Where the cost model's t(n) comes from: measured here, or the stated default."""
+    target = layout.pair.target
+    curves = layout.profile.curves_for(curve_key(target.repo, target.revision, layout.weights_label()))
+    if curves is None:
+        return "a stated t(n) until the first use calibrates this machine (`specchat calibrate`)"
+    times = curves.at(min(layout.context, 2048))
+    shown = ", ".join(f"t({n}) = {times.relative(n):.2f}" for n in (2, 4, 8) if n <= times.sizes[-1])
+    return f"t(n) measured on this machine ({shown} at {times.context:,} tokens of context)"
 
 
 def _tree(layout: _Layout, reasons: dict):
@@ -614,7 +659,7 @@ def _acceptance(layout: _Layout) -> tuple[tuple[float, ...] | None, float | None
     return overrides.acceptance, cost
 
 
-def _gamma2(layout: _Layout) -> tuple[int, str]:
+def _gamma2(layout: _Layout) -> tuple[int, str, tuple[float, float] | None]:
     """Tokens per full verification g maximizing E(g, a2) / (g T_mid + T_full), E(g, a) =
     (1 - a^(g+1)) / (1 - a) (algorithms.md section 1).
 
@@ -626,7 +671,8 @@ def _gamma2(layout: _Layout) -> tuple[int, str]:
     memory_rate = _slowest(layout, "memory_bytes_per_s")
     h2d = _slowest(layout, "host_to_device_bytes_per_s")
     if memory_rate is None or (not layout.kv_on_chip and h2d is None):
-        return DEFAULT_GAMMA2, f"gamma2 = {DEFAULT_GAMMA2}: TriForce's optimum (bandwidths not measured on this machine)"
+        return (DEFAULT_GAMMA2, f"gamma2 = {DEFAULT_GAMMA2}: TriForce's optimum (bandwidths not measured on this machine)",
+                None)
     _, head, body = weight_parts(layout.pair.target, layout.quantization, layout.dtype_bytes)
     weights = head + body
     t_mid = (weights + layout.retrieval[0] * layout.kv_per_token) / memory_rate
@@ -650,7 +696,7 @@ def _gamma2(layout: _Layout) -> tuple[int, str]:
     speedup = _expected_tokens(best, a2) * t_full / (best * t_mid + t_full)
     return best, (f"gamma2 = {best}: a full verification ({full}) costs {t_full * 1e3:.0f} ms against {middle}; "
                   f"at retrieval acceptance {a2:.2f}, {best} tokens per full verification give the most tokens "
-                  f"per second, about {speedup:.2f}x plain decoding")
+                  f"per second, about {speedup:.2f}x plain decoding"), (t_mid, t_full)
 
 
 def _expected_tokens(gamma: int, acceptance: float) -> float:

@@ -278,11 +278,8 @@ def document() -> str:
 
 def engine_modes(engine) -> list[str]:
     """The modes compared with plain: chain, tree, triforce with its first stage, triforce with a
-    tree as its final verification (where the engine's TriForce settings take one), auto."""
-    modes = ["chain", "tree", "triforce"]
-    if hasattr(engine.triforce, "tree"):
-        modes.append("triforce-tree")
-    return modes + ["auto"]
+    tree as its final verification, auto."""
+    return ["chain", "tree", "triforce", "triforce-tree", "auto"]
 
 
 class PlainReference:
@@ -305,19 +302,15 @@ def greedy_identity(engine, mode: str, reference: PlainReference) -> CheckResult
     divergence where the target's two candidates tie to within rounding (bf16 on a GPU, say) is
     reported as such and passes: which one wins depends on the forward's shape, not on the
     decoder; a broken decoder diverges where the target clearly prefers plain's token."""
-    label = {"triforce": f"triforce (first stage {engine.triforce.draft or 'none'})",
+    label = {"triforce": f"triforce (first stage {engine.settings.triforce.draft or 'none'})",
              "triforce-tree": f"triforce with a {TRIFORCE_TREE.size}-node tree as final verification",
              "auto": f"auto (= {engine.auto_mode})"}.get(mode, mode)
 
     def body():
         prompt, plain = reference.get()
-        saved = engine.triforce
-        if mode == "triforce-tree":
-            engine.triforce = replace(saved, tree=TRIFORCE_TREE)
-        try:
-            result = _greedy(engine, prompt, "triforce" if mode == "triforce-tree" else mode, reference.new_tokens)
-        finally:
-            engine.triforce = saved
+        triforce = replace(engine.settings.triforce, tree=TRIFORCE_TREE) if mode == "triforce-tree" else None
+        result = _greedy(engine, prompt, "triforce" if mode == "triforce-tree" else mode, reference.new_tokens,
+                         triforce)
         stats = result.stats
         drafts = f"{stats.accepted_draft_tokens} of {stats.drafted_tokens} draft tokens accepted"
         if result.token_ids == plain.token_ids:
@@ -349,10 +342,10 @@ def _logit_gap(engine, ids: list[int], chosen: int, other: int) -> tuple[float, 
     return float(logits[chosen] - logits[other]), rounding
 
 
-def _greedy(engine, prompt: list[int], mode: str, new_tokens: int):
+def _greedy(engine, prompt: list[int], mode: str, new_tokens: int, triforce=None):
     from .engine import Finished
 
-    finished = [event for event in engine.generate(prompt, new_tokens, SamplingParams(), mode)
+    finished = [event for event in engine.generate(prompt, new_tokens, SamplingParams(), mode, triforce=triforce)
                 if isinstance(event, Finished)]
     return finished[-1].result
 

@@ -44,7 +44,7 @@ def api_app(handle: EngineHandle) -> FastAPI:
 @contextlib.contextmanager
 def serving_api(engine, **line_options) -> Iterator[tuple[str, EngineHandle]]:
     """Serve `engine` (already loaded); yields the server's URL (no trailing slash) and handle."""
-    handle = EngineHandle(lambda _model: engine, engine.name, **line_options)
+    handle = EngineHandle(lambda _model, _progress: engine, engine.name, **line_options)
     app = api_app(handle)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the Hub
+# Tests check decoding, not this machine's speed: no first-use calibration (step_calibration.py),
+# in this process and the `specchat` processes the tests start.
+os.environ.setdefault("SPECCHAT_CALIBRATE", "0")
 DATA = Path(__file__).parent / "data"
 
 

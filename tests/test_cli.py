@@ -130,6 +130,24 @@ def test_calibrate_and_bench_on_a_tiny_model(tiny_model_dir, tmp_path, monkeypat
     assert all(row["identical_to_plain"] for row in report["decode"].values())
     assert report["optimizer_choice"]["reason"]
 
+    other = tmp_path / "other.txt"
+    other.write_text("Rules: one, two, three. Again: one, two, three. And once more: one, two. " * 4)
+    completed = specchat("bench", "--suite", "auto", "--model", tiny_model_dir, "--documents", document, other,
+                         "--max-new-tokens", "12", "--repeats", "2", "--out", tmp_path / "auto")
+    assert completed.returncode == 0, completed.stderr
+    report = json.loads(next((tmp_path / "auto").glob("*.json")).read_text())
+    assert report["calibrated"] and report["all_identical_to_plain"] and len(report["documents"]) == 2
+    assert all(doc["auto_prediction_error"] is not None for doc in report["documents"].values())
+
+    answers = {}
+    for mode, extra in (("plain", ()), ("triforce", ("--triforce-verify", "tree", "--retrieval-budget", "80"))):
+        completed = specchat("generate", "--model", tiny_model_dir, "--document", document, "--prompt", "Go on.",
+                             "--mode", mode, *extra, "--max-new-tokens", "24", "--json")
+        assert completed.returncode == 0, completed.stderr
+        answers[mode] = json.loads(completed.stdout)
+    assert answers["triforce"]["token_ids"] == answers["plain"]["token_ids"]
+    assert answers["triforce"]["stats"]["tree_size"] > 2  # a tree, not a chain, was verified
+
     completed = specchat("bench", "--suite", "prefill", "--model", tiny_model_dir, "--document", document,
                          "--max-new-tokens", "8", "--out", tmp_path / "prefill")
     assert completed.returncode == 0, completed.stderr

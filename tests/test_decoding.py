@@ -9,6 +9,7 @@ from specchat.core.selftest import chi_square_p_value
 from conftest import tiny_llama
 from specchat.core.decoding import ChainDecoder, DecodeState, decode, make_decoder, prefill_all
 from specchat.core.spec.drafters import PromptLookupDrafter
+from specchat.core.spec.lookahead import CostModelLookahead, FixedLookahead
 from specchat.core.sampling import SamplingParams, make_generator, warp
 
 
@@ -80,13 +81,22 @@ def exact_sequence_probs(model, prompt, params, length):
     return probs
 
 
+def adaptive_lookahead():
+    """The cost model with a verification cost that makes its choice move with acceptance."""
+    return CostModelLookahead(lambda n, context: 1 + 0.25 * (n - 1), most=3)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_p=0.9)])
-def test_sampled_chain_speculation_samples_from_the_target(params):
+@pytest.mark.parametrize("params, lookahead", [
+    (SamplingParams(temperature=1.0), lambda: FixedLookahead(3)),
+    (SamplingParams(temperature=0.6, top_p=0.9), lambda: FixedLookahead(3)),
+    (SamplingParams(temperature=1.0), adaptive_lookahead)], ids=["T1", "T0.6-p0.9", "T1-adaptive"])
+def test_sampled_chain_speculation_samples_from_the_target(params, lookahead):
     """End to end through the model, cache rollback and verification: the first four tokens
     of sampled chain decoding follow the target's exact sequence distribution. The prompt
     repeats and unigram matches are allowed, so prompt lookup drafts at every step after the
-    first, and drafts are both accepted and rejected."""
+    first, and drafts are both accepted and rejected. With the cost model the draft length
+    follows acceptance from step to step: only proposals change, so the law must not."""
     model = tiny_llama(7, vocab_size=5, weight_scale=20.0)
     prompt = [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
     exact = exact_sequence_probs(model, prompt, params, 4)
@@ -96,7 +106,7 @@ def test_sampled_chain_speculation_samples_from_the_target(params):
     samples = 2500
     for sample in range(samples):
         run_params = SamplingParams(params.temperature, params.top_k, params.top_p, seed=sample)
-        decoder = ChainDecoder(PromptLookupDrafter(model.vocab_size, max_ngram=2, min_ngram=1), lookahead=3)
+        decoder = ChainDecoder(PromptLookupDrafter(model.vocab_size, max_ngram=2, min_ngram=1), lookahead())
         tokens, steps = run(model, prompt, "chain", run_params, 4, decoder)
         counts[tuple(tokens)] += 1
         drafted += sum(s.drafted for s in steps)

@@ -25,7 +25,7 @@ WAIT = 10  # seconds: every wait in these tests is bounded
 
 @pytest.fixture
 def handle():
-    handle = EngineHandle(lambda model: f"engine:{model}", "fake", max_waiting=3, stall_seconds=0.5)
+    handle = EngineHandle(lambda model, progress: f"engine:{model}", "fake", max_waiting=3, stall_seconds=0.5)
     yield handle
     handle.close()
 
@@ -175,7 +175,7 @@ def test_call_runs_a_function_alone_on_the_engine_thread(handle):
 
 
 def test_a_model_that_failed_to_load_fails_each_job_with_its_reason():
-    def load(model):
+    def load(model, progress):
         raise OSError("no such model")
 
     handle = EngineHandle(load, "missing")
@@ -240,3 +240,23 @@ def test_out_of_memory_ends_the_answer_clearly_and_the_engine_recovers(tiny_engi
     monkeypatch.setattr(tiny_engine.model, "forward", forward)
     *_, finished = tiny_engine.generate(ids, 5, SamplingParams(), "plain")
     assert finished.result.new_tokens >= 1 and finished.result.finish_reason in ("stop", "length")
+
+
+def test_the_loading_models_progress_lines_reach_the_page_until_it_is_loaded():
+    noted, release = threading.Event(), threading.Event()
+
+    def load(model, progress):
+        progress("Calibrating on this machine, once: forward times at 256 tokens of context (1/4)...")
+        noted.set()
+        release.wait(5)
+        return f"engine:{model}"
+
+    handle = EngineHandle(load, "fake")
+    try:
+        assert noted.wait(5)
+        assert handle.status() == "loading" and handle.progress().startswith("Calibrating on this machine")
+        release.set()
+        assert handle.get(5) == "engine:fake" and handle.progress() == ""
+    finally:
+        release.set()
+        handle.close()

@@ -12,6 +12,7 @@ from specchat.core.kv.queries import record_queries
 from specchat.core.kv.retrieval import RetrievalCache
 from specchat.core.kv.streaming import StreamingCache
 from specchat.core.sampling import SamplingParams
+from specchat.core.tree_choice import triforce_tree
 
 PASSPHRASE = "violet kangaroo 7342"
 BUDGET = 1024
@@ -26,8 +27,8 @@ def needle_prompt(engine) -> list[int]:
     return engine.chat_ids([{"role": "user", "content": f"{document}\n\n{question}"}])
 
 
-def answer(engine, ids, mode):
-    events = list(engine.generate(ids, 40, SamplingParams(), mode))
+def answer(engine, ids, mode, triforce=None):
+    events = list(engine.generate(ids, 40, SamplingParams(), mode, triforce=triforce))
     assert isinstance(events[-1], Finished)
     return events[-1].result
 
@@ -52,12 +53,16 @@ def test_triforce_and_the_retrieval_cache_on_a_7k_document_with_a_needle(embedde
     assert 7000 < len(ids) < model.context_length - 64
     plain = answer(engine, ids, "plain")
     assert PASSPHRASE in plain.text  # the target itself recalls the needle
-    engine.triforce = TriforceSettings(draft="lookup", budget=BUDGET)
-    triforce = answer(engine, ids, "triforce")  # reuses the prompt's KV from the plain answer
+    triforce = answer(engine, ids, "triforce", TriforceSettings(draft="lookup", budget=BUDGET))  # reuses the prompt's KV from the plain answer
     assert triforce.token_ids == plain.token_ids
     stages = triforce.stats.stages["retrieval"]
     assert stages["builds"] >= 3 and stages["forwards"] > triforce.stats.target_forwards
     assert triforce.stats.target_forwards < plain.stats.target_forwards
+    # `--triforce-verify tree`: the final verification checks the optimizer's Sequoia tree.
+    tree = triforce_tree(engine.settings, len(ids))
+    with_tree = answer(engine, ids, "triforce", TriforceSettings(draft="", budget=BUDGET, tree=tree))
+    assert with_tree.token_ids == plain.token_ids
+    assert with_tree.stats.tree_size == tree.size and with_tree.stats.stages["retrieval"]["builds"] >= 3
 
     # The full cache of the prompt and the answer, with the queries of every answer position.
     taken = engine.prefixes.take(ids + plain.token_ids + [0])

@@ -19,7 +19,7 @@ def plan(profile, pair_id, context):
 def test_a_12_gb_card_loads_llama_in_4_bit_with_the_kv_offloaded():
     chosen = plan("rtx3060-12gb", "llama3.1-8b", 128 * K)
     options = target_options(chosen, REGISTRY.get("llama3.1-8b").target)
-    assert options == LoadOptions("bfloat16", "cuda:0", "nf4", None)
+    assert options == LoadOptions("bfloat16", "cuda:0", "nf4", None, 128 * K, chosen.kv_attention == "cpu")
     assert offload_capacity(chosen) == 128 * K
     assert draft_options(chosen) is None  # the plan leaves the draft out
 

@@ -267,3 +267,28 @@ def test_offloaded_attention_runs_where_it_measured_faster():
         assert "measured" in plan.reasons["kv_attention"] or cpu_rate is None
     on_chip = make_plan(profile, REGISTRY.get("qwen2.5-7b"), 32 * 1024)
     assert on_chip.kv_device.startswith("cuda") and on_chip.kv_attention == "gpu"
+
+
+def test_triforce_verifies_a_tree_where_the_optimizer_says_it_beats_the_chain():
+    """With t(n) measured, TriForce's final verification becomes the optimizer's Sequoia tree
+    where it beats the gamma2 chain (a GPU's flat t(n)), smaller where verification is dear;
+    unmeasured, a chain with the reason why."""
+    profile, pair = PROFILES["2x-rtx4090"], REGISTRY.get("llama3.1-8b")
+    unmeasured = make_plan(profile, pair, 131072)
+    assert unmeasured.mode == "triforce" and unmeasured.triforce_verify == "chain"
+    assert "measured" in unmeasured.reasons["triforce_verify"]
+    key = curve_key(pair.target.repo, pair.target.revision, unmeasured.weights)
+
+    def with_t(ratios):
+        times = ForwardTimes(sizes=(1, 8, 16, 32, 64), ratios=ratios, one_token_seconds=0.03, context=131072,
+                             device="synthetic")
+        return make_plan(profile.with_curves(ModelCurves(key, (times,))), pair, 131072)
+
+    flat = with_t((1.0, 1.01, 1.02, 1.05, 1.1))
+    assert flat.triforce_verify == "tree" and flat.tree_size > flat.gamma2 + 1
+    assert "beats the chain" in flat.reasons["triforce_verify"]
+    from specchat.core.runtime import settings_from_plan
+    assert settings_from_plan(flat).triforce.tree.size == flat.tree_size
+    steep = with_t((1.0, 4.0, 8.0, 16.0, 32.0))  # dear verification: a smaller tree, if any
+    assert steep.triforce_verify == "chain" or steep.tree_size < flat.tree_size
+    assert settings_from_plan(unmeasured).triforce.tree is None

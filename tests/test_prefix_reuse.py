@@ -15,6 +15,7 @@ from conftest import DATA, tiny_llama
 from specchat.app.documents import document_tokens, user_turn
 from specchat.app.terminal import run_chat
 from specchat.core.engine import Engine, Finished, Notice, PrefillProgress
+from specchat.core.runtime import EngineSettings
 from specchat.core.kv.document_store import DocumentStore
 from specchat.core.kv.prefix_store import PrefixStore, common_prefix_length
 from specchat.core.model import TransformersLM
@@ -87,9 +88,9 @@ def tiny_engine_parts(tiny_model_dir):
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def engine_with(parts, budget=UNLIMITED, documents=None) -> Engine:
+def engine_with(parts, budget=UNLIMITED, documents=None, settings=EngineSettings()) -> Engine:
     model, tokenizer = parts
-    return Engine(model, tokenizer, "tiny", prefixes=PrefixStore(budget), documents=documents)
+    return Engine(model, tokenizer, "tiny", prefixes=PrefixStore(budget), documents=documents, settings=settings)
 
 
 def run(engine, messages, mode="plain", max_new_tokens=12, params=SamplingParams(), **kwargs):
@@ -127,11 +128,8 @@ def test_a_follow_up_prefills_only_its_new_tokens_and_answers_as_from_scratch(ti
     assert from_scratch.stats.reused_prompt_tokens == 0
 
 
-def test_a_stopped_prefill_is_picked_up_where_it_stopped(tiny_engine_parts, monkeypatch):
-    from specchat.core import engine as engine_module
-
-    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 16)
-    engine = engine_with(tiny_engine_parts)
+def test_a_stopped_prefill_is_picked_up_where_it_stopped(tiny_engine_parts):
+    engine = engine_with(tiny_engine_parts, settings=EngineSettings(prefill_chunk=16))
     cancel = threading.Event()
     ids = engine.chat_ids(conversation("")[:1])
     for event in engine.generate(ids, 8, SamplingParams(), "plain", cancel):

@@ -178,3 +178,9 @@ def test_the_speculation_view_escapes_what_came_from_outside():
     assert table.splitlines()[-1].startswith(r"| &lt;img src=x&gt;\|extra column | 1 |")
     line = stats_line({"tokens_per_second": 1.0}, "`x` <img src=y>")
     assert not loads_something(line) and line.endswith("mode `x <img src=y>`")
+
+
+def test_the_figures_line_shows_the_cost_models_prediction_next_to_the_measured_speed():
+    assert "12.0 tok/s** (cost model: 10.5)" in stats_line(
+        {"tokens_per_second": 12.0, "predicted_tokens_per_second": 10.5}, "chain")
+    assert "cost model" not in stats_line({"tokens_per_second": 12.0, "predicted_tokens_per_second": None}, "chain")

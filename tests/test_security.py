@@ -44,7 +44,7 @@ def server(tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv("SPECCHAT_MAX_UPLOAD_MB", "1")  # an oversized upload in a second
-        handle = EngineHandle(lambda model: load_engine(model, progress=lambda _: None), str(tiny_model_dir))
+        handle = EngineHandle(lambda model, progress: load_engine(model, progress=progress), str(tiny_model_dir))
         app = build_app(handle, HistoryStore(tmp_path_factory.mktemp("conversations")), api_key=KEY,
                         allowed_hosts=[ALLOWED])
         port = free_port()

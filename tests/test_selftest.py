@@ -141,9 +141,10 @@ def test_a_divergence_at_a_rounding_tie_passes_and_any_other_fails(monkeypatch):
     """The verdict on a divergence, without a model: plain answers 1 2 3 4, the mode 1 2 9 4."""
     answers = {"plain": [1, 2, 3, 4], "chain": [1, 2, 9, 4]}
     stats = SimpleNamespace(accepted_draft_tokens=1, drafted_tokens=2)
-    monkeypatch.setattr(selftest, "_greedy", lambda engine, prompt, mode, new_tokens:
+    monkeypatch.setattr(selftest, "_greedy", lambda engine, prompt, mode, new_tokens, triforce=None:
                         SimpleNamespace(token_ids=answers[mode], stats=stats))
-    engine = SimpleNamespace(chat_ids=lambda messages: [0], triforce=SimpleNamespace(draft="lookup"), auto_mode="chain",
+    engine = SimpleNamespace(chat_ids=lambda messages: [0], settings=SimpleNamespace(triforce=SimpleNamespace(draft="lookup")),
+                             auto_mode="chain",
                              model=SimpleNamespace(hf=SimpleNamespace(dtype=torch.bfloat16)))
     gaps = []
     monkeypatch.setattr(selftest, "_logit_gap", lambda engine, ids, chosen, other: gaps.append(ids) or gap)

@@ -19,7 +19,7 @@ SETTINGS = Settings(system="", preset="free", temperature=0.0, top_p=1.0, top_k=
 
 @pytest.fixture
 def logic(tiny_model_dir, tmp_path):
-    handle = EngineHandle(lambda model: load_engine(model), str(tiny_model_dir))
+    handle = EngineHandle(lambda model, progress: load_engine(model, progress), str(tiny_model_dir))
     handle.get()
     yield ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
     handle.close()
@@ -101,7 +101,7 @@ def test_conversations_survive_a_new_store_on_the_same_folder(logic):
 
 @pytest.fixture
 def small_line(tiny_model_dir, tmp_path):
-    handle = EngineHandle(lambda model: load_engine(model), str(tiny_model_dir), max_waiting=1)
+    handle = EngineHandle(lambda model, progress: load_engine(model, progress), str(tiny_model_dir), max_waiting=1)
     handle.get()
     yield ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
     handle.close()

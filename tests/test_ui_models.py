@@ -67,7 +67,7 @@ def synthetic(name: str) -> ProfileHolder:
 def panel_for(models_file, model: str, loader=None, profiles: ProfileHolder | None = None,
               endpoint: str | None = None) -> ModelsPanel:
     registry = load_registry(models_file)
-    load = loader or (lambda pair_id: load_engine(pair_id, progress=lambda line: None, registry=registry))
+    load = loader or (lambda pair_id, progress: load_engine(pair_id, progress=progress, registry=registry))
     return ModelsPanel(EngineHandle(load, model), registry, PairDownload(endpoint), profiles or synthetic("rtx4090-24gb"))
 
 
@@ -230,7 +230,7 @@ def test_offline_the_download_says_what_is_missing(caches, models_file, tiny_mod
 
 def test_a_pair_that_does_not_fit_or_is_not_downloaded_is_not_loaded(caches, models_file, tiny_model_dir):
     loads = []
-    panel = panel_for(models_file, "embedded", loader=lambda model: loads.append(model),
+    panel = panel_for(models_file, "embedded", loader=lambda model, progress: loads.append(model),
                       profiles=synthetic("laptop-rtx4060-8gb"))
     wait_for(lambda: loads == ["embedded"], timeout=10, what="the first load")
     refusal = panel.use("llama3.1-8b")
@@ -247,7 +247,7 @@ def test_the_table_says_what_use_this_pair_does(caches, models_file, profile_nam
     """One answer to "does it fit": the table's verdict is the plan "Use this pair" checks (on the
     same profile), so a pair the table calls too big is refused, and one it says fits is not."""
     loads = []
-    panel = panel_for(models_file, "embedded", loader=lambda model: loads.append(model),
+    panel = panel_for(models_file, "embedded", loader=lambda model, progress: loads.append(model),
                       profiles=synthetic(profile_name))
     for pair_id in ("llama3.1-8b", "qwen2.5-7b", "qwen3-8b"):
         row = row_of(panel, pair_id)
@@ -290,7 +290,7 @@ def test_the_tab_downloads_a_pair_in_the_browser(hub, caches, models_file, embed
     import gradio as gr
 
     registry = load_registry(models_file)
-    handle = EngineHandle(lambda model: load_engine(model, progress=lambda line: None, registry=registry), "embedded")
+    handle = EngineHandle(lambda model, progress: load_engine(model, progress=progress, registry=registry), "embedded")
     with gr.Blocks() as demo, gr.Tab("Models & hardware"):
         build_models_tab(handle, str(models_file), PairDownload(hub.endpoint))
     port = free_port()

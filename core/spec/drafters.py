@@ -20,7 +20,16 @@ class Proposal:
         return int(self.tokens.shape[0])
 
 
-class PromptLookupDrafter:
+class QueryBlind:
+    """The drafter interface's query hooks for drafters that never score with the target's
+    queries (only TriForce's retrieval stages do)."""
+    wants_queries = False
+
+    def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
+        pass
+
+
+class PromptLookupDrafter(QueryBlind):
     """Model-free drafting: find the latest earlier occurrence of the text's last n tokens
     (longest n first) and propose what followed it. Pays off when the answer quotes the
     document or the conversation."""

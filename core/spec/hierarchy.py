@@ -21,7 +21,7 @@ from ..kv.retrieval import RetrievalCache
 from ..kv.streaming import StreamingCache
 from ..model import CausalLM
 from ..sampling import sample, warp
-from .drafters import Proposal
+from .drafters import Proposal, QueryBlind
 from .verify import verify_chain
 
 if TYPE_CHECKING:
@@ -31,6 +31,12 @@ PREFILL_CHUNK = 1024  # a separate draft model reads the prompt in chunks this l
 
 
 class Drafter(Protocol):
+    wants_queries: bool  # scores with the full verification's queries (TriForce's retrieval stage)
+
+    def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
+        """The full verification's queries of the last committed token it ran, per layer."""
+        ...
+
     def draft(self, state: DecodeState, seq: torch.Tensor, max_tokens: int) -> Proposal | None:
         """Up to `max_tokens` draft tokens continuing `seq` (the committed text, then any tokens
         of stages above), or None. `state` holds the committed text, sampling and generator."""
@@ -74,7 +80,7 @@ class CacheFollower:
         self.ids = seq
 
 
-class ModelDrafter:
+class ModelDrafter(QueryBlind):
     """A draft model sampling one token per forward from its warped distribution, over a
     StreamingLLM cache (sinks and a recent window).
 
@@ -122,7 +128,7 @@ class ModelDrafter:
         return follower
 
 
-class VerifiedStage:
+class VerifiedStage(QueryBlind):
     """A model over its own cache verifies `drafter`'s tokens, `gamma` at a time, and hands on
     what it accepted and recovered, with its own P as their distributions."""
 
@@ -187,8 +193,9 @@ class RetrievalStage(VerifiedStage):
         self._survival = 1.0  # moving average of the share of its tokens the full stage accepted
         self._offered: tuple[int, torch.Tensor] | None = None  # (committed length, tokens handed on)
 
+    wants_queries = True
+
     def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
-        """The full verification's queries of the last committed token it ran, per layer."""
         self._queries = queries
 
     def draft(self, state: DecodeState, seq: torch.Tensor, max_tokens: int) -> Proposal | None:

@@ -15,7 +15,7 @@ import torch
 from ..kv.retrieval import RetrievalCache
 from ..model import CausalLM
 from ..sampling import SamplingParams, sample_without_replacement, warp
-from .drafters import PromptLookupDrafter
+from .drafters import PromptLookupDrafter, QueryBlind
 from .tree import Tree
 
 
@@ -26,7 +26,7 @@ class TreeProposal:
     q: torch.Tensor | None  # [n, vocab] draft distribution at each node, or None (deterministic)
 
 
-class PromptLookupTreeDrafter:
+class PromptLookupTreeDrafter(QueryBlind):
     """Several earlier occurrences of the text's last n-gram become sibling branches: a trie of
     what followed each (latest occurrence first), so one forward checks them all."""
 
@@ -57,11 +57,17 @@ class PromptLookupTreeDrafter:
             level = next_level
         return TreeProposal(Tree(tuple(parents)), torch.tensor(tokens), None)
 
+    def prepare(self, state) -> None:
+        """Model-free: nothing to bring up to date."""
+
     def accept(self, path: list[int]) -> None:
         """Model-free: nothing to update."""
 
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {}
 
-class ModelTreeDrafter:
+
+class ModelTreeDrafter(QueryBlind):
     """A draft model grows the tree level by level following a template shape (the Sequoia
     DP tree): each node's children are drawn without replacement from the draft's warped
     distribution (Gumbel top-k), in the order verification tests them; at temperature 0 they
@@ -80,6 +86,7 @@ class ModelTreeDrafter:
         self._cached_ids: list[int] = []  # the committed tokens whose KV the draft cache holds
         self._slots: dict[int, int] = {}  # tree node -> draft cache position, this proposal
         self._tokens: list[int] = []  # this proposal's token per node
+        self.forwards = 0  # draft forwards (one per tree level), for the stats
 
     def propose_tree(self, ids: torch.Tensor, params: SamplingParams, generator, budget: int) -> TreeProposal | None:
         max_depth = min(self.template.depth, budget - 1)
@@ -120,6 +127,12 @@ class ModelTreeDrafter:
                 q[node] = row
         return TreeProposal(tree, torch.tensor(tokens), q)
 
+    def prepare(self, state) -> None:
+        """The draft catches up on the committed text in `propose_tree` itself."""
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {"draft": {"forwards": self.forwards}}
+
     def accept(self, path: list[int]) -> None:
         """Keep the draft cache's entries for the root and the accepted nodes it computed
         (those form a prefix of the path: leaves are never run); the rest is caught up later."""
@@ -154,6 +167,7 @@ class ModelTreeDrafter:
     def _forward_level(self, nodes: list[int], parents: list[int], tokens: list[int]) -> torch.Tensor:
         """Draft logits for `nodes` (one tree level), each attending to the committed prefix
         and its ancestors among the tree nodes already in the draft cache."""
+        self.forwards += 1
         prefix = len(self._cached_ids)
         tree = Tree(tuple(parents))
         cached_nodes = sorted(self._slots, key=self._slots.get)
@@ -179,8 +193,10 @@ class RetrievalTreeDrafter(ModelTreeDrafter):
         super().__init__(model, template)
         self.cache = None
         self.budget, self.chunk_size, self.recent = budget, chunk_size, recent
-        self.builds = self.forwards = 0
+        self.builds = 0
         self._queries: dict[int, torch.Tensor] | None = None
+
+    wants_queries = True
 
     def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
         self._queries = queries
@@ -206,7 +222,3 @@ class RetrievalTreeDrafter(ModelTreeDrafter):
 
     def _committed_slots(self, committed: int) -> int:
         return self.cache.base_slots + committed - self.cache.base_length
-
-    def _forward_level(self, nodes: list[int], parents: list[int], tokens: list[int]) -> torch.Tensor:
-        self.forwards += 1
-        return super()._forward_level(nodes, parents, tokens)
