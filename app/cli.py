@@ -239,7 +239,7 @@ def registry(args):
     return load_registry(getattr(args, "models_file", None))
 
 
-def _load(args, model: str | None = None, recalibrate: bool = False, progress=None):
+def _load(args, model: str | None = None, progress=None):
     """The engine for `model` (default: `--model`); progress lines go to stderr, and to
     `progress` when given (the app's status line)."""
     from .models_cmd import ProgressLine
@@ -254,7 +254,7 @@ def _load(args, model: str | None = None, recalibrate: bool = False, progress=No
             progress(message)
 
     return load_engine(model or model_id(args), progress=report,
-                       registry=reg, download_progress=ProgressLine(), recalibrate=recalibrate)
+                       registry=reg, download_progress=ProgressLine())
 
 
 def _quiet_transformers() -> None:
@@ -380,10 +380,13 @@ def _calibrate(args) -> int:
     params = sampling_params(args)
     if args.width < 1 or args.max_new_tokens < 1:
         raise InputError("--width and --max-new-tokens must be at least 1")
-    engine = _load(args, recalibrate=True)
+    engine = _load(args)
     from ..core.calibration import calibrate
+    from ..core.step_calibration import calibrated_step_times
 
     draft = _draft(engine, args.draft_layers) or _draft(engine, min(24, engine.model.num_layers - 1))
+    calibrated_step_times(engine.model, engine.calibration_key, engine.context_length,
+                          lambda line: print(line, file=sys.stderr), refresh=True)
     vector, path = calibrate(engine, draft, params, args.width, args.max_new_tokens)
     if args.json:
         print(json.dumps({"models": vector.models, "p": vector.p, "positions": vector.positions,

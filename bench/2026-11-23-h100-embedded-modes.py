@@ -167,7 +167,7 @@ def _sha256(path: Path) -> str:
 
 
 def bench(out_dir: Path, max_new_tokens: int, repeats: int, budget_s: float,
-          names: list[str] | None, placements: list[str]) -> None:
+          names: list[str] | None, placements: list[str], fp32: bool = False) -> None:
     began = time.perf_counter()
     documents = sorted((path for path in DOCS.iterdir() if names is None or path.name in names),
                        key=lambda path: path.stat().st_size)
@@ -198,6 +198,17 @@ def bench(out_dir: Path, max_new_tokens: int, repeats: int, budget_s: float,
         placed_by = f"explicit (the plan chose {engine.model.device})"
         model = TransformersLM.from_pretrained(embedded.ensure_converted(print), LoadOptions("bfloat16", "cuda:0", None, None))
         engine = Engine(model, engine.tokenizer, engine.name)
+    if fp32:
+        # fp32 on the GPU: greedy identity is checked where bf16's near-ties (a different forward
+        # shape rounds differently) cannot flip a token. Calibrated again for these weights.
+        from specchat.core.hardware import curve_key
+        from specchat.core.runtime import EngineSettings
+        from specchat.core.step_calibration import calibrated_step_times
+        import dataclasses as _dc
+        placed_by = "explicit fp32 on cuda:0 (identity check)"
+        model = TransformersLM.from_pretrained(embedded.ensure_converted(print), LoadOptions("float32", "cuda:0", None, None))
+        times = calibrated_step_times(model, curve_key("embedded-fp32", "cuda", "float32"), 8192, print)
+        engine = Engine(model, engine.tokenizer, engine.name, settings=_dc.replace(engine.settings, step_times=times))
     loaded_s = time.perf_counter() - began
     plan = engine.plan
     print(f"loaded in {loaded_s:.1f} s on {engine.model.device} {engine.model.hf.dtype}, auto = {engine.auto_mode}")
@@ -304,6 +315,7 @@ def main() -> None:
                       help="start no (document, placement) after this many seconds")
     step.add_argument("--documents", help="comma-separated file names in .carry/docs (default: all)")
     step.add_argument("--placements", default="vram,offload", help="comma-separated: vram, offload")
+    step.add_argument("--fp32", action="store_true", help="fp32 weights on the GPU (the identity check)")
     step = steps.add_parser("merge", help="here: one JSON from several bench calls' JSON")
     step.add_argument("parts", type=Path, nargs="+")
     step.add_argument("-o", "--out", type=Path, required=True)
@@ -319,7 +331,7 @@ def main() -> None:
         if not set(placements) <= {"vram", "offload"}:
             raise SystemExit(f"--placements: vram and/or offload, got {args.placements}")
         bench(args.out, args.max_new_tokens, args.repeats, args.budget_s,
-              args.documents.split(",") if args.documents else None, placements)
+              args.documents.split(",") if args.documents else None, placements, args.fp32)
 
 
 if __name__ == "__main__":

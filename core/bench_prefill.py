@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .bench import device_label, write_report
-from .engine import PREFILL_CHUNK, Engine, Finished
+from .engine import Engine, Finished
 from .kv.document_store import DocumentStore
 from .kv.prefix_store import PrefixStore, common_prefix_length
 from .sampling import SamplingParams
@@ -72,7 +72,7 @@ def run_prefill_bench(engine: Engine, messages_for, max_new_tokens: int, out_dir
         "date": date.today().isoformat(), "device": device_label(), "model": engine.name,
         "document_tokens": document_tokens, "max_new_tokens": max_new_tokens,
         "prefill": {"single_forward_seconds": single, "chunked_seconds": first.stats.prefill_seconds,
-                    "chunk_tokens": PREFILL_CHUNK, "prompt_tokens": first.prompt_tokens,
+                    "chunk_tokens": engine.settings.prefill_chunk, "prompt_tokens": first.prompt_tokens,
                     "chunked_over_single": first.stats.prefill_seconds / single},
         "first_question": {**row(first), "identical_to_from_scratch": None},
         "follow_up": row(follow_up),

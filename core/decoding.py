@@ -101,8 +101,10 @@ class ChainDecoder:
 
     def step(self, state: DecodeState, budget: int) -> Step:
         # The forward yields one token beyond the draft, so draft at most budget - 1.
-        wanted = self.lookahead.choose(budget - 1, state.ids.shape[0])
-        proposal = self.drafter.draft(state, state.ids, wanted) if wanted else None
+        most = self.lookahead.most(budget - 1)
+        proposal = self.drafter.draft(state, state.ids, most) if most else None
+        if proposal is not None:
+            proposal = proposal.first(self.lookahead.choose(len(proposal), state.ids.shape[0], proposal.kind))
         observe = self.drafter.wants_queries
         if (proposal is None or len(proposal) == 0) and not observe:
             return self._plain.step(state, budget)
@@ -123,7 +125,8 @@ class ChainDecoder:
             self.drafter.observe_queries({layer: q[0, :, accepted] for layer, q in queries.items()})
         tokens = draft[:accepted].tolist() + [next_token]
         state.commit(tokens)
-        self.lookahead.observe(len(draft), accepted)
+        if proposal is not None:
+            self.lookahead.observe(len(draft), accepted, proposal.kind)
         last = "plain" if not draft.numel() else "bonus" if accepted == len(draft) else "recovered"
         return Step(tokens, drafted=len(draft), accepted=accepted, depth=len(draft), last=last,
                     verified=inputs.shape[0])
@@ -269,7 +272,9 @@ def make_decoder(mode: str, vocab_size: int, relative_time: Callable[[int, int],
     if mode == "plain":
         return PlainDecoder()
     if mode == "chain":
-        return ChainDecoder(PromptLookupDrafter(vocab_size), CostModelLookahead(relative_time, chain_drafts))
+        # Unigram matches too: their drafts are rarely accepted, but the cost model keeps them
+        # short or drops them, and on hardware where a few more tokens verify for free they pay.
+        return ChainDecoder(PromptLookupDrafter(vocab_size, min_ngram=1), CostModelLookahead(relative_time, chain_drafts))
     if mode == "tree" and tree_draft is not None:
         return TreeDecoder(ModelTreeDrafter(*tree_draft))
     if mode == "tree":

@@ -115,7 +115,7 @@ class Engine:
 
     def __init__(self, model: CausalLM, tokenizer, name: str, prefixes: PrefixStore | None = None,
                  documents: DocumentStore | None = None, settings: EngineSettings = EngineSettings(),
-                 draft: CausalLM | None = None, draft_name: str = "", plan=None):
+                 draft: CausalLM | None = None, draft_name: str = "", plan=None, calibration_key: str = ""):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -128,6 +128,7 @@ class Engine:
         self.documents = documents  # saved document caches on disk (None: off)
         self.stop_ids = _stop_ids(tokenizer, model)
         self.plan = plan  # core.plan.Plan for this machine, when the model is a registry pair
+        self.calibration_key = calibration_key  # its step times' name in the machine's profile ("": none)
         # One step at a time (a prefill chunk, a decoding step, the prefix store's bookkeeping):
         # two answers driven from two threads interleave step by step, each on its own cache and
         # decoder. The app runs every answer on one engine thread (app/engine_queue.py) anyway.

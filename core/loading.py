@@ -15,7 +15,6 @@ from .runtime import EngineSettings, settings_from_plan
 from .step_calibration import calibrated_step_times
 from .errors import ModelUnavailable, first_line
 from .kv.document_store import DocumentStore
-from .kv.prefix_store import PrefixStore
 from .model import TransformersLM
 from .placement import LoadOptions, draft_options, target_options
 from .registry import Registry, UnknownPair, load_registry
@@ -24,19 +23,18 @@ DOCUMENT_CACHE_BYTES = 8 * 10**9  # disk for saved document caches, least recent
 
 
 def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = print,
-                registry: Registry | None = None, download_progress: ProgressCallback | None = None,
-                recalibrate: bool = False) -> Engine:
+                registry: Registry | None = None, download_progress: ProgressCallback | None = None) -> Engine:
     """Load a pair id from the registry, or a local directory with a config.json.
 
     A Hub pair is downloaded first if it is not in the cache (offline, a missing file is an error
     that names it); its draft must share the target's tokenizer. The first load on a machine
-    calibrates the target's step times (step_calibration.py); `recalibrate` measures them again.
+    calibrates the target's step times (step_calibration.py).
     """
     registry = registry or load_registry()
     if model_id not in registry.pairs:
         path = Path(model_id)
         if (path / "config.json").is_file():
-            return _load(path, model_id, f"{path.resolve()}@{_newest_weights(path)}", progress, recalibrate)
+            return _load(path, model_id, f"{path.resolve()}@{_newest_weights(path)}", progress)
         if path.exists():
             raise ModelUnavailable(f"no model at {model_id!r}: a model directory needs a config.json")
         if "/" in model_id or os.sep in model_id:
@@ -60,11 +58,11 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
     if "draft" in paths and draft_options(plan) is not None:
         progress(f"Loading the draft {pair.draft.repo}...")
         draft, draft_name = _load_draft(tokenizer, model, paths["draft"], pair.draft.repo, draft_options(plan)), pair.draft.repo
-    times = calibrated_step_times(model, curve_key(pair.target.repo, pair.target.revision, plan.weights),
-                                  plan.context, progress, recalibrate)
+    key = curve_key(pair.target.repo, pair.target.revision, plan.weights)
+    times = calibrated_step_times(model, key, plan.context, progress)
     return Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
                   settings=settings_from_plan(plan, times, draft is not None), draft=draft, draft_name=draft_name,
-                  plan=plan)
+                  plan=plan, calibration_key=key)
 
 
 def _plan(pair, registry: Registry):
@@ -78,13 +76,13 @@ def _plan(pair, registry: Registry):
     return make_plan(load_or_probe(), pair, pair.context_length, registry=registry)
 
 
-def _load(path: Path, name: str, weights_key: str, progress: Callable[[str], None], recalibrate: bool) -> Engine:
+def _load(path: Path, name: str, weights_key: str, progress: Callable[[str], None]) -> Engine:
     """A local model directory, without a plan: fp32 on the CPU, calibrated like a pair."""
     tokenizer, model = _load_model(path, None)
-    times = calibrated_step_times(model, curve_key(str(path.resolve()), weights_key, "float32"),
-                                  model.context_length, progress, recalibrate)
+    key = curve_key(str(path.resolve()), weights_key, "float32")
+    times = calibrated_step_times(model, key, model.context_length, progress)
     return Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
-                  settings=EngineSettings(step_times=times))
+                  settings=EngineSettings(step_times=times), calibration_key=key)
 
 
 def _load_model(path: Path, options: LoadOptions | None):

@@ -334,10 +334,10 @@ def _logit_gap(engine, ids: list[int], chosen: int, other: int) -> tuple[float, 
     in the model's dtype can move it (a few units in the last place of the largest logit): greedy
     decoding may then pick either, depending on the forward's shape (algorithms.md section 1)."""
     from .decoding import prefill_all
-    from .engine import PREFILL_CHUNK
 
     model = engine.model
-    logits = prefill_all(model, model.new_cache(), torch.tensor(ids, dtype=torch.long), PREFILL_CHUNK).float()
+    logits = prefill_all(model, model.new_cache(), torch.tensor(ids, dtype=torch.long),
+                         engine.settings.prefill_chunk).float()
     rounding = TIE_ULPS * torch.finfo(model.hf.dtype).eps * float(logits.abs().max())
     return float(logits[chosen] - logits[other]), rounding
 

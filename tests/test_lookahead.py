@@ -2,7 +2,6 @@
 step-time curves it reads (spec/step_times.py)."""
 
 import pytest
-import torch
 
 from conftest import tiny_llama
 from specchat.core.spec import lookahead
@@ -32,25 +31,28 @@ def test_expected_tokens_follow_the_counted_rates():
 
 
 def test_flat_costs_draft_long_and_steep_costs_fall_back_to_plain_and_probe():
-    cheap = CostModelLookahead(FLAT, most=8)
+    cheap = CostModelLookahead(FLAT, cap=8)
     for _ in range(20):
-        cheap.observe(8, 8)
-    assert cheap.choose(most=8, context=100) == 8
-    assert cheap.choose(most=2, context=100) == 2  # never past the answer's budget
+        cheap.observe(8, 8, kind=4)
+    assert cheap.most(budget=20) == 8 and cheap.most(budget=2) == 2  # never past the answer's budget
+    assert cheap.choose(8, context=100, kind=4) == 8
+    assert cheap.choose(3, context=100, kind=4) == 3  # a shorter proposal: all of it
 
-    dear = CostModelLookahead(STEEP, most=8)
-    choices = [dear.choose(most=8, context=100) for _ in range(3 * lookahead.PROBE_EVERY)]
+    dear = CostModelLookahead(STEEP, cap=8)
+    choices = [dear.choose(8, context=100, kind=2) for _ in range(3 * lookahead.PROBE_EVERY)]
     assert choices.count(0) == len(choices) - 3 and choices.count(1) == 3  # a probe every PROBE_EVERY
 
 
-def test_the_choice_follows_acceptance_within_an_answer():
-    model = CostModelLookahead(lambda n, context: 1 + 0.3 * (n - 1), most=8)
+def test_the_choice_follows_acceptance_within_an_answer_and_by_kind():
+    model = CostModelLookahead(lambda n, context: 1 + 0.3 * (n - 1), cap=8)
     for _ in range(20):
-        model.observe(4, 4)
-    copying = model.choose(8, 100)
+        model.observe(4, 4, kind=4)  # long matches are copied
+        model.observe(4, 0, kind=1)  # unigram matches are not
+    copying = model.choose(8, 100, kind=4)
+    assert copying >= 4 and model.choose(8, 100, kind=1) == 0
     for _ in range(20):
-        model.observe(copying, 0)
-    assert copying >= 4 and model.choose(8, 100) == 0
+        model.observe(copying, 0, kind=4)  # the answer stops quoting
+    assert model.choose(8, 100, kind=4) == 0
 
 
 def test_greedy_output_is_plains_while_the_draft_length_moves():
@@ -61,7 +63,7 @@ def test_greedy_output_is_plains_while_the_draft_length_moves():
         prompt = prompts(seed)["n-gram hits"]
         plain, _ = run(model, prompt, "plain", SamplingParams(), 60)
         decoder = ChainDecoder(PromptLookupDrafter(model.vocab_size, min_ngram=1),
-                               CostModelLookahead(lambda n, context: 1 + 0.4 * (n - 1), most=6))
+                               CostModelLookahead(lambda n, context: 1 + 0.4 * (n - 1), cap=6))
         tokens, steps = run(model, prompt, "chain", SamplingParams(), 60, decoder)
         assert tokens == plain
         lengths = {step.drafted for step in steps[1:]}

@@ -15,6 +15,11 @@ import torch
 class Proposal:
     tokens: torch.Tensor  # [g] draft tokens
     q: torch.Tensor  # [g, vocab] draft distributions
+    kind: int = 0  # what sort of proposal, for acceptance bookkeeping (prompt lookup: the matched n)
+
+    def first(self, count: int) -> "Proposal":
+        """The first `count` draft tokens."""
+        return Proposal(self.tokens[:count], self.q[:count], self.kind)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -42,6 +47,12 @@ class PromptLookupDrafter(QueryBlind):
     def continuations(self, ids: torch.Tensor, max_tokens: int, max_matches: int) -> list[torch.Tensor]:
         """What followed the latest `max_matches` earlier occurrences of the text's last n
         tokens, for the longest n in [min_ngram, max_ngram] that occurs; latest first."""
+        n, starts = self._match(ids)
+        return [ids[s + n:s + n + max_tokens] for s in starts[:max_matches]]
+
+    def _match(self, ids: torch.Tensor) -> tuple[int, list[int]]:
+        """(n, where the earlier occurrences of the last n tokens start, latest first) for the
+        longest n that occurs; (0, []) when none does."""
         length = ids.shape[0]
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if length <= n:
@@ -51,8 +62,8 @@ class PromptLookupDrafter(QueryBlind):
             windows = ids[:-1].unfold(0, n, 1)  # [L - n, n]
             starts = (windows == ids[-n:]).all(-1).nonzero()[:, 0]
             if starts.numel():
-                return [ids[s + n:s + n + max_tokens] for s in starts.flip(0)[:max_matches].tolist()]
-        return []
+                return n, starts.flip(0).tolist()
+        return 0, []
 
     def draft(self, state, seq: torch.Tensor, max_tokens: int) -> Proposal | None:
         """The `Drafter` interface (spec/hierarchy.py): lookup needs nothing but the text."""
@@ -62,9 +73,10 @@ class PromptLookupDrafter(QueryBlind):
         return {}
 
     def propose(self, ids: torch.Tensor, max_tokens: int) -> Proposal | None:
-        """ids [L]: prompt plus generated tokens so far. None when nothing matches."""
-        found = self.continuations(ids, max_tokens, max_matches=1)
-        if not found:
+        """ids [L]: prompt plus generated tokens so far. None when nothing matches. The
+        proposal's kind is the matched n: longer matches are accepted more often."""
+        n, starts = self._match(ids)
+        if not starts:
             return None
-        tokens = found[0]
-        return Proposal(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float())
+        tokens = ids[starts[0] + n:starts[0] + n + max_tokens]
+        return Proposal(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float(), n)

@@ -7,9 +7,12 @@ machine, `StepTimes`), so a step of g drafts commits E(g) / t(g + 1) tokens per 
 g = 0 is a plain step (rate 1). Only proposals change with the choice, never verification, so
 every choice is lossless.
 
-The rates are counted as the answer goes, with old observations fading (`DECAY`), so a document
-the answer stops quoting stops being drafted from within a few steps. A plain choice is probed
-again every `PROBE_EVERY` steps, or the estimates could never recover.
+The rates are counted as the answer goes, per kind of proposal (prompt lookup: the length of
+the match it continues, since a 4-token match is followed far more often than a 1-token one),
+with old observations fading (`DECAY`), so a document the answer stops quoting stops being
+drafted from within a few steps. The drafter proposes first (prompt lookup costs nothing), the
+cost model then keeps the first g tokens. A plain choice is probed again every `PROBE_EVERY`
+steps of its kind, or the estimates could never recover.
 """
 
 from __future__ import annotations
@@ -24,12 +27,17 @@ MAX_DRAFT = 16
 
 
 class Lookahead(Protocol):
-    def choose(self, most: int, context: int) -> int:
-        """Draft tokens for the next verification, at most `most`, with `context` tokens cached."""
+    def most(self, budget: int) -> int:
+        """Draft tokens to ask the drafter for, with room for `budget` of them."""
         ...
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """What the verification of `drafted` tokens accepted."""
+    def choose(self, proposed: int, context: int, kind: int) -> int:
+        """How many of the `proposed` draft tokens (of this kind) to verify, with `context`
+        tokens cached; 0 for a plain step."""
+        ...
+
+    def observe(self, drafted: int, accepted: int, kind: int) -> None:
+        """What the verification of `drafted` tokens of this kind accepted."""
         ...
 
 
@@ -38,10 +46,13 @@ class FixedLookahead:
     """Always the same length (TriForce's gamma2, the final chain of its hierarchy)."""
     length: int
 
-    def choose(self, most: int, context: int) -> int:
-        return min(self.length, most)
+    def most(self, budget: int) -> int:
+        return min(self.length, budget)
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def choose(self, proposed: int, context: int, kind: int) -> int:
+        return proposed
+
+    def observe(self, drafted: int, accepted: int, kind: int) -> None:
         pass
 
 
@@ -81,28 +92,33 @@ class PositionRates:
 
 @dataclass
 class CostModelLookahead:
-    """The g maximizing E(g) / t(g + 1) at the current context; `relative_time(n, context)` is
-    t(n), a verification of n tokens in one-token forwards (StepTimes.relative)."""
+    """The g maximizing E(g) / t(g + 1) at the current context, with the rates of the
+    proposal's kind; `relative_time(n, context)` is t(n), a verification of n tokens in one-token
+    forwards (StepTimes.relative). For drafters that cost nothing to ask for more (prompt lookup)."""
     relative_time: Callable[[int, int], float]
-    most: int = MAX_DRAFT
-    rates: PositionRates = field(default_factory=PositionRates)
-    plain_run: int = 0  # plain choices in a row
+    cap: int = MAX_DRAFT
+    rates: dict[int, PositionRates] = field(default_factory=dict)
+    plain_runs: dict[int, int] = field(default_factory=dict)  # plain choices in a row, per kind
 
-    def choose(self, most: int, context: int) -> int:
+    def most(self, budget: int) -> int:
+        return min(self.cap, budget)
+
+    def choose(self, proposed: int, context: int, kind: int) -> int:
+        rates = self.rates.setdefault(kind, PositionRates())
         best, best_rate = 0, 1.0  # plain decoding: one token per one-token forward
-        for drafts in range(1, min(most, self.most) + 1):
-            rate = self.rates.expected_tokens(drafts) / self.relative_time(drafts + 1, context)
+        for drafts in range(1, min(proposed, self.cap) + 1):
+            rate = rates.expected_tokens(drafts) / self.relative_time(drafts + 1, context)
             if rate > best_rate:
                 best, best_rate = drafts, rate
-        if best == 0 and most >= 1:
-            self.plain_run += 1
-            if self.plain_run >= PROBE_EVERY:
-                self.plain_run = 0
-                return 1
-        else:
-            self.plain_run = 0
-        return best
+        if best or not proposed:
+            self.plain_runs[kind] = 0
+            return best
+        self.plain_runs[kind] = self.plain_runs.get(kind, 0) + 1
+        if self.plain_runs[kind] >= PROBE_EVERY:
+            self.plain_runs[kind] = 0
+            return 1
+        return 0
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, kind: int) -> None:
         if drafted:
-            self.rates.observe(drafted, accepted)
+            self.rates.setdefault(kind, PositionRates()).observe(drafted, accepted)
