@@ -33,6 +33,7 @@ from .errors import InputError
 from .files import human_size
 from .hardware import HardwareProfile, curve_key
 from .modes import MODES
+from .spec.lookahead import MAX_DRAFT  # pure: no torch, as this module must stay
 from .registry import DTYPE_BYTES, ModelPair, ModelSpec, Registry
 
 QUANTIZATIONS = ("none", "int8", "nf4")  # the order they are tried in: most precise first
@@ -61,7 +62,6 @@ RETRIEVAL_ACCEPTANCE = 0.9  # TriForce measured above 0.9 for the retrieval stag
 # default until measured per pair.
 RETRIEVAL_SIBLING_ACCEPTANCE = (0.9, 0.04, 0.02, 0.01)
 DRAFT_ACCEPTANCE = 0.8  # the small draft against the retrieval stage, until calibrated (assumed)
-MAX_CHAIN = 16  # draft tokens per chain verification at most (the cost model picks each length)
 DEFAULT_TREE = (16, 4)
 MAX_TREE_DEPTH = 12
 PREFILL_CHUNK_CPU = 1024  # as the engine's prefill
@@ -570,7 +570,7 @@ def _speculation(layout: _Layout, reasons: dict) -> tuple[str, int | None, int |
     gamma1 = gamma2 = None
     verify = "chain"
     if mode == "chain":
-        gamma1 = MAX_CHAIN
+        gamma1 = MAX_DRAFT
         reasons["gammas"] = (f"up to {gamma1} draft tokens per verification, each length chosen as the answer goes "
                              f"by the cost model, from the answer's acceptance so far and " + _step_times_source(layout))
     elif mode == "triforce":
