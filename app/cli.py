@@ -14,7 +14,7 @@ import os
 import sys
 
 from ..core.errors import InputError, SpecchatError, first_line
-from ..core.modes import REQUEST_MODES
+from ..core.modes import MAX_DSI_WORKERS, REQUEST_MODES
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
@@ -80,13 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-layers", type=int, default=24)
     bench.add_argument("--documents", nargs="+", metavar="FILE",
                        help="the documents of the auto suite (each answered with --prompt)")
-    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload", "auto"), default="trees",
+    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload", "auto", "dsi"), default="trees",
                        help="trees: decoding modes side by side (default); auto: every mode and auto on "
                             "several --documents, with the cost model's predictions; prefill: time to first token "
                             "for a first question, a follow-up and a reloaded document; longctx: every mode "
                             "including triforce on a long document; offload: a full "
                             "verification against a 128K offloaded KV cache on a CUDA GPU, random weights "
-                            "of Llama-3.1-8B's shape (no document, no download)")
+                            "of Llama-3.1-8B's shape (no document, no download); dsi: the DSI paper's simulation, "
+                            "plain, SI and DSI over draft latency x acceptance with forwards replaced by waits "
+                            "(no model)")
     bench.add_argument("--out", default="bench", help="folder for the results (default: bench)")
     bench.add_argument("--repeats", type=int, default=1,
                        help="longctx, auto: measure every mode N times in shuffled rounds; report medians (default 1)")
@@ -152,13 +154,16 @@ def _add_generation_options(parser: argparse.ArgumentParser, mode: bool = True) 
     if mode:
         parser.add_argument("--mode", choices=REQUEST_MODES, default="auto",
                             help="plain decoding, chain or tree speculation, triforce (a draft, the target "
-                                 "over a retrieval cache, the target over the full cache), or auto "
-                                 "(the plan's choice)")
+                                 "over a retrieval cache, the target over the full cache), dsi (drafting "
+                                 "never waits: target instances verify in parallel), or auto (the plan's choice)")
         parser.add_argument("--triforce-draft", default="lookup", metavar="DRAFT",
                             help="with --mode triforce, the first stage: lookup (prompt lookup, default), "
                                  "skipN (the target's first N layers), pair (the pair's draft model) or none")
         parser.add_argument("--retrieval-budget", type=int, default=1024, metavar="N",
                             help="with --mode triforce, positions of the retrieval cache (default 1024)")
+        parser.add_argument("--dsi-workers", type=int, metavar="N",
+                            help="with --mode dsi, target instances as CPU processes standing in for GPUs "
+                                 "(default: the plan's GPUs, else 2)")
         parser.add_argument("--triforce-verify", choices=("chain", "tree"),
                             help="with --mode triforce, the final verification against the full cache: a chain "
                                  "or the optimizer's Sequoia tree, grown by the retrieval stage (default: the "
@@ -279,6 +284,10 @@ def _generate(args) -> int:
 
     if args.draft_layers is not None and args.mode != "tree":
         raise InputError("--draft-layers goes with --mode tree")
+    if args.dsi_workers is not None and args.mode != "dsi":
+        raise InputError("--dsi-workers goes with --mode dsi")
+    if args.dsi_workers is not None and not 1 <= args.dsi_workers <= MAX_DSI_WORKERS:
+        raise InputError(f"--dsi-workers must be between 1 and {MAX_DSI_WORKERS}, got {args.dsi_workers}")
     triforce = triforce_settings(args)
     if args.cache_document and not (document and document.strip()):
         raise InputError("--cache-document needs a non-empty --document FILE")
@@ -293,7 +302,8 @@ def _generate(args) -> int:
     plan = _plan_tree_draft(engine, draft, params, len(prompt_ids)) if draft is not None else None
     result = None
     for event in engine.generate(prompt_ids, args.max_new_tokens, params, args.mode, document_tokens=saved_tokens,
-                                 triforce=triforce, tree_draft=plan.tree_draft if plan else None):
+                                 triforce=triforce, tree_draft=plan.tree_draft if plan else None,
+                                 dsi_workers=args.dsi_workers):
         if isinstance(event, Notice):
             print(f"specchat: note: {event.text}", file=sys.stderr)
         elif isinstance(event, TextDelta) and not args.json:
@@ -407,6 +417,12 @@ def _bench(args) -> int:
         from ..core.bench_offload import draw_offload, run_offload_bench
 
         for path in write_report(run_offload_bench(), Path(args.out), "gpu-offload", draw_offload):
+            print(path)
+        return 0
+    if args.suite == "dsi":
+        from ..core.bench_dsi import run_dsi_simulation
+
+        for path in run_dsi_simulation(Path(args.out)):
             print(path)
         return 0
     if args.repeats < 1:

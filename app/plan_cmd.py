@@ -119,12 +119,19 @@ def run_plan(args) -> int:
 
 
 def plan_headline(plan) -> str:
-    """One line: the pair and context, the mode and its speculation, where weights, draft and KV go."""
+    """One line: the pair and context, the mode and its speculation, where weights, draft and KV go
+    (DSI: a whole target on each of its GPUs, each instance with a KV of its own)."""
     draft = f"{plan.draft_weights} on {plan.draft_device}" if plan.draft_device else "none"
+    instances = f"{len(plan.dsi_devices)} instances" if plan.dsi_devices else "CPU worker processes"
     speculation = {"chain": f"gamma {plan.gamma1}", "tree": f"tree n={plan.tree_size}, d={plan.tree_depth}",
-                   "triforce": (f"gamma1 {plan.gamma1}, " if plan.gamma1 else "") + f"gamma2 {plan.gamma2}", "plain": "no drafts"}[plan.mode]
+                   "triforce": (f"gamma1 {plan.gamma1}, " if plan.gamma1 else "") + f"gamma2 {plan.gamma2}",
+                   "dsi": (f"lookahead {plan.dsi_lookahead}" if plan.dsi_lookahead else "lookahead as measured")
+                   + f", {instances}",
+                   "plain": "no drafts"}[plan.mode]
+    targets = f"each of {', '.join(plan.dsi_devices)}" if plan.dsi_devices else "+".join(plan.target_devices)
+    kv = "each instance's GPU" if plan.dsi_devices and plan.kv_device != "cpu-pinned" else plan.kv_device
     return (f"{plan.pair_id} at {plan.context:,} tokens: {plan.mode} ({speculation}), {plan.weights} weights "
-            f"on {'+'.join(plan.target_devices)}, draft {draft}, full KV on {plan.kv_device}")
+            f"on {targets}, draft {draft}, full KV on {kv}")
 
 
 def memory_rows(plan) -> list[tuple[str, str, int, str]]:

@@ -69,8 +69,26 @@ class Decoder(Protocol):
         """Forwards and acceptance of the stages below the target (TriForce), for the stats."""
         ...
 
+    def begin(self, state: DecodeState) -> None:
+        """Before the prefill: start what can run beside it (DSI's instances read the prompt)."""
+        ...
 
-class PlainDecoder:
+    def close(self) -> None:
+        """After the answer: release what runs beside the steps (DSI's drafting thread)."""
+        ...
+
+
+class StepsOnly:
+    """A decoder whose work all happens inside `step`: nothing to start early or release."""
+
+    def begin(self, state: DecodeState) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PlainDecoder(StepsOnly):
     drafter_wants_queries = False
 
     def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
@@ -87,7 +105,7 @@ class PlainDecoder:
         return Step([token])
 
 
-class ChainDecoder:
+class ChainDecoder(StepsOnly):
     """Speculative decoding on a chain: the drafter proposes, one target forward verifies.
 
     `lookahead` chooses how many tokens to draft each time (the cost model, or TriForce's fixed
@@ -160,7 +178,7 @@ class TreeDrafter(Protocol):
     def counts(self) -> dict[str, dict[str, int]]: ...
 
 
-class TreeDecoder:
+class TreeDecoder(StepsOnly):
     """Sequoia: the drafter grows a token tree, one target forward scores every node through a
     tree attention mask, verification walks down it; the cache keeps the accepted path."""
 
@@ -229,6 +247,12 @@ def triforce_decoder(target: CausalLM, settings: TriforceSettings,
     if settings.tree is not None:
         return TreeDecoder(RetrievalTreeDrafter(target, settings.tree, settings.budget, settings.chunk_size,
                                                 settings.recent))
+    return ChainDecoder(triforce_drafter(target, settings, pair_draft), FixedLookahead(settings.gamma2))
+
+
+def triforce_drafter(target: CausalLM, settings: TriforceSettings, pair_draft: CausalLM | None = None) -> Drafter:
+    """The hierarchy below the full verification: the first stage, verified by the target over
+    a retrieval cache."""
     first: Drafter
     if settings.draft == "lookup":
         first = PromptLookupDrafter(target.vocab_size)
@@ -243,9 +267,8 @@ def triforce_decoder(target: CausalLM, settings: TriforceSettings,
         first = _NoDraft()
     else:
         raise ValueError(f"unknown triforce draft {settings.draft!r}: lookup, skipN, pair or none")
-    middle = RetrievalStage(first, target, settings.gamma1, settings.budget,
-                            settings.chunk_size, settings.recent, settings.stride)
-    return ChainDecoder(middle, FixedLookahead(settings.gamma2))
+    return RetrievalStage(first, target, settings.gamma1, settings.budget,
+                          settings.chunk_size, settings.recent, settings.stride)
 
 
 class _NoDraft(QueryBlind):
@@ -260,15 +283,16 @@ class _NoDraft(QueryBlind):
 
 def make_decoder(mode: str, vocab_size: int, relative_time: Callable[[int, int], float] = default_relative,
                  chain_drafts: int = MAX_DRAFT, tree_draft: tuple[CausalLM, Tree] | None = None, lookup_tree_depth: int = 8,
-                 triforce: Callable[[], Decoder] | None = None) -> Decoder:
+                 triforce: Callable[[], Decoder] | None = None, dsi: Callable[[], Decoder] | None = None) -> Decoder:
     """A fresh decoder for one answer. Chain mode drafts by prompt lookup as long as the cost
     model (`relative_time`, t(n) at a context) says pays; tree mode grows `tree_draft`'s template
     with its draft model when one is given, else prompt-lookup branches up to `lookup_tree_depth`;
-    `triforce` builds the triforce decoder."""
-    if mode == "triforce":
-        if triforce is None:
-            raise ValueError("triforce mode needs its settings and models")
-        return triforce()
+    `triforce` and `dsi` build those decoders (they need models and instances this file does not hold)."""
+    if mode in ("triforce", "dsi"):
+        build = triforce if mode == "triforce" else dsi
+        if build is None:
+            raise ValueError(f"{mode} mode needs its settings and models")
+        return build()
     if mode == "plain":
         return PlainDecoder()
     if mode == "chain":
@@ -315,7 +339,8 @@ def prefill_all(model: CausalLM, cache: FullCache, ids: torch.Tensor, chunk_size
 
 def decode(state: DecodeState, decoder: Decoder, first_logits: torch.Tensor,
            max_new_tokens: int) -> Iterator[Step]:
-    """Steps until `max_new_tokens` are committed; the caller stops earlier on EOS or cancel.
+    """Steps until `max_new_tokens` are committed; the caller stops earlier on EOS or cancel,
+    and closes this generator then (which closes the decoder).
 
     The first step is the token sampled from the prefill's last logits: the prefill is the
     forward that produced it.
@@ -324,7 +349,10 @@ def decode(state: DecodeState, decoder: Decoder, first_logits: torch.Tensor,
     state.commit([first])
     yield Step([first])
     produced = 1
-    while produced < max_new_tokens:
-        step = decoder.step(state, max_new_tokens - produced)
-        produced += len(step.tokens)
-        yield step
+    try:
+        while produced < max_new_tokens:
+            step = decoder.step(state, max_new_tokens - produced)
+            produced += len(step.tokens)
+            yield step
+    finally:
+        decoder.close()

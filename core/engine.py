@@ -8,23 +8,32 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from .decoding import DecodeState, Step, TriforceSettings, decode, make_decoder, prefill, triforce_decoder
+from .dsi_pool import InstancePool, process_pool
 from .errors import InputError, SpecchatError
 from .kv.document_store import DocumentStore
 from .kv.full import FullCache
 from .kv.prefix_store import PrefixStore
 from .model import CausalLM
-from .modes import REQUEST_MODES
+from .modes import MAX_DSI_WORKERS, REQUEST_MODES
 from .runtime import EngineSettings
 from .sampling import SamplingParams, make_generator
+from .spec.drafters import PromptLookupDrafter
+from .spec.dsi import DsiDecoder
+from .spec.hierarchy import ModelDrafter
 from .spec.step_times import StepTimes, default_relative
 from .spec.tree import Tree
 from .textstream import TextStream
+
+
+DSI_WORKERS = 2  # CPU processes standing in for GPUs, unless the request asks for more
+DSI_START = 4  # DSI's lookahead until latencies are measured, where the plan predicts none
 
 
 def default_prefix_budget() -> int:
@@ -115,7 +124,8 @@ class Engine:
 
     def __init__(self, model: CausalLM, tokenizer, name: str, prefixes: PrefixStore | None = None,
                  documents: DocumentStore | None = None, settings: EngineSettings = EngineSettings(),
-                 draft: CausalLM | None = None, draft_name: str = "", plan=None, calibration_key: str = ""):
+                 draft: CausalLM | None = None, draft_name: str = "", plan=None, calibration_key: str = "",
+                 target_loader: Callable[[str], CausalLM] | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -133,6 +143,9 @@ class Engine:
         # two answers driven from two threads interleave step by step, each on its own cache and
         # decoder. The app runs every answer on one engine thread (app/engine_queue.py) anyway.
         self._lock = threading.Lock()
+        self.target_loader = target_loader  # builds a copy of the target on a device (DSI's instances)
+        self._dsi_pool: tuple[tuple[str, ...], InstancePool] | None = None  # (devices, their instances)
+        self._dsi_busy = False  # one DSI answer at a time: its tasks' results come from one pool
 
     @property
     def auto_mode(self) -> str:
@@ -156,19 +169,22 @@ class Engine:
                  sampling: SamplingParams = SamplingParams(), mode: str = "auto",
                  cancel: threading.Event | None = None, document_tokens: int = 0,
                  triforce: TriforceSettings | None = None,
-                 tree_draft: tuple[CausalLM, Tree] | None = None) -> Iterator[Event]:
+                 tree_draft: tuple[CausalLM, Tree] | None = None, dsi_workers: int | None = None) -> Iterator[Event]:
         """Stream events for one answer. Raises `InputError` before any work for a bad request.
 
         `document_tokens`: the prompt's first tokens hold a document whose KV should be saved to
         disk for later runs (needs a document store). `triforce`: this answer's TriForce stages
         (default: the engine's settings); `tree_draft`: a draft model and tree template for tree
-        mode (default: prompt-lookup branches).
+        mode (default: prompt-lookup branches). `dsi_workers`: CPU processes standing in for GPUs
+        in dsi mode, where the plan names no GPUs for it (default 2).
         """
         mode = resolve_mode(mode, self.auto_mode)
         max_new_tokens = self._check_request(prompt_ids, max_new_tokens)
         triforce = triforce or self.settings.triforce
-        decoder = self._decoder(mode, triforce, tree_draft)
-        prediction = _Prediction(self.settings.step_times, self.model, triforce)
+        devices = self._dsi_devices(dsi_workers) if mode == "dsi" else ()
+        decoder = self._decoder(mode, triforce, tree_draft, devices)
+        # DSI's instances run in parallel: t(n) of one forward after another does not price it.
+        prediction = _Prediction(None if mode == "dsi" else self.settings.step_times, self.model, triforce)
         events = self._generate(prompt_ids, max_new_tokens, sampling, mode, decoder, prediction, cancel,
                                 document_tokens)
         # The lock is held while the engine computes, never across a yield: a caller that stops
@@ -184,6 +200,8 @@ class Engine:
         finally:
             with self._lock:
                 events.close()  # the answer's KV is kept for the next turn now, not when collected
+                if mode == "dsi":
+                    self._dsi_busy = False
 
     def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> int:
         if not prompt_ids:
@@ -198,11 +216,45 @@ class Engine:
                 f"{1 - room} tokens")
         return min(max_new_tokens, room)
 
-    def _decoder(self, mode: str, triforce: TriforceSettings, tree_draft):
+    def _decoder(self, mode: str, triforce: TriforceSettings, tree_draft, dsi_devices: tuple[str, ...]):
         settings = self.settings
         relative = settings.step_times.relative if settings.step_times else default_relative
         return make_decoder(mode, self.model.vocab_size, relative, settings.chain_drafts, tree_draft,
-                            settings.tree_depth, lambda: triforce_decoder(self.model, triforce, self.draft))
+                            settings.tree_depth, lambda: triforce_decoder(self.model, triforce, self.draft),
+                            lambda: self._dsi_decoder(dsi_devices))
+
+    def _dsi_devices(self, workers: int | None) -> tuple[str, ...]:
+        """Where DSI's target instances run: the plan's GPUs, else CPU processes."""
+        if self.target_loader is None:
+            raise InputError(f"dsi mode needs a model loaded from disk; {self.name} was built in memory")
+        if self.settings.dsi_devices and workers is None:
+            return self.settings.dsi_devices
+        workers = DSI_WORKERS if workers is None else workers
+        if not 1 <= workers <= MAX_DSI_WORKERS:
+            raise InputError(f"dsi mode runs 1 to {MAX_DSI_WORKERS} worker processes, not {workers}")
+        return ("cpu",) * workers
+
+    def _dsi_decoder(self, devices: tuple[str, ...]) -> DsiDecoder:
+        """Instances are started once (each loads the target) and kept for later answers on
+        the same devices. The drafter: the pair's draft model, else prompt lookup."""
+        with self._lock:
+            if self._dsi_busy:
+                raise InputError("another dsi answer is running: one at a time")
+            if self._dsi_pool is None or self._dsi_pool[0] != devices:
+                if self._dsi_pool is not None:
+                    self._dsi_pool[1].close()
+                    self._dsi_pool = None
+                # On GPUs the engine's own target is the first instance; CPU processes stand in
+                # for GPUs, so there every instance is a process of its own.
+                local = self.model if devices[0] != "cpu" else None
+                pool = process_pool(self.target_loader, list(devices), self.settings.prefill_chunk, local)
+                weakref.finalize(self, pool.close)  # the processes end with the engine
+                self._dsi_pool = (devices, pool)
+            self._dsi_busy = True
+        triforce = self.settings.triforce
+        drafter = (ModelDrafter(self.draft, triforce.sinks, triforce.window, False, "pair") if self.draft is not None
+                   else PromptLookupDrafter(self.model.vocab_size, min_ngram=1))
+        return DsiDecoder(drafter, self._dsi_pool[1], start=self.settings.dsi_lookahead or DSI_START)
 
     def _generate(self, prompt_ids, max_new_tokens, sampling, mode, decoder, prediction, cancel,
                   document_tokens) -> Iterator[Event]:
@@ -257,6 +309,7 @@ class Engine:
              cancel: threading.Event, started: float, reused: int, source: str) -> Iterator[Event]:
         prompt_length = state.ids.shape[0]
         stats = Stats(reused_prompt_tokens=reused, reused_from=source)
+        decoder.begin(state)
         chunks = prefill(self.model, state.cache, state.ids, self.settings.prefill_chunk, decoder)
         while True:
             try:
@@ -275,31 +328,35 @@ class Engine:
         new_ids: list[int] = []
         committed = 0  # tokens the target committed, the end-of-turn token included
         finish_reason = "length"
-        for step in decode(state, decoder, first_logits, max_new_tokens):
-            context = state.ids.shape[0] - len(step.tokens)  # cached when the step began, plus its root
-            tokens = step.tokens
-            stop_at = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
-            if stop_at is not None:
-                tokens = tokens[:stop_at]
-                finish_reason = "stop"
-            new_ids.extend(tokens)
-            committed += len(tokens) + (stop_at is not None)  # what counts ends at the end of turn
-            stats.target_forwards += 1
-            stats.drafted_tokens += step.drafted
-            stats.accepted_draft_tokens += step.accepted
-            if step.drafted:
-                stats.tree_size = max(stats.tree_size, step.drafted + 1)
-                stats.tree_depth = max(stats.tree_depth, step.depth)
-            _update_rates(stats, committed, len(new_ids), time.perf_counter() - decode_started)
-            stats.stages = decoder.stage_counts()
-            stats.predicted_tokens_per_second = prediction.add(step, context, stats.stages, len(new_ids))
-            pieces = tuple((stream.add([token]), origin) for token, origin in zip(tokens, step.origins()))
-            yield TextDelta("".join(text for text, _ in pieces), tokens, replace(stats), pieces)
-            if finish_reason == "stop":
-                break
-            if cancel.is_set():
-                finish_reason = "cancelled"
-                break
+        steps = decode(state, decoder, first_logits, max_new_tokens)
+        try:
+            for step in steps:
+                context = state.ids.shape[0] - len(step.tokens)  # cached when the step began, plus its root
+                tokens = step.tokens
+                stop_at = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
+                if stop_at is not None:
+                    tokens = tokens[:stop_at]
+                    finish_reason = "stop"
+                new_ids.extend(tokens)
+                committed += len(tokens) + (stop_at is not None)  # what counts ends at the end of turn
+                stats.target_forwards += 1
+                stats.drafted_tokens += step.drafted
+                stats.accepted_draft_tokens += step.accepted
+                if step.drafted:
+                    stats.tree_size = max(stats.tree_size, step.drafted + 1)
+                    stats.tree_depth = max(stats.tree_depth, step.depth)
+                _update_rates(stats, committed, len(new_ids), time.perf_counter() - decode_started)
+                stats.stages = decoder.stage_counts()
+                stats.predicted_tokens_per_second = prediction.add(step, context, stats.stages, len(new_ids))
+                pieces = tuple((stream.add([token]), origin) for token, origin in zip(tokens, step.origins()))
+                yield TextDelta("".join(text for text, _ in pieces), tokens, replace(stats), pieces)
+                if finish_reason == "stop":
+                    break
+                if cancel.is_set():
+                    finish_reason = "cancelled"
+                    break
+        finally:
+            steps.close()  # stops DSI's drafting thread at once, also when the caller stopped listening
         tail = stream.finish()
         if tail:
             yield TextDelta(tail, [], replace(stats), ((tail, "plain"),))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import embedded
 from .download import ProgressCallback, download_pair
+from .dsi_pool import TargetLoader
 from .engine import Engine
 from .hardware import curve_key
 from .runtime import EngineSettings, settings_from_plan
@@ -62,7 +63,7 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
     times = calibrated_step_times(model, key, plan.context, progress)
     return Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
                   settings=settings_from_plan(plan, times, draft is not None), draft=draft, draft_name=draft_name,
-                  plan=plan, calibration_key=key)
+                  plan=plan, calibration_key=key, target_loader=TargetLoader(str(paths["target"]), options))
 
 
 def _plan(pair, registry: Registry):
@@ -82,7 +83,8 @@ def _load(path: Path, name: str, weights_key: str, progress: Callable[[str], Non
     key = curve_key(str(path.resolve()), weights_key, "float32")
     times = calibrated_step_times(model, key, model.context_length, progress)
     return Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
-                  settings=EngineSettings(step_times=times), calibration_key=key)
+                  settings=EngineSettings(step_times=times), calibration_key=key,
+                  target_loader=TargetLoader(str(path)))
 
 
 def _load_model(path: Path, options: LoadOptions | None):

@@ -14,6 +14,12 @@ the decisions is the order of what matters to a user:
    by layer (one full verification then costs its bytes over the measured host-to-device bandwidth).
 4. The draft on the GPU when it fits, else on the CPU.
 5. Gammas, retrieval chunk size and prefill chunk from the measured bandwidths.
+6. DSI (algorithms.md section 6) instead, with two or more GPUs that each hold a whole target at
+   those weights: one target instance per GPU, verifying while the drafter drafts. Chosen where
+   its cost model (spec/dsi_cost.py) predicts it beats 1-5's plan by DSI_MARGIN, with the plan's
+   own step times: a verification reads the weights and the KV at the card's memory rate, or
+   streams an offloaded KV over the card's own link, so W instances verify side by side without
+   sharing bandwidth.
 
 Memory arithmetic uses the registry's shapes (layers, KV heads, head dim, vocabulary, hidden size,
 parameters), never a per-card figure. GPU memory left unplanned (the margin): 10% of each card,
@@ -22,6 +28,7 @@ RAM, as pinned pages cannot be swapped out and the OS and this app need room.
 
 Several GPUs: the target's layers are split across them in order (each layer's KV lives with the
 layer, so the full KV stays on-chip twice as long), the output head and the draft go on the last.
+Under DSI (6) each holds a whole target with a KV of its own instead, the draft beside the last.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from .errors import InputError
 from .files import human_size
 from .hardware import HardwareProfile, curve_key
 from .modes import MODES
+from .spec.dsi_cost import dsi_lookahead, dsi_seconds_per_token, si_seconds_per_token
 from .spec.lookahead import MAX_DRAFT  # pure: no torch, as this module must stay
 from .registry import DTYPE_BYTES, ModelPair, ModelSpec, Registry
 
@@ -62,6 +70,10 @@ RETRIEVAL_ACCEPTANCE = 0.9  # TriForce measured above 0.9 for the retrieval stag
 # default until measured per pair.
 RETRIEVAL_SIBLING_ACCEPTANCE = (0.9, 0.04, 0.02, 0.01)
 DRAFT_ACCEPTANCE = 0.8  # the small draft against the retrieval stage, until calibrated (assumed)
+LOOKUP_ACCEPTANCE = 0.5  # prompt lookup's per-token acceptance, assumed (the lookahead's prior)
+# DSI must be predicted this much faster: the model leaves out what its instances add (a process
+# hop per task, prefill on every instance, cancelled work competing for the drafter's card).
+DSI_MARGIN = 1.10
 DEFAULT_TREE = (16, 4)
 MAX_TREE_DEPTH = 12
 PREFILL_CHUNK_CPU = 1024  # as the engine's prefill
@@ -147,6 +159,12 @@ class Plan:
     # TriForce's final verification: "chain" (gamma2 tokens) or "tree" (the tree_size/tree_depth
     # Sequoia tree, grown by the retrieval stage).
     triforce_verify: str = "chain"
+    # DSI: one target instance per device, the first the engine's own target (target_devices,
+    # whose copy it is: the memory counts one target per device). Empty outside dsi mode.
+    dsi_devices: tuple[str, ...] = ()
+    # DSI's draft tokens per verification task until the instances' measured latencies choose
+    # (spec/dsi_cost.py's dsi_lookahead with the plan's step times); None outside dsi mode.
+    dsi_lookahead: int | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -289,7 +307,7 @@ class _Layout:
         if profile.gpus:
             self._place_gpus()
         self._place_cpu()
-        self.devices = self._budgets()
+        self.devices = _budgets(profile, self.items)
         self.fits = all(device.headroom_bytes >= 0 for device in self.devices)
 
     # -- what each part weighs
@@ -399,17 +417,6 @@ class _Layout:
         if self.draft is not None and not self.profile.gpus:
             self.items += self._draft_items("cpu")
 
-    def _budgets(self) -> tuple[DeviceMemory, ...]:
-        budgets = []
-        for gpu in self.profile.gpus:
-            name = f"cuda:{gpu.index}"
-            budgets.append(DeviceMemory(name, gpu.vram_total_bytes, gpu.vram_total_bytes - _usable(gpu),
-                                        sum(item.bytes for item in self.items if item.where == name)))
-        ram = self.profile.ram_total_bytes
-        budgets.append(DeviceMemory("cpu", ram, int(ram * RAM_MARGIN_SHARE),
-                                    sum(item.bytes for item in self.items if item.where == "cpu")))
-        return tuple(budgets)
-
     # -- reporting
 
     def weights_label(self) -> str:
@@ -433,6 +440,19 @@ class _Layout:
                 f"is usable")
 
 
+def _budgets(profile: HardwareProfile, items: list[MemoryItem]) -> tuple[DeviceMemory, ...]:
+    """Every GPU's and the RAM's budget with `items` on them."""
+    budgets = []
+    for gpu in profile.gpus:
+        name = f"cuda:{gpu.index}"
+        budgets.append(DeviceMemory(name, gpu.vram_total_bytes, gpu.vram_total_bytes - _usable(gpu),
+                                    sum(item.bytes for item in items if item.where == name)))
+    ram = profile.ram_total_bytes
+    budgets.append(DeviceMemory("cpu", ram, int(ram * RAM_MARGIN_SHARE),
+                                sum(item.bytes for item in items if item.where == "cpu")))
+    return tuple(budgets)
+
+
 def _usable(gpu) -> int:
     """VRAM the plan may fill: all but the margin (10%, or what others already hold if more)."""
     margin = max(int(gpu.vram_total_bytes * VRAM_MARGIN_SHARE), gpu.vram_total_bytes - gpu.vram_free_bytes)
@@ -447,7 +467,10 @@ def _finish(layout: _Layout, tried: list[_Layout], reasons: dict) -> Plan:
     reasons["weights"] = _weights_reason(layout, tried)
     reasons["placement"] = _placement_reason(layout)
     reasons["kv"] = _kv_reason(layout)
-    mode, gamma1, gamma2, tree, verify = _speculation(layout, reasons)
+    mode, gamma1, gamma2, tree, verify, seconds = _speculation(layout, reasons)
+    dsi = _dsi(layout, mode, seconds, reasons)
+    if dsi is not None:
+        return _dsi_plan(layout, dsi, tree, reasons)
     if layout.retrieval is not None:
         budget, chunk = layout.retrieval
         reasons["retrieval"] = (f"{budget:,}-token retrieval cache in {chunk}-token chunks: TriForce's budget; "
@@ -455,8 +478,7 @@ def _finish(layout: _Layout, tried: list[_Layout], reasons: dict) -> Plan:
                                    "on-chip KV" if layout.kv_on_chip else "16-token chunks halve the mean keys "
                                    "kept on the GPU, its only copy of K"))
     if layout.draft is not None:
-        reasons["draft_cache"] = (f"StreamingLLM: {DRAFT_SINKS} attention sinks + the last {layout.draft_window:,} "
-                                  f"tokens, so a draft step costs the same at any context length")
+        reasons["draft_cache"] = _draft_cache_reason(layout)
     reasons["prefill_chunk"] = _prefill_reason(layout)
     return Plan(
         pair_id=pair.id, context=context, mode=mode, weights=layout.weights_label(),
@@ -470,6 +492,11 @@ def _finish(layout: _Layout, tried: list[_Layout], reasons: dict) -> Plan:
         gamma1=gamma1, gamma2=gamma2, tree_size=tree[0], tree_depth=tree[1],
         prefill_chunk=layout.prefill_chunk, memory=tuple(layout.items), devices=layout.devices, reasons=reasons,
         kv_attention=_kv_attention(layout, reasons), triforce_verify=verify)
+
+
+def _draft_cache_reason(layout: _Layout) -> str:
+    return (f"StreamingLLM: {DRAFT_SINKS} attention sinks + the last {layout.draft_window:,} tokens, so a draft step "
+            f"costs the same at any context length")
 
 
 def _weights_reason(layout: _Layout, tried: list[_Layout]) -> str:
@@ -555,9 +582,12 @@ def _prefill_reason(layout: _Layout) -> str:
             f"written before it ({human_size(moved)} in all{time}); activations about {act}")
 
 
-def _speculation(layout: _Layout, reasons: dict) -> tuple[str, int | None, int | None, tuple[int, int], str]:
-    """(mode, gamma1, gamma2, (tree n, d), TriForce's final verification) with their reasons."""
+def _speculation(layout: _Layout, reasons: dict) -> tuple[str, int | None, int | None, tuple[int, int], str,
+                                                          float | None]:
+    """(mode, gamma1, gamma2, (tree n, d), TriForce's final verification, predicted seconds per
+    token) with their reasons."""
     tree, tree_pays, chain = _tree(layout, reasons)
+    seconds = _verification_seconds(layout)  # plain decoding's token
     mode = layout.mode
     if mode == "speculate":
         if tree_pays and (chain is None or tree_pays.speedup > chain.speedup):
@@ -567,6 +597,9 @@ def _speculation(layout: _Layout, reasons: dict) -> tuple[str, int | None, int |
             mode = "chain"
             reasons["mode"] = "chain: " + (chain.reason if chain else
                                            "prompt lookup drafts from the document and the conversation, for free")
+    if mode in ("chain", "tree") and seconds is not None:
+        choice = tree_pays if mode == "tree" else chain  # the optimizer's, from measured t(n)
+        seconds = seconds / choice.speedup if choice else _chain_seconds(layout, seconds)
     gamma1 = gamma2 = None
     verify = "chain"
     if mode == "chain":
@@ -579,16 +612,22 @@ def _speculation(layout: _Layout, reasons: dict) -> tuple[str, int | None, int |
         first = f"gamma1 = {GAMMA1} (TriForce's optimum) draft tokens per retrieval verification; " \
             if gamma1 else "no draft model: the retrieval stage drafts alone; "
         reasons["gammas"] = first + why
-        verify, tree = _triforce_verify(layout, costs, gamma2, tree, reasons)
-    return mode, gamma1, gamma2, tree, verify
+        verify, tree, rate = _triforce_verify(layout, costs, gamma2, tree, reasons)
+        if costs is not None:  # tokens per full verification's time: measured t(n), else t(n) = 1
+            t_mid, t_full = costs
+            rate = rate or _expected_tokens(gamma2, _retrieval_acceptance(layout)) / (gamma2 * t_mid / t_full + 1)
+            seconds = t_full / rate
+    elif mode == "dsi":  # asked for: no single-card figure to compare with
+        seconds = None
+    return mode, gamma1, gamma2, tree, verify, seconds
 
 
 def _triforce_verify(layout: _Layout, costs: tuple[float, float] | None, gamma2: int, tree: tuple[int, int],
-                     reasons: dict) -> tuple[str, tuple[int, int]]:
+                     reasons: dict) -> tuple[str, tuple[int, int], float | None]:
     """A Sequoia tree as TriForce's final verification where the optimizer's tree beats the
     gamma2 chain: Speedup = G(n, d) / (t(n) + d c), c = one middle-stage token / one full
     verification, against E(gamma2) / (t(gamma2 + 1) + gamma2 c) for the chain (both in full
-    verifications' time)."""
+    verifications' time; the chosen one's is returned, None without measured t(n))."""
     from .spec.optimizer import choose_tree
 
     target = layout.pair.target
@@ -596,17 +635,17 @@ def _triforce_verify(layout: _Layout, costs: tuple[float, float] | None, gamma2:
     if costs is None or curves is None:
         reasons["triforce_verify"] = ("chain: a tree needs t(n) and the bandwidths measured on this machine "
                                       "(the first use calibrates)")
-        return "chain", tree
+        return "chain", tree, None
     t_mid, t_full = costs
     times, c = curves.at(layout.context), t_mid / t_full
-    a2 = layout.overrides.retrieval_acceptance or RETRIEVAL_ACCEPTANCE
+    a2 = _retrieval_acceptance(layout)
     chain = _expected_tokens(gamma2, a2) / (times.relative(gamma2 + 1) + gamma2 * c)
     choice = choose_tree(list(RETRIEVAL_SIBLING_ACCEPTANCE), times, c, max(2, times.sizes[-1]), MAX_TREE_DEPTH)
     if choice.size > 1 and choice.speedup > chain:
         reasons["triforce_verify"] = f"tree n={choice.size}, d={choice.depth}: beats the chain's {chain:.2f}x ({choice.reason})"
-        return "tree", (choice.size, choice.depth)
+        return "tree", (choice.size, choice.depth), choice.speedup
     reasons["triforce_verify"] = f"chain: {chain:.2f}x over plain, the best tree {choice.speedup:.2f}x ({choice.reason})"
-    return "chain", tree
+    return "chain", tree, chain
 
 
 def _step_times_source(layout: _Layout) -> str:
@@ -670,7 +709,8 @@ def _gamma2(layout: _Layout) -> tuple[int, str, tuple[float, float] | None]:
     Memory-bound forwards: bytes read / the measured on-device rate."""
     memory_rate = _slowest(layout, "memory_bytes_per_s")
     h2d = _slowest(layout, "host_to_device_bytes_per_s")
-    if memory_rate is None or (not layout.kv_on_chip and h2d is None):
+    t_full = _verification_seconds(layout)
+    if t_full is None:
         return (DEFAULT_GAMMA2, f"gamma2 = {DEFAULT_GAMMA2}: TriForce's optimum (bandwidths not measured on this machine)",
                 None)
     _, head, body = weight_parts(layout.pair.target, layout.quantization, layout.dtype_bytes)
@@ -685,12 +725,10 @@ def _gamma2(layout: _Layout) -> tuple[int, str, tuple[float, float] | None]:
         middle += (f" and {draft_step * 1e3:.1f} ms per draft step, over {per_verification:.2f} tokens each "
                    f"(draft acceptance {a1:.2f}): {t_mid * 1e3:.1f} ms per token")
     if layout.kv_on_chip:
-        t_full = (weights + layout.full_kv) / memory_rate
         full = f"reads weights and {human_size(layout.full_kv)} of KV at {human_size(memory_rate)}/s"
     else:
-        t_full = max(layout.full_kv / h2d, weights / memory_rate)
         full = f"streams {human_size(layout.full_kv)} of KV at {human_size(h2d)}/s"
-    a2 = layout.overrides.retrieval_acceptance or RETRIEVAL_ACCEPTANCE
+    a2 = _retrieval_acceptance(layout)
     best = max(range(1, MAX_GAMMA2 + 1), key=lambda g: _expected_tokens(g, a2) / (g * t_mid + t_full))
     # A plain step costs what a full verification does: the same weights and KV are read.
     speedup = _expected_tokens(best, a2) * t_full / (best * t_mid + t_full)
@@ -699,9 +737,186 @@ def _gamma2(layout: _Layout) -> tuple[int, str, tuple[float, float] | None]:
                   f"per second, about {speedup:.2f}x plain decoding"), (t_mid, t_full)
 
 
+def _retrieval_acceptance(layout: _Layout) -> float:
+    return layout.overrides.retrieval_acceptance or RETRIEVAL_ACCEPTANCE
+
+
+def _verification_seconds(layout: _Layout) -> float | None:
+    """One target forward of a few tokens at the full context, memory-bound (a plain step costs
+    the same): it reads the weights and the whole KV on the GPUs (on-chip), or streams the KV over
+    the link while the weights are read (offloaded; double buffering overlaps the two). None when
+    the bandwidths are not measured (or there is no GPU)."""
+    memory_rate = _slowest(layout, "memory_bytes_per_s")
+    h2d = _slowest(layout, "host_to_device_bytes_per_s")
+    if memory_rate is None or (not layout.kv_on_chip and h2d is None):
+        return None
+    _, head, body = weight_parts(layout.pair.target, layout.quantization, layout.dtype_bytes)
+    if layout.kv_on_chip:
+        return (head + body + layout.full_kv) / memory_rate
+    return max(layout.full_kv / h2d, (head + body) / memory_rate)
+
+
+def _drafter(layout: _Layout, draft: ModelSpec | None) -> tuple[float, float]:
+    """(seconds per draft token, per-token acceptance) of `draft` next to `layout`'s target: the
+    stated or measured cost c times a verification, else its weights read once per step (its
+    StreamingLLM cache is small); the calibrated acceptance, else DRAFT_ACCEPTANCE. No draft
+    model: prompt lookup, free, at LOOKUP_ACCEPTANCE. Only called with the bandwidths measured."""
+    if draft is None:
+        return 0.0, LOOKUP_ACCEPTANCE
+    acceptance = layout.overrides.acceptance[0] if layout.overrides.acceptance else DRAFT_ACCEPTANCE
+    cost = _acceptance(layout)[1]
+    if cost is not None:
+        return cost * _verification_seconds(layout), acceptance
+    size = DTYPE_BYTES[_compute_dtype(layout.profile, draft)]
+    return draft.params_b * 1e9 * size / _slowest(layout, "memory_bytes_per_s"), acceptance
+
+
+def _chain_seconds(layout: _Layout, verification: float) -> float:
+    """A chain on this layout with its own drafter, at its best length (SI's formula; 0 drafts is
+    a plain step, as the engine's cost model may choose)."""
+    draft, acceptance = _drafter(layout, layout.draft)
+    return min(si_seconds_per_token(verification, draft, acceptance, k) for k in range(MAX_DRAFT + 1))
+
+
 def _expected_tokens(gamma: int, acceptance: float) -> float:
     """Tokens per verification of a chain of `gamma` drafts, each accepted with `acceptance`."""
     return sum(acceptance ** i for i in range(gamma + 1))
+
+
+# ---- DSI: a whole target on each GPU -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Dsi:
+    cards: tuple[_Layout, ...]  # one instance each, a whole target; the last also holds the draft, if any
+    items: tuple[MemoryItem, ...]
+    devices: tuple[DeviceMemory, ...]
+    lookahead: int | None  # None: not measured, the engine's first guess
+
+
+def _dsi(layout: _Layout, mode: str, seconds: float | None, reasons: dict) -> _Dsi | None:
+    """DSI over the GPUs that each hold a whole target, where its cost model predicts it beats
+    the faster of `mode` on `layout` (`seconds` per token) and a chain there by DSI_MARGIN, or
+    where asked for; reasons["dsi"] says why not (chosen: reasons["mode"] says why). Never with
+    another mode asked for, and not considered with one GPU."""
+    asked = layout.overrides.mode == "dsi"
+    if layout.overrides.mode and not asked:
+        return None
+    if len(layout.profile.gpus) < 2:
+        if asked:
+            reasons["dsi"] = "fewer than two GPUs: the engine's CPU worker processes stand in for the instances"
+        return None
+    found = _dsi_cards(layout)
+    if isinstance(found, str):
+        reasons["dsi"] = f"{found}: the engine's CPU worker processes stand in" if asked else f"not chosen: {found}"
+        return None
+    cards, items, devices = found
+    names = ", ".join(card.target_devices[0] for card in cards)
+    over = f"over {len(cards)} GPUs ({names}) that each hold a whole target"
+    verifications = [_verification_seconds(card) for card in cards]
+    if None in verifications or (seconds is None and not asked):
+        reasons["dsi"] = (f"{over}: the lookahead follows the measured latencies" if asked else
+                          "not chosen: its cost model needs the GPUs' bandwidths measured "
+                          "(`specchat profile --refresh`)")
+        return _Dsi(cards, items, devices, None) if asked else None
+    target = max(verifications)  # the slowest instance's
+    draft, acceptance = _drafter(layout, cards[-1].draft)
+    lookahead = dsi_lookahead(target, draft, len(cards), MAX_DRAFT)
+    predicted = dsi_seconds_per_token(target, draft, acceptance, lookahead, len(cards))
+    assumed = "" if cards[-1].draft and layout.overrides.acceptance else " assumed"
+    drafter = (f"a draft step {draft / target:.1%} of a verification, draft acceptance {acceptance:.2f}{assumed}"
+               if cards[-1].draft else f"prompt lookup drafts, acceptance {acceptance:.2f}{assumed}")
+    link = "" if cards[0].kv_on_chip else ", each instance streaming its KV over its own link"
+    how = f"lookahead {lookahead}, {drafter}; a verification {target * 1e3:.1f} ms{link}"
+    if asked:
+        reasons["dsi"] = f"{over}: predicted {predicted * 1e3:.1f} ms per token ({how})"
+        return _Dsi(cards, items, devices, lookahead)
+    # DSI's gain is its parallelism only against the best this layout does, a chain included:
+    # by its own figures the chosen mode can be the slower one (TriForce at a moderate context).
+    chain = _chain_seconds(layout, _verification_seconds(layout))
+    if chain < seconds:
+        mode, seconds = "chain", chain
+    gain = seconds / predicted
+    versus = (f"{gain:.2f}x a {mode} on {'+'.join(layout.target_devices)}",
+              f"({predicted * 1e3:.1f} against {seconds * 1e3:.1f} ms per token; {how})")
+    if gain >= DSI_MARGIN:
+        reasons["mode"] = f"dsi {over}: predicted {versus[0]} {versus[1]}"
+        return _Dsi(cards, items, devices, lookahead)
+    reasons["dsi"] = (f"not chosen: DSI {over} is predicted {versus[0]}, under the {DSI_MARGIN:.2f}x it needs "
+                      f"{versus[1]}")
+    return None
+
+
+def _dsi_cards(layout: _Layout) -> tuple[tuple[_Layout, ...], tuple[MemoryItem, ...], tuple[DeviceMemory, ...]] | str:
+    """A whole target at the plan's weights on each GPU that holds one (two at least), or why
+    not. The instances load alike (the plan's load options), so the KV stays with the layers on
+    every card or is offloaded for all; as in `_try_plan`, the KV on-chip comes before the draft,
+    which goes beside the last card's copy (without it prompt lookup drafts)."""
+    profile, pair = layout.profile, layout.pair
+    for kv_on_chip in (True, False):
+        for with_draft in (True, False) if _uses_draft(pair, "dsi") else (False,):
+            for chunk in _prefill_chunks(profile, kv_on_chip):
+                cards = [card for card in (_card(layout, gpu, kv_on_chip, False, chunk) for gpu in profile.gpus)
+                         if card.fits]
+                if len(cards) < 2:
+                    continue
+                if with_draft:
+                    cards[-1] = _card(layout, cards[-1].profile.gpus[0], kv_on_chip, True, chunk)
+                # Each instance offloads a KV of its own: name whose each pinned copy is.
+                items = tuple(replace(item, what=f"{item.what}, for the instance on {card.target_devices[0]}")
+                              if item.where == "cpu" else item for card in cards for item in card.items)
+                devices = _budgets(profile, list(items))
+                if all(device.headroom_bytes >= 0 for device in devices):
+                    return tuple(cards), items, devices
+    # The last candidate tried is the smallest: KV offloaded, smallest chunk, no draft.
+    holders = [card.target_devices[0] for card in cards]
+    if len(holders) >= 2:  # each card fits alone: only the RAM is shared
+        return f"one offloaded KV per instance ({len(holders)} x {human_size(layout.full_kv)}) does not fit in RAM"
+    size = human_size(sum(weight_parts(pair.target, layout.quantization, layout.dtype_bytes)))
+    return (f"no two GPUs each hold a whole target ({layout.weights_label()} weights, {size}) even with its KV "
+            f"offloaded" + (f"; only {holders[0]} does" if holders else "")
+            + (", so its layers are split across them" if len(layout.target_devices) > 1 else ""))
+
+
+def _card(layout: _Layout, gpu, kv_on_chip: bool, with_draft: bool, prefill_chunk: int) -> _Layout:
+    """`layout`'s target alone on `gpu`: one DSI instance."""
+    return _Layout(replace(layout.profile, gpus=(gpu,)), layout.pair, layout.context, "dsi", None, layout.overrides,
+                   layout.quantization, kv_on_chip, with_draft, prefill_chunk)
+
+
+def _dsi_plan(layout: _Layout, dsi: _Dsi, tree: tuple[int, int], reasons: dict) -> Plan:
+    """The plan with one instance per card: the engine's own target is the first card's copy,
+    the draft beside the last's. The reasons of the layout it replaces are rewritten, or dropped
+    where they belong to its speculation (gammas, TriForce's verification)."""
+    first, last = dsi.cards[0], dsi.cards[-1]
+    names = tuple(card.target_devices[0] for card in dsi.cards)
+    for stale in ("gammas", "triforce_verify"):
+        reasons.pop(stale, None)
+    size = human_size(sum(weight_parts(layout.pair.target, layout.quantization, layout.dtype_bytes)))
+    drafter = (f"draft on {last.draft_device()}" if last.draft else
+               "no draft model fits beside a copy: prompt lookup drafts")
+    reasons["placement"] = (f"a whole target ({size}) on each of {', '.join(names)}: one DSI instance per GPU, the "
+                            f"engine's own on {names[0]}; {drafter}")
+    kv = human_size(layout.full_kv)
+    reasons["kv"] = (f"each instance's full KV ({kv}) on its GPU with its layers" if first.kv_on_chip else
+                     f"each instance's full KV ({kv}) offloaded to pinned CPU memory ({len(names)} copies) and "
+                     f"streamed to its GPU over its own link: it does not fit next to the weights")
+    if last.draft is not None:
+        reasons["draft_cache"] = _draft_cache_reason(last)
+    reasons["prefill_chunk"] = _prefill_reason(first)
+    if not first.kv_on_chip:
+        reasons["kv_attention"] = ("offloaded KV streamed to the GPUs: each instance over its own link, side by side "
+                                   "(on the CPU the instances would share its memory bandwidth)")
+    return Plan(
+        pair_id=layout.pair.id, context=layout.context, mode="dsi", weights=layout.weights_label(),
+        target_devices=first.target_devices, target_layers=first.target_layers,
+        draft_device=last.draft_device(), draft_weights=last.draft_dtype(), kv_device=first.kv_device(),
+        retrieval_budget=None, retrieval_chunk=None,
+        draft_sinks=DRAFT_SINKS if last.draft is not None else None,
+        draft_window=last.draft_window if last.draft is not None else None,
+        gamma1=None, gamma2=None, tree_size=tree[0], tree_depth=tree[1], prefill_chunk=first.prefill_chunk,
+        memory=dsi.items, devices=dsi.devices, reasons=reasons, kv_attention="gpu", dsi_devices=names,
+        dsi_lookahead=dsi.lookahead)
 
 
 # ---- refusals ------------------------------------------------------------------------------

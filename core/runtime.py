@@ -30,6 +30,12 @@ class EngineSettings:
     triforce: TriforceSettings = field(default_factory=TriforceSettings)
     keep_prefixes: bool = True  # keep recent answers' KV and saved documents (off for an offloaded KV)
     step_times: StepTimes | None = None  # measured t(n) by context (calibration); None: stated defaults
+    # DSI (spec/dsi.py): one target instance per device named here ("cuda:0", "cuda:1", ...);
+    # empty: instances are CPU worker processes, as many as the request asks for.
+    dsi_devices: tuple[str, ...] = ()
+    # DSI's lookahead until the instances' measured latencies choose it: the plan's prediction
+    # for these devices; None: the decoder's own first guess.
+    dsi_lookahead: int | None = None
 
 
 def settings_from_plan(plan: Plan, step_times: StepTimes | None = None, has_draft: bool = False) -> EngineSettings:
@@ -53,4 +59,5 @@ def settings_from_plan(plan: Plan, step_times: StepTimes | None = None, has_draf
         tree_size=plan.tree_size, tree_depth=plan.tree_depth, triforce=triforce,
         # An offloaded cache is pinned memory the size of the whole context: one conversation at a
         # time, so no kept prefixes or saved documents (which copy caches) for now.
-        keep_prefixes=not offloaded, step_times=step_times)
+        keep_prefixes=not offloaded, step_times=step_times,
+        dsi_devices=plan.dsi_devices, dsi_lookahead=plan.dsi_lookahead)

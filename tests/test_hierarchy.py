@@ -43,16 +43,24 @@ def test_greedy_triforce_equals_greedy_plain(first_stage, monkeypatch):
         assert stages[first_stage]["forwards"] > 0
 
 
-@pytest.mark.slow
-def test_sampled_triforce_samples_from_the_target(params=SamplingParams(temperature=0.7, top_p=0.9)):
-    """Three different models in the chain (a noisy draft over a streaming cache, the target over
-    a 10-position retrieval cache of a 24-token prompt, the target over everything): the first
-    four tokens follow the target's exact sequence distribution."""
+def sampled_hierarchy():
+    """A 5-token vocabulary, sharp distributions, a noisy draft over a 7-position streaming cache
+    and the target over a 10-position retrieval cache of a 24-token prompt: (target, draft,
+    prompt, settings)."""
     target = tiny_llama(7, vocab_size=5, weight_scale=20.0)
     draft = noisy_copy(7, 0.5, vocab_size=5, weight_scale=20.0)
     prompt = [0, 1, 2, 3, 4, 4, 3, 2, 1, 0, 0, 2, 4, 1, 3, 1, 1, 0, 3, 3, 2, 4, 0, 1]
     settings = TriforceSettings(draft="pair", gamma1=2, gamma2=3, budget=10, chunk_size=2, recent=4,
                                 stride=2, sinks=1, window=6)
+    return target, draft, prompt, settings
+
+
+@pytest.mark.slow
+def test_sampled_triforce_samples_from_the_target(params=SamplingParams(temperature=0.7, top_p=0.9)):
+    """Three different models in the chain (a noisy draft over a streaming cache, the target over
+    a 10-position retrieval cache of a 24-token prompt, the target over everything): the first
+    four tokens follow the target's exact sequence distribution."""
+    target, draft, prompt, settings = sampled_hierarchy()
     exact = exact_sequence_probs(target, prompt, params, 4)
     counts = torch.zeros_like(exact)
     totals = {"final drafted": 0, "final accepted": 0, "middle drafted": 0, "middle accepted": 0}

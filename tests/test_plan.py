@@ -9,10 +9,11 @@ import json
 
 import pytest
 from conftest import DATA
-from specchat.app.plan_cmd import add_parsers, parse_context, run_plan
+from specchat.app.plan_cmd import add_parsers, parse_context, plan_markdown, run_plan
 from specchat.core.errors import InputError
 from specchat.core.hardware import HardwareProfile, ModelCurves, curve_key
 from specchat.core.plan import (
+    DSI_MARGIN,
     NF4_BITS,
     RAM_MARGIN_SHARE,
     VRAM_MARGIN_SHARE,
@@ -21,6 +22,8 @@ from specchat.core.plan import (
     make_plan,
 )
 from specchat.core.registry import DTYPE_BYTES, load_registry
+from specchat.core.spec.dsi_cost import dsi_lookahead
+from specchat.core.spec.lookahead import MAX_DRAFT
 from specchat.core.spec.optimizer import ForwardTimes, choose_tree
 
 PROFILES = {path.stem: HardwareProfile.load(path) for path in sorted((DATA / "profiles").glob("*.json"))}
@@ -53,16 +56,18 @@ def test_every_pair_on_every_machine(profile_name, pair_id, context):
     plan = result
     _check_memory(profile, plan)
     _check_reasons(plan, pair)
+    _check_dsi(profile, plan)
     # The weights: 4-bit only where neither bf16 nor 8-bit fits, 8-bit only where bf16 does not.
     finer = {"nf4": ("none", "int8"), "int8": ("none",)}.get(plan.weights, ())
     for quantization in finer:
         with pytest.raises(PlanRefused):
             make_plan(profile, pair, context, Overrides(quantization=quantization))
-    # The full KV: the registry's shapes, every token, wherever it lives.
+    # The full KV: the registry's shapes, every token, wherever it lives (DSI: one per instance).
     dtype_bytes = 2 if profile.gpus else DTYPE_BYTES[pair.target.dtype]
     full_kv = context * 2 * pair.target.layers * pair.target.kv_heads * pair.target.head_dim * dtype_bytes
-    assert sum(item.bytes for item in plan.memory if "full KV" in item.what) == pytest.approx(full_kv, abs=64)
-    _check_weights(plan, pair, dtype_bytes)
+    copies = len(plan.dsi_devices) or 1
+    assert sum(item.bytes for item in plan.memory if "full KV" in item.what) == pytest.approx(copies * full_kv, abs=64)
+    _check_weights(plan, pair, dtype_bytes, copies)
 
 
 def _check_memory(profile, plan):
@@ -82,18 +87,19 @@ def _check_memory(profile, plan):
     assert sum(plan.target_layers) == REGISTRY.get(plan.pair_id).target.layers
 
 
-def _check_weights(plan, pair, dtype_bytes):
-    """The target's weights recomputed from params, vocabulary and hidden size."""
+def _check_weights(plan, pair, dtype_bytes, copies):
+    """The target's weights recomputed from params, vocabulary and hidden size, per copy."""
     target = pair.target
     matrix = target.vocab_size * target.hidden_size
     bits = {"nf4": NF4_BITS, "int8": 8 + 32 / target.hidden_size}.get(plan.weights, 8 * dtype_bytes)
-    expected = 2 * matrix * dtype_bytes + max(0.0, target.params_b * 1e9 - 2 * matrix) * bits / 8
+    expected = copies * (2 * matrix * dtype_bytes + max(0.0, target.params_b * 1e9 - 2 * matrix) * bits / 8)
     items = [item for item in plan.memory if item.what.startswith(("target weights", "target embedding",
                                                                    "target output head"))
              or item.what.startswith("target layers") and "weights" in item.what]
     assert sum(item.bytes for item in items) == pytest.approx(expected, rel=1e-6)
     if plan.weights in ("bfloat16", "float32"):  # unquantized: exactly params x dtype bytes
-        assert sum(item.bytes for item in items) == pytest.approx(target.params_b * 1e9 * dtype_bytes, rel=1e-6)
+        assert sum(item.bytes for item in items) == pytest.approx(copies * target.params_b * 1e9 * dtype_bytes,
+                                                                  rel=1e-6)
 
 
 def _check_reasons(plan, pair):
@@ -105,6 +111,21 @@ def _check_reasons(plan, pair):
     assert all(reason.strip() and "\n" not in reason for reason in plan.reasons.values())
     assert plan.reasons["mode"].startswith(plan.mode)
     assert plan.reasons["weights"].startswith(plan.weights)
+
+
+def _check_dsi(profile, plan):
+    """DSI only over two or more GPUs, each with a whole target; the engine's own is the first.
+    With two GPUs the plan always says why it chose DSI or not; with one it never mentions it."""
+    if plan.mode == "dsi":
+        assert len(plan.dsi_devices) >= 2 and plan.target_devices == plan.dsi_devices[:1]
+        assert plan.reasons["mode"].startswith(f"dsi over {len(plan.dsi_devices)} GPUs") and "dsi" not in plan.reasons
+        target_layers = REGISTRY.get(plan.pair_id).target.layers
+        for device in plan.dsi_devices:
+            assert any(item.where == device and item.what.startswith(f"target layers 0-{target_layers - 1}: weights")
+                       for item in plan.memory)
+    else:
+        assert plan.dsi_devices == () and plan.dsi_lookahead is None
+        assert ("dsi" in plan.reasons) == (len(profile.gpus) >= 2)
 
 
 def _check_refusal(profile, refusal):
@@ -125,7 +146,9 @@ def test_what_each_machine_gets():
     assert two.kv_device == "cuda:0+cuda:1" and two.target_devices == ("cuda:0", "cuda:1")
     assert "split in layer order" in two.reasons["placement"] and two.draft_device == "cuda:1"
     short = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("qwen2.5-7b"), 32768)
-    assert short.target_devices == ("cuda:0",) and "keeps the other GPU" in short.reasons["placement"]
+    assert short.mode == "dsi" and short.dsi_devices == ("cuda:0", "cuda:1") and short.draft_device == "cuda:1"
+    alone = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("qwen3-8b"), 32768)
+    assert alone.target_devices == ("cuda:0",) and "keeps the other GPU" in alone.reasons["placement"]
     small = make_plan(PROFILES["rtx3060-12gb"], REGISTRY.get("llama3.1-8b"), 131072)
     assert small.weights == "nf4" and "bfloat16 weights need" in small.reasons["weights"]
     cpu = make_plan(PROFILES["cpu-only-32gb"], REGISTRY.get("embedded"), 8192)
@@ -194,6 +217,106 @@ def test_overrides_and_bad_requests():
     assert make_plan(profile, pair, 32768) == make_plan(profile, pair, 32768)  # pure
 
 
+# ---- DSI: several GPUs that each hold the target ---------------------------------------------
+
+
+def _cards(name, count=2):
+    """A synthetic machine with `count` copies of the named profile's GPU."""
+    profile = PROFILES[name]
+    gpus = tuple(dataclasses.replace(profile.gpus[0], index=index) for index in range(count))
+    return dataclasses.replace(profile, gpus=gpus)
+
+
+def test_two_cards_that_each_hold_the_target_run_dsi_where_its_cost_model_wins():
+    profile, pair = _cards("rtx4090-24gb"), REGISTRY.get("llama3.1-8b")
+    plan = make_plan(profile, pair, 8192)
+    assert (plan.mode, plan.dsi_devices, plan.target_devices, plan.draft_device, plan.kv_device) == (
+        "dsi", ("cuda:0", "cuda:1"), ("cuda:0",), "cuda:1", "cuda:0")
+    _check_memory(profile, plan)
+    _check_dsi(profile, plan)
+    reason = plan.reasons["mode"]
+    assert reason.startswith("dsi over 2 GPUs (cuda:0, cuda:1) that each hold a whole target: predicted ")
+    assert float(reason.split("predicted ")[1].split("x")[0]) >= DSI_MARGIN
+    assert "x a chain on cuda:0 (" in reason and "draft acceptance 0.80" in reason
+    # The lookahead: the paper's inequality with the plan's own step times (memory-bound reads).
+    target, draft, rate = pair.target, pair.draft, profile.gpus[0].memory_bytes_per_s
+    weights = (target.params_b * 1e9 - target.vocab_size * target.hidden_size) * 2  # bf16, all but the embedding
+    verification = (weights + 8192 * target.kv_bytes_per_token(2)) / rate
+    assert plan.dsi_lookahead == dsi_lookahead(verification, draft.params_b * 1e9 * 2 / rate, 2, MAX_DRAFT) == 4
+    assert f"lookahead {plan.dsi_lookahead}, a draft step 15.4% of a verification" in reason
+    assert plan.reasons["placement"].startswith("a whole target (16.1 GB) on each of cuda:0, cuda:1")
+    # A third card: one more instance, and a lookahead no longer than with two.
+    three = make_plan(_cards("rtx4090-24gb", 3), pair, 8192)
+    assert three.dsi_devices == ("cuda:0", "cuda:1", "cuda:2") and three.dsi_lookahead <= plan.dsi_lookahead
+    assert three.reasons["mode"].startswith("dsi over 3 GPUs")
+
+
+def test_dsi_loses_to_one_card_with_a_slow_inaccurate_draft():
+    profile, pair = _cards("rtx4090-24gb"), REGISTRY.get("llama3.1-8b")
+    slow = make_plan(profile, pair, 8192, Overrides(acceptance=(0.1,), draft_cost=0.6))
+    assert (slow.mode, slow.dsi_devices, slow.target_devices) == ("chain", (), ("cuda:0",))
+    reason = slow.reasons["dsi"]
+    assert reason.startswith("not chosen: DSI over 2 GPUs (cuda:0, cuda:1) that each hold a whole target is "
+                             "predicted 1.04x a chain on cuda:0, under the 1.10x it needs (")
+    assert "lookahead 1, a draft step 60.0% of a verification, draft acceptance 0.10" in reason
+    # The same slow draft accepted more often: DSI hides its drafting behind the verifications.
+    assert make_plan(profile, pair, 8192, Overrides(acceptance=(0.3,), draft_cost=0.6)).mode == "dsi"
+
+
+def test_a_target_that_fits_only_split_is_split_and_the_plan_says_why_not_dsi():
+    plan = make_plan(_cards("rtx3060-12gb"), REGISTRY.get("llama3.1-8b"), 8192)
+    assert (plan.mode, plan.weights, plan.target_devices, plan.dsi_devices) == (
+        "chain", "bfloat16", ("cuda:0", "cuda:1"), ())
+    assert plan.reasons["dsi"] == ("not chosen: no two GPUs each hold a whole target (bfloat16 weights, 16.1 GB) even "
+                                   "with its KV offloaded, so its layers are split across them")
+    big, small = PROFILES["rtx4090-24gb"], PROFILES["laptop-rtx4060-8gb"]
+    mixed = dataclasses.replace(big, gpus=(big.gpus[0], dataclasses.replace(small.gpus[0], index=1)))
+    plan = make_plan(mixed, REGISTRY.get("llama3.1-8b"), 8192)
+    assert (plan.mode, plan.target_devices, plan.draft_device) == ("chain", ("cuda:0",), "cuda:1")
+    assert plan.reasons["dsi"].endswith("even with its KV offloaded; only cuda:0 does")
+
+
+def test_a_split_that_keeps_the_kv_on_chip_beats_dsi_streaming_it_over_each_link():
+    """128K tokens: each card holds a target only with its KV offloaded, while the split keeps
+    the KV with its layers; each instance would stream 16 GB over its own link per verification."""
+    plan = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("llama3.1-8b"), 131072)
+    assert plan.mode == "triforce" and plan.kv_device == "cuda:0+cuda:1"
+    reason = plan.reasons["dsi"]
+    assert reason.startswith("not chosen: DSI over 2 GPUs (cuda:0, cuda:1) that each hold a whole target is "
+                             "predicted 0.")
+    assert "on cuda:0+cuda:1, under the 1.10x it needs" in reason
+    assert reason.endswith("a verification 698.4 ms, each instance streaming its KV over its own link)")
+
+
+def test_one_card_never_runs_dsi():
+    for name in ("laptop-rtx4060-8gb", "rtx3060-12gb", "rtx4080-16gb", "rtx4090-24gb", "cpu-only-32gb"):
+        for pair_id in ("embedded", "qwen2.5-7b"):
+            plan = _plan_or_refusal(PROFILES[name], pair_id, 8192)
+            if isinstance(plan, PlanRefused):
+                continue
+            assert plan.mode != "dsi" and plan.dsi_devices == () and "dsi" not in plan.reasons
+
+
+def test_dsi_asked_for_or_another_mode_asked_for():
+    profile, pair = _cards("rtx4090-24gb"), REGISTRY.get("llama3.1-8b")
+    forced = make_plan(profile, pair, 131072, Overrides(mode="dsi"))  # the cost model would say no
+    assert (forced.mode, forced.dsi_devices, forced.kv_device) == ("dsi", ("cuda:0", "cuda:1"), "cpu-pinned")
+    assert forced.reasons["mode"] == "dsi: as requested" and "its own link" in forced.reasons["dsi"]
+    assert forced.kv_attention == "gpu" and "each instance over its own link" in forced.reasons["kv_attention"]
+    alone = make_plan(PROFILES["rtx4090-24gb"], pair, 8192, Overrides(mode="dsi"))
+    assert (alone.mode, alone.dsi_devices) == ("dsi", ()) and "CPU worker processes" in alone.reasons["dsi"]
+    chain = make_plan(profile, pair, 8192, Overrides(mode="chain"))
+    assert chain.mode == "chain" and "dsi" not in chain.reasons
+
+
+def test_dsi_needs_measured_bandwidths():
+    profile = _cards("rtx4090-24gb")
+    unmeasured = dataclasses.replace(profile, gpus=tuple(dataclasses.replace(gpu, memory_bytes_per_s=None)
+                                                         for gpu in profile.gpus))
+    plan = make_plan(unmeasured, REGISTRY.get("llama3.1-8b"), 8192)
+    assert plan.mode == "chain" and "bandwidths measured" in plan.reasons["dsi"]
+
+
 # ---- the command line ------------------------------------------------------------------------
 
 
@@ -233,6 +356,23 @@ def test_plan_command_text(capsys):
     out = capsys.readouterr().out
     assert out.startswith("qwen3-8b at 32,768 tokens: triforce")
     assert "MEMORY" in out and "total on cuda:0" in out and "margin" in out and "weights " in out
+    assert any(line.startswith("  dsi ") and "not chosen: " in line for line in out.splitlines())  # why not DSI
+
+
+def test_plan_command_shows_dsi_and_why(capsys):
+    profile = str(DATA / "profiles" / "2x-rtx4090.json")
+    assert run_plan(_parse(["plan", "--pair", "llama3.1-8b", "--context", "8K", "--profile", profile])) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llama3.1-8b at 8,192 tokens: dsi (lookahead 4, 2 instances), bfloat16 weights on each of "
+                          "cuda:0, cuda:1, draft bfloat16 on cuda:1, full KV on each instance's GPU\n")
+    assert "dsi over 2 GPUs (cuda:0, cuda:1) that each hold a whole target: predicted 1.31x a chain on cuda:0" in out
+    assert out.count("target layers 0-31: weights (bfloat16)") == 2  # one target per card
+    plan = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("llama3.1-8b"), 8192)
+    assert "| mode | dsi over 2 GPUs (cuda:0, cuda:1) that each hold a whole target: predicted" in plan_markdown(plan)
+    args = _parse(["plan", "--pair", "llama3.1-8b", "--context", "8K", "--profile", profile, "--json"])
+    assert run_plan(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["mode"] == "dsi" and data["dsi_devices"] == ["cuda:0", "cuda:1"] and data["dsi_lookahead"] == 4
 
 
 def test_plan_command_refusal_json_exits_2(capsys):

@@ -6,6 +6,7 @@ from dataclasses import fields, replace
 import pytest
 
 from test_plan import PROFILES, REGISTRY
+from specchat.core.decoding import TriforceSettings
 from specchat.core.placement import draft_options, target_options
 from specchat.core.plan import Plan, make_plan
 from specchat.core.runtime import settings_from_plan
@@ -23,6 +24,7 @@ OTHER = {  # a different valid value for each field, given the plan's own
     "kv_device": lambda v: "cpu-pinned" if v != "cpu-pinned" else "cuda:0",
     "kv_attention": lambda v: "cpu" if v != "cpu" else "gpu",
     "triforce_verify": lambda v: "tree" if v != "tree" else "chain",
+    "dsi_devices": lambda v: () if v else ("cuda:0", "cuda:1"),
 }
 
 
@@ -37,7 +39,8 @@ def other_value(name, value):
 
 
 PLANS = [("rtx3060-12gb", "llama3.1-8b", 128 * K), ("rtx4090-24gb", "qwen2.5-7b", 32 * K),
-         ("2x-rtx4090", "llama3.1-8b", 128 * K), ("cpu-only-32gb", "embedded", 8 * K)]
+         ("2x-rtx4090", "llama3.1-8b", 128 * K), ("cpu-only-32gb", "embedded", 8 * K),
+         ("2x-rtx4090", "qwen2.5-7b", 8 * K)]  # the last: DSI over both cards
 
 
 @pytest.mark.parametrize("name", [f.name for f in fields(Plan) if f.name not in REPORT_ONLY])
@@ -53,3 +56,13 @@ def test_every_plan_field_reaches_the_engine(name):
 
 def test_the_report_fields_are_the_only_exceptions():
     assert REPORT_ONLY < {f.name for f in fields(Plan)}
+
+
+def test_a_dsi_plan_gives_the_engine_its_devices_and_lookahead():
+    profile, pair_id, context = PLANS[-1]
+    plan = make_plan(PROFILES[profile], REGISTRY.get(pair_id), context)
+    assert plan.mode == "dsi"
+    settings = settings_from_plan(plan, None, has_draft=True)
+    assert settings.auto_mode == "dsi" and settings.dsi_devices == ("cuda:0", "cuda:1")
+    assert settings.dsi_lookahead == plan.dsi_lookahead == 8
+    assert settings.triforce.gamma1 == TriforceSettings().gamma1  # the lookahead is DSI's alone

@@ -1,0 +1,190 @@
+"""The DSI simulation (`specchat bench --suite dsi`): the paper's offline experiment (seed 002,
+appendix F.3) run through specchat's own decoders, forward passes replaced by waits.
+
+The target's forward waits `TARGET_SECONDS` whatever it verifies (decoding is memory-bound), a
+draft token waits a share of that, and each draft token is right with the cell's acceptance
+rate, independently (the paper's geometric model). Plain decoding and SI (a chain, at the
+lookahead that is best for each cell, as the paper lets SI pick) run in this thread; DSI runs its
+drafting thread and a real thread pool of target instances, so the orchestrator's and the
+threads' overheads count. Every run must produce the target's text (token 0 everywhere).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from .bench import write_report
+from .decoding import ChainDecoder, DecodeState, PlainDecoder
+from .dsi_pool import thread_pool, wait_unless_cancelled
+from .sampling import SamplingParams, make_generator
+from .spec.drafters import Proposal, QueryBlind
+from .spec.dsi import DsiDecoder
+from .spec.dsi_cost import si_seconds_per_token
+from .spec.lookahead import MAX_DRAFT, FixedLookahead
+
+TARGET_SECONDS = 0.02  # a consumer GPU step of an 8B target is 20-30 ms
+DRAFT_SHARES = (0.02, 0.05, 0.1, 0.2, 0.4, 0.7, 1.0)  # a draft token's wait, over the target's
+ACCEPTANCES = (0.0, 0.3, 0.6, 0.8, 0.9, 0.95)
+INSTANCES = (2, 7)  # two cards, and the paper's node (8 GPUs: 7 target instances and the drafter)
+# Run lengths are geometric: a run's time varies with its number of rejections, so each cell
+# generates enough tokens for about this many (few where every draft fails: no variance).
+REJECTIONS = 100
+RUN_SECONDS = 4.0  # ... within about this long a run (slow drafters at high acceptance stop sooner)
+PLAIN_TOKENS = 100
+
+
+class _Length:
+    """All a waiting target's cache needs: how much it holds."""
+
+    def __init__(self):
+        self.length = 0
+
+    def trim(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+class WaitingTarget:
+    """A `CausalLM` whose every next token is 0 and whose forward waits `seconds` (a prompt
+    read, `last_only`, costs nothing: the simulation times decoding)."""
+    vocab_size = 2
+    context_length = 1 << 20
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def new_cache(self) -> _Length:
+        return _Length()
+
+    def forward(self, ids, positions, cache, mask=None, last_only=False):
+        if not last_only:
+            wait_unless_cancelled(self.seconds)
+        cache.length = int(positions[-1]) + 1
+        logits = torch.zeros(1 if last_only else ids.shape[0], 2)
+        logits[:, 1] = -torch.inf
+        return logits
+
+
+class CoinDrafter(QueryBlind):
+    """Draft tokens that wait `seconds` each and are right (0) with probability `acceptance`.
+
+    Whether the draft at a position is right is drawn once per position and seed (common random
+    numbers): SI and DSI meet the same wrong positions, so their ratio shows their timing, not
+    their luck. Positions are still independent, as the paper's geometric model has them."""
+
+    def __init__(self, seconds: float, acceptance: float, seed: int):
+        self.seconds, self.acceptance, self.seed = seconds, acceptance, seed
+
+    def _right(self, position: int) -> bool:
+        return random.Random(f"{self.seed}:{position}").random() < self.acceptance
+
+    def draft(self, state, seq, max_tokens):
+        tokens = []
+        for offset in range(max_tokens):
+            time.sleep(self.seconds)
+            tokens.append(0 if self._right(seq.shape[0] + offset) else 1)
+        tokens = torch.tensor(tokens)
+        return Proposal(tokens, torch.nn.functional.one_hot(tokens, 2).float())
+
+    def counts(self):
+        return {}
+
+
+def timed_run(decoder, target: WaitingTarget, tokens: int) -> float:
+    """Seconds to commit `tokens` tokens after a one-token prompt; checks the text is the target's."""
+    state = DecodeState(target, target.new_cache(), torch.tensor([0]), SamplingParams(), make_generator(0))
+    started = time.perf_counter()
+    while state.ids.shape[0] - 1 < tokens:
+        decoder.step(state, tokens - (state.ids.shape[0] - 1))
+    seconds = time.perf_counter() - started
+    decoder.close()
+    if state.ids[1:].any():
+        raise AssertionError("a simulated decoder committed a token the target did not choose")
+    return seconds
+
+
+def best_si_lookahead(draft_seconds: float, acceptance: float) -> int:
+    return min(range(1, MAX_DRAFT + 1),
+               key=lambda k: si_seconds_per_token(TARGET_SECONDS, draft_seconds, acceptance, k))
+
+
+def cell_tokens(acceptance: float, si_seconds: float, rejections: int) -> int:
+    """Tokens for about `rejections` rejections, or RUN_SECONDS of SI (expected `si_seconds` a token)."""
+    if acceptance == 0:
+        return 20  # every draft fails: the same time every run
+    return max(20, min(round(rejections / (1 - acceptance)), int(RUN_SECONDS / si_seconds)))
+
+
+def simulate_cell(draft_share: float, acceptance: float, pool, seed: int, plain_per_token: float,
+                  rejections: int = REJECTIONS) -> dict:
+    """Plain decoding's time is its measured time per token (it draws no coins); SI runs at its
+    best lookahead in expectation (si_seconds_per_token), as the paper lets SI pick its own."""
+    target = WaitingTarget(TARGET_SECONDS)
+    draft_seconds = draft_share * TARGET_SECONDS
+    si_lookahead = best_si_lookahead(draft_seconds, acceptance)
+    expected = si_seconds_per_token(TARGET_SECONDS, draft_seconds, acceptance, si_lookahead)
+    tokens = cell_tokens(acceptance, expected, rejections)
+    plain = plain_per_token * tokens
+    si = timed_run(ChainDecoder(CoinDrafter(draft_seconds, acceptance, seed), FixedLookahead(si_lookahead)), target,
+                   tokens)
+    dsi_decoder = DsiDecoder(CoinDrafter(draft_seconds, acceptance, seed), pool)
+    dsi = timed_run(dsi_decoder, target, tokens)
+    return {"draft_share": draft_share, "acceptance": acceptance, "tokens": tokens, "plain_s": plain, "si_s": si,
+            "si_lookahead": si_lookahead, "dsi_s": dsi, "dsi_lookahead": dsi_decoder.latencies.lookahead(),
+            "dsi_over_plain": plain / dsi, "dsi_over_si": si / dsi, "si_over_plain": plain / si}
+
+
+def run_dsi_simulation(out_dir: Path, instances: tuple[int, ...] = INSTANCES, draft_shares=DRAFT_SHARES,
+                       acceptances=ACCEPTANCES, rejections: int = REJECTIONS, progress=print) -> list[Path]:
+    grids = {}
+    target = WaitingTarget(TARGET_SECONDS)
+    plain_per_token = timed_run(PlainDecoder(), target, PLAIN_TOKENS) / PLAIN_TOKENS
+    for count in instances:
+        pool = thread_pool([WaitingTarget(TARGET_SECONDS) for _ in range(count)])
+        cells = []
+        for share in draft_shares:
+            for acceptance in acceptances:
+                cells.append(simulate_cell(share, acceptance, pool, len(cells), plain_per_token, rejections))
+                progress(f"{count} instances, draft {share:.0%} of the target, acceptance {acceptance:.0%}: "
+                         f"DSI {cells[-1]['dsi_over_plain']:.2f}x plain, {cells[-1]['dsi_over_si']:.2f}x SI")
+        pool.close()
+        grids[str(count)] = {
+            "cells": cells,
+            "dsi_over_plain_min": min(c["dsi_over_plain"] for c in cells),
+            "dsi_over_si_min": min(c["dsi_over_si"] for c in cells),
+        }
+    report = {"date": date.today().isoformat(), "target_seconds": TARGET_SECONDS,
+              "plain_seconds_per_token": plain_per_token, "rejections_per_cell": rejections,
+              "method": "waits through specchat's PlainDecoder (measured per token), ChainDecoder (SI at its best "
+                        "lookahead in expectation) and DsiDecoder (its drafting thread and a real thread pool of "
+                        "target instances)",
+              "instances": grids}
+    return write_report(report, out_dir, "dsi-simulation", draw_dsi)
+
+
+def draw_dsi(report: dict, plt):
+    rows = list(report["instances"].items())
+    figure, axes = plt.subplots(len(rows), 3, figsize=(15, 4.6 * len(rows)), squeeze=False)
+    for row, (count, grid) in zip(axes, rows):
+        cells = grid["cells"]
+        shares = sorted({c["draft_share"] for c in cells})
+        rates = sorted({c["acceptance"] for c in cells})
+        for axis, (key, title) in zip(row, [("si_over_plain", "SI / plain"), ("dsi_over_plain", "DSI / plain"),
+                                            ("dsi_over_si", "DSI / SI")]):
+            values = [[next(c[key] for c in cells if c["draft_share"] == s and c["acceptance"] == a)
+                       for s in shares] for a in rates]
+            image = axis.imshow(values, origin="lower", cmap="RdYlGn", vmin=0.5, vmax=2.0, aspect="auto")
+            for y, line in enumerate(values):
+                for x, value in enumerate(line):
+                    axis.text(x, y, f"{value:.2f}", ha="center", va="center", fontsize=7)
+            axis.set_xticks(range(len(shares)), [f"{s:.0%}" for s in shares])
+            axis.set_yticks(range(len(rates)), [f"{a:.0%}" for a in rates])
+            axis.set_xlabel("draft latency (share of the target's)")
+            axis.set_ylabel("acceptance rate")
+            axis.set_title(f"{title}, {count} target instances (speedup)")
+            figure.colorbar(image, ax=axis)
+    return figure

@@ -1,0 +1,278 @@
+"""Target instances for DSI (spec/dsi.py): each a model with a cache of its own, served by a
+thread (tests, the simulation) or a process of its own (one per GPU, or CPU processes standing in
+for GPUs).
+
+An instance follows whatever text its tasks bring: it keeps the KV of the longest prefix the new
+task shares with the last, reads the rest of the context in chunks, and computes logits only for
+the task's last positions. So the first task of an answer reads the prompt, and later ones only
+the few tokens past the instance's last task.
+
+A task the decoder no longer needs (built on a rejected draft) is cancelled: the instance stops
+between two layers and rolls its cache back to what it had finished, so it is free for the next
+task at once instead of after a whole forward nobody will use.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from .errors import SpecchatError
+from .kv.full import FullCache
+from .model import CausalLM
+from .spec.hierarchy import common_prefix
+
+PREFILL_CHUNK = 1024
+WAKE = -1  # the task id of `InstancePool.wake`'s message
+_task = threading.local()  # the serving thread's cancel flag, read between layers
+
+
+class Cancelled(Exception):
+    """The task running in this thread was cancelled."""
+
+
+def stop_if_cancelled(*_) -> None:
+    """Between two layers (a forward pre-hook): stop a cancelled task."""
+    flag = getattr(_task, "cancel", None)
+    if flag is not None and flag.is_set():
+        raise Cancelled
+
+
+def wait_unless_cancelled(seconds: float) -> None:
+    """A simulated forward's wait, cut short by cancellation."""
+    flag = getattr(_task, "cancel", None)
+    if flag is None:
+        time.sleep(seconds)
+    elif flag.wait(seconds):
+        raise Cancelled
+
+
+class CacheInstance:
+    def __init__(self, model: CausalLM, prefill_chunk: int = PREFILL_CHUNK):
+        self.model = model
+        self.cache = model.new_cache()
+        self.ids = torch.empty(0, dtype=torch.long)  # whose KV the cache holds
+        self.prefill_chunk = prefill_chunk
+        # Only a full cache can be rolled back layer by layer after a stop inside a forward.
+        if isinstance(self.cache, FullCache) and hasattr(model, "hf"):
+            for layer in model.hf.base_model.layers:
+                layer.register_forward_pre_hook(stop_if_cancelled)
+
+    def run(self, tokens: torch.Tensor, count: int) -> torch.Tensor:
+        """Logits after each of the last `count` of `tokens`: [count, vocab]. Raises
+        `Cancelled` (the cache then holds what finished) when the task is cancelled."""
+        context = tokens.shape[0] - count
+        kept = common_prefix(self.ids, tokens[:context])
+        self.cache.trim(kept)
+        self.ids = tokens[:kept]
+        try:
+            for start in range(kept, context, self.prefill_chunk):
+                end = min(context, start + self.prefill_chunk)
+                self.model.forward(tokens[start:end], torch.arange(start, end), self.cache, last_only=True)
+                self.ids = tokens[:end]
+            logits = self.model.forward(tokens[context:], torch.arange(context, tokens.shape[0]), self.cache)
+        except Cancelled:
+            self._roll_back(self.ids.shape[0])
+            raise
+        self.ids = tokens
+        return logits
+
+    def _roll_back(self, length: int) -> None:
+        """Every layer to `length` positions: a forward stopped between layers left the first
+        layers longer than the rest."""
+        if isinstance(self.cache, FullCache):
+            for layer in self.cache.hf.layers:
+                excess = layer.get_seq_length() - length
+                if excess > 0:
+                    layer.crop(-excess)
+        else:
+            self.cache.trim(length)
+
+
+@dataclass(frozen=True)
+class TargetLoader:
+    """How a process builds its own copy of the target: the model directory and the plan's load
+    options, on the device given (picklable, so spawned processes can call it)."""
+    path: str
+    options: object = None  # placement.LoadOptions, or None: fp32 on the CPU
+
+    def __call__(self, device: str) -> CausalLM:
+        import transformers
+
+        from .model import TransformersLM
+
+        transformers.utils.logging.set_verbosity_error()  # a process's loading bars are noise
+        transformers.utils.logging.disable_progress_bar()
+
+        options = self.options
+        if device != "cpu":
+            options = replace(options, device_map=device)
+        return TransformersLM.from_pretrained(self.path, options)
+
+
+def _serve(make_model: Callable[[str], CausalLM], device: str, threads: int, prefill_chunk: int, index: int,
+           inbox, outbox, cancel) -> None:
+    """An instance's loop: (task id, tokens, count) in, (task id, instance, logits, an error or
+    None when cancelled, seconds) out; None stops it. `cancel` (an event) stops the task."""
+    if threads:
+        torch.set_num_threads(threads)
+    _task.cancel = cancel
+    try:
+        instance = CacheInstance(make_model(device), prefill_chunk)
+    except Exception as error:  # reported to the pool's owner, who shows it
+        outbox.put((None, index, f"{type(error).__name__}: {error}", 0.0))
+        return
+    outbox.put((None, index, None, 0.0))  # ready
+    while (task := inbox.get()) is not None:
+        task_id, tokens, count = task
+        cancel.clear()  # set only for this instance's task, and never once its result is read
+        started = time.perf_counter()
+        try:  # numpy arrays cross the process boundary as plain bytes (no shared-memory handles)
+            result = instance.run(torch.from_numpy(tokens), count).numpy()
+        except Cancelled:
+            result = None
+        except Exception as error:
+            result = f"{type(error).__name__}: {error}"
+        outbox.put((task_id, index, result, time.perf_counter() - started))
+
+
+class InstancePool:
+    """The `TargetPool` of spec/dsi.py over workers that each serve one instance."""
+
+    def __init__(self, size: int, start: Callable[[int, object, object, object], threading.Thread],
+                 make_queue: Callable[[], object], make_event: Callable[[], object]):
+        self.size = size
+        self._outbox = make_queue()
+        self._inboxes = [make_queue() for _ in range(size)]
+        self._cancels = [make_event() for _ in range(size)]
+        self._running: dict[int, int] = {}  # instance -> the task it runs
+        self._ids = itertools.count()
+        self._workers = [start(index, self._inboxes[index], self._outbox, self._cancels[index])
+                         for index in range(size)]  # threads or processes
+        _open_pools.add(self)
+        self._idle: list[int] = []
+        self._await_ready()
+
+    def _await_ready(self) -> None:
+        for _ in range(self.size):
+            _, index, error, _ = self._get(None)
+            if error is not None:
+                self.close()
+                raise SpecchatError(f"a DSI target instance could not start: {error}")
+            self._idle.append(index)
+
+    def idle(self) -> int:
+        return len(self._idle)
+
+    def submit(self, tokens: torch.Tensor, count: int) -> int:
+        task_id, index = next(self._ids), self._idle.pop()
+        self._running[index] = task_id
+        self._inboxes[index].put((task_id, tokens.numpy(), count))
+        return task_id
+
+    def cancel(self, task_ids: set[int]) -> None:
+        for index, task_id in list(self._running.items()):
+            if task_id in task_ids:
+                self._cancels[index].set()
+
+    def results(self, timeout: float | None) -> list[tuple[int, torch.Tensor, float]]:
+        finished = []
+        try:
+            finished.append(self._get(timeout))
+            while True:
+                finished.append(self._outbox.get_nowait())
+        except queue.Empty:
+            pass
+        finished = [message for message in finished if message[0] != WAKE]
+        for _, index, result, _ in finished:
+            self._running.pop(index, None)
+            self._idle.append(index)
+            if isinstance(result, str):
+                raise SpecchatError(f"a DSI target instance failed: {result}")
+        return [(task_id, torch.from_numpy(logits), seconds) for task_id, _, logits, seconds in finished
+                if logits is not None]
+
+    def wake(self) -> None:
+        """Make a waiting `results` return (with nothing, if nothing finished)."""
+        self._outbox.put((WAKE, -1, None, 0.0))
+
+    def _get(self, timeout: float | None):
+        """The next message; raises queue.Empty after `timeout`, and SpecchatError when an
+        instance died (out of memory, killed) instead of waiting for it forever."""
+        if timeout == 0:
+            return self._outbox.get_nowait()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            try:
+                return self._outbox.get(timeout=wait)
+            except queue.Empty:
+                if not all(worker.is_alive() for worker in self._workers):
+                    raise SpecchatError("a DSI target instance stopped (out of memory?): "
+                                        "try fewer --dsi-workers or another mode") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    def close(self) -> None:
+        """Stop every instance and wait for it: a thread still inside torch when the
+        interpreter exits aborts it."""
+        for inbox, cancel in zip(self._inboxes, self._cancels):
+            inbox.put(None)
+            cancel.set()
+        for worker in self._workers:
+            worker.join(timeout=10)
+            if worker.is_alive() and hasattr(worker, "terminate"):
+                worker.terminate()
+        _open_pools.discard(self)
+
+
+_open_pools: weakref.WeakSet[InstancePool] = weakref.WeakSet()
+atexit.register(lambda: [pool.close() for pool in list(_open_pools)])
+
+
+def thread_pool(models: list[CausalLM]) -> InstancePool:
+    """One thread per model (in this process): the tests' and the simulation's instances."""
+    def start(index, inbox, outbox, cancel):
+        model = models[index]
+        thread = threading.Thread(target=_serve, daemon=True, name=f"dsi-instance-{index}",
+                                  args=(lambda device: model, "cpu", 0, PREFILL_CHUNK, index, inbox, outbox, cancel))
+        thread.start()
+        return thread
+
+    return InstancePool(len(models), start, queue.Queue, threading.Event)
+
+
+def process_pool(loader: Callable[[str], CausalLM], devices: list[str], prefill_chunk: int = PREFILL_CHUNK,
+                 local: CausalLM | None = None) -> InstancePool:
+    """One spawned process per device ("cpu" entries: CPU processes standing in for GPUs), each
+    loading its own copy of the target; CPU processes share the cores evenly. `local`: the
+    engine's own target, already on `devices[0]`, serves that device from a thread instead (a
+    card holds one copy of the target, as the plan budgets)."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    cpu_workers = devices.count("cpu")
+    threads = max(1, (os.cpu_count() or 1) // cpu_workers) if cpu_workers else 0
+
+    def start(index, inbox, outbox, cancel):
+        device = devices[index]
+        if index == 0 and local is not None:
+            worker = threading.Thread(target=_serve, daemon=True, name="dsi-instance-0",
+                                      args=(lambda _: local, device, 0, prefill_chunk, index, inbox, outbox, cancel))
+        else:
+            worker = context.Process(target=_serve, daemon=True, name=f"specchat-dsi-{index}",
+                                     args=(loader, device, threads if device == "cpu" else 0, prefill_chunk, index,
+                                           inbox, outbox, cancel))
+        worker.start()
+        return worker
+
+    return InstancePool(len(devices), start, context.Queue, context.Event)

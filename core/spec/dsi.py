@@ -1,0 +1,358 @@
+"""DSI, speculation parallelism (Timor et al., seed 002; algorithms.md section 6).
+
+Drafting never waits for verification. The drafter keeps extending a speculative chain beyond the
+committed text; every `lookahead` draft tokens, a verification task (the committed text and every
+draft so far) goes to a free target instance while drafting goes on. The frontier (the next
+position to commit) is always covered by a task: after each resolution the instance that just
+answered is free, and if no task still covers the new frontier it gets one at once, with whatever
+drafts exist (none: a plain step). So a rejection costs one target latency, exactly what plain
+decoding pays per token, and every accepted draft costs only drafting time.
+
+Resolution uses the chain rule of verify.py position by position, so the text is distributed
+exactly as the target's (greedy: identical): a task's rows are the target's P at consecutive
+positions, drafts there are accepted with min(1, P/Q), the first rejection takes a token from the
+residual and cancels every task built on the rejected draft. A task whose drafts are all accepted
+checks the next draft too with its last row; if there is none yet, that row gives the bonus token.
+Which task resolves which position depends on timing, never on a draft's value, so exactness
+holds whatever the instances' speeds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ..sampling import make_generator, sample, warp
+from .dsi_cost import dsi_seconds_per_token
+from .lookahead import MAX_DRAFT
+from .verify import acceptance_probability, residual, verify_chain
+
+if TYPE_CHECKING:
+    from ..decoding import DecodeState, Step
+    from .hierarchy import Drafter
+
+EWMA = 0.3  # weight of the newest latency measurement
+DECAY = 0.9  # of the acceptance counts, per verdict
+PRIOR_DRAFTS, PRIOR_ACCEPTANCE = 4.0, 0.7  # before any verdict: as if 4 drafts, 70% accepted
+
+
+class TargetPool(Protocol):
+    """Target instances, each with a cache of its own (dsi_pool.py: threads or processes)."""
+    size: int
+
+    def idle(self) -> int:
+        """Instances with nothing to do."""
+        ...
+
+    def submit(self, tokens: torch.Tensor, count: int) -> int:
+        """Give `tokens` [E] to an idle instance: its logits after each of the last `count`
+        tokens. Returns the task's id."""
+        ...
+
+    def results(self, timeout: float | None) -> list[tuple[int, torch.Tensor, float]]:
+        """Finished tasks as (id, logits [count, vocab], seconds it ran), waiting up to
+        `timeout` seconds (None: until one finishes, or `wake`) for the first."""
+        ...
+
+    def wake(self) -> None:
+        """Make a waiting `results` return, from another thread."""
+        ...
+
+    def cancel(self, task_ids: set[int]) -> None:
+        """Stop these tasks where they are (their results never come)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Task:
+    id: int
+    first: int  # the first position its rows predict (the frontier when it was sent)
+    end: int  # tokens it ran; its last row predicts position `end`
+
+
+def resolve(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
+            generator: torch.Generator | None) -> tuple[int, int | None]:
+    """The target's P at m consecutive positions (p [m, vocab]) against the draft tokens at the
+    first g <= m of them (drafts [g], drawn from q [g, vocab]).
+
+    Returns (accepted drafts, next token): the recovered token at the first rejection, or the
+    bonus token from p[g] when all are accepted and g < m; None when all g = m are accepted (the
+    position after needs a later task's P).
+    """
+    g, m = drafts.shape[0], p.shape[0]
+    if g < m:
+        verdict = verify_chain(drafts, q, p[:g + 1], generator)
+        return verdict.accepted, verdict.next_token
+    accept = torch.rand(g, generator=generator) < acceptance_probability(p, q, drafts)
+    rejected = (~accept).nonzero()
+    if rejected.numel() == 0:
+        return g, None
+    first = int(rejected[0])
+    return first, sample(residual(p[first], q[first]), generator)
+
+
+class Latencies:
+    """Measured seconds of a verification task and of drafting one token (moving averages), and
+    the drafts' acceptance, which choose the lookahead: the one with the lowest expected time per
+    token in DSI's cost model (dsi_cost.py). Where drafts are nearly always accepted that is the
+    paper's choice, the smallest that keeps an instance free; where they often fail, shorter
+    blocks, whose tasks end sooner and waste less."""
+
+    def __init__(self, instances: int, cap: int = MAX_DRAFT, start: int = 4):
+        self.instances, self.cap, self.start = instances, cap, start
+        self.target: float | None = None
+        self.draft: float | None = None
+        self.drafted, self.accepted = PRIOR_DRAFTS, PRIOR_DRAFTS * PRIOR_ACCEPTANCE  # decayed counts
+        self._chosen: int | None = None  # the lookahead for the figures above (None: to compute)
+
+    def observe_task(self, seconds: float) -> None:
+        self.target = seconds if self.target is None else (1 - EWMA) * self.target + EWMA * seconds
+        self._chosen = None
+
+    def observe_draft(self, seconds: float, tokens: int) -> None:
+        per_token = seconds / tokens
+        self.draft = per_token if self.draft is None else (1 - EWMA) * self.draft + EWMA * per_token
+        self._chosen = None
+
+    def observe_verdict(self, drafted: int, accepted: int) -> None:
+        self.drafted = DECAY * self.drafted + drafted
+        self.accepted = DECAY * self.accepted + accepted
+        self._chosen = None
+
+    def lookahead(self) -> int:
+        if self.target is None or self.draft is None:
+            return min(self.start, self.cap)
+        if self._chosen is None:  # asked several times per step, changed once per result
+            acceptance = self.accepted / self.drafted
+            self._chosen = min(range(1, self.cap + 1), key=lambda k: dsi_seconds_per_token(
+                self.target, self.draft, acceptance, k, self.instances))
+        return self._chosen
+
+
+_drafting: weakref.WeakSet[DsiDecoder] = weakref.WeakSet()  # decoders whose drafting thread started
+# A thread still inside torch when the interpreter exits aborts it: let them finish first.
+atexit.register(lambda: [decoder._join() for decoder in list(_drafting)])
+
+
+class DsiDecoder:
+    """The `Decoder` interface (decoding.py) over a pool of target instances.
+
+    Two threads: a drafting thread extends the chain and wakes the caller's thread, which in
+    `step` waits for results and drafts, commits what the task that covers the frontier
+    resolves, covers the new frontier at once and sends each lookahead of drafts to an idle
+    instance. So a finished task is resolved at once, never after a draft forward, and only the
+    caller's thread gives out instances: an instance that just answered always goes to the
+    frontier first. The engine's own cache is not advanced: the instances hold the text's KV.
+    `close` stops the drafting thread (decoding.decode calls it after each answer).
+    """
+
+    def __init__(self, drafter: Drafter, pool: TargetPool, cap: int = MAX_DRAFT, start: int = 4):
+        self.drafter = drafter
+        self.pool = pool
+        self.latencies = Latencies(pool.size, cap, start)
+        self.drafts: list[int] = []  # the speculative chain beyond the committed text
+        self.q: list[torch.Tensor] = []  # the distribution each draft was drawn from
+        self.live: dict[int, Task] = {}  # tasks whose results may still be used
+        self.done: dict[int, tuple[torch.Tensor, float]] = {}  # finished live tasks: logits, seconds
+        self.exhausted = False  # the drafter found nothing to add to the current chain
+        self.closed = False
+        self.error: Exception | None = None  # the drafting thread's, raised in the caller's
+        self.counts = {"instances": pool.size, "dispatched": 0, "cancelled": 0, "accepted": 0, "hidden_ms": 0}
+        self._task_seconds = 0.0  # run time of the tasks whose results were used
+        self._waited = 0.0  # time the caller spent waiting for a result
+        self._changed = threading.Condition()  # guards all of the above; wakes the drafting thread
+        self._drafting: threading.Thread | None = None
+        self._state: DecodeState | None = None  # the answer's, for the drafting thread's view of the chain
+
+    @property
+    def drafter_wants_queries(self) -> bool:
+        return self.drafter.wants_queries
+
+    def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
+        self.drafter.observe_queries(queries)
+
+    def stage_counts(self) -> dict[str, dict[str, int]]:
+        with self._changed:
+            self.counts["hidden_ms"] = round(1000 * max(0.0, self._task_seconds - self._waited))
+            return {**self.drafter.counts(), "dsi": dict(self.counts)}
+
+    def close(self) -> None:
+        """The drafting thread ends after its current draft (not awaited: the next answer has
+        a drafter of its own and need not wait for a draft nobody will use; at exit it is)."""
+        with self._changed:
+            self.closed = True
+            self._changed.notify_all()
+
+    def _join(self) -> None:
+        self.close()
+        if self._drafting is not None:
+            self._drafting.join(timeout=10)
+
+    def begin(self, state: DecodeState) -> None:
+        """Every instance starts reading the prompt (each has its own cache) while the engine
+        reads it too, for the first token."""
+        with self._changed:
+            while self.pool.idle():
+                self._submit(state)
+
+    def step(self, state: DecodeState, budget: int) -> Step:
+        self._state = state
+        if self._drafting is None:
+            with self._changed:
+                # The prompt reads `begin` sent predict a token already committed: stopping them
+                # keeps what they read. Without `begin`, every instance gets the frontier: the
+                # first to answer resolves it.
+                self._cancel(lambda t: t.end < state.ids.shape[0])
+                while self.pool.idle():
+                    self._submit(state)
+            # The drafter samples with a generator of its own: two threads never share one.
+            seed = int(torch.randint(0, 2**62, (1,), generator=state.generator))
+            self._drafting = threading.Thread(target=self._draft_loop, args=(state, make_generator(seed)),
+                                              daemon=True, name="dsi-drafting")
+            self._drafting.start()
+            _drafting.add(self)
+        while True:
+            with self._changed:
+                if self.error is not None:
+                    raise self.error
+                step = self._resolve(state, budget)
+                if self._covering(state.ids.shape[0], finished_only=False) is None and self.pool.idle():
+                    self._submit(state)  # nothing covers the frontier: a task for it now
+                self._dispatch_block(state)
+                if step is not None:
+                    self._changed.notify_all()
+                    return step
+            started = time.perf_counter()
+            finished = self.pool.results(None)
+            with self._changed:
+                self._waited += time.perf_counter() - started
+                for task_id, logits, seconds in finished:
+                    self.latencies.observe_task(seconds)
+                    if task_id in self.live:
+                        self.done[task_id] = (logits, seconds)
+
+    def _submit(self, state: DecodeState) -> None:
+        tokens = torch.cat([state.ids, torch.tensor(self.drafts, dtype=torch.long)])
+        task_id = self.pool.submit(tokens, len(self.drafts) + 1)
+        self.live[task_id] = Task(task_id, state.ids.shape[0], tokens.shape[0])
+        self.counts["dispatched"] += 1
+
+    def _covering(self, frontier: int, finished_only: bool) -> Task | None:
+        """The task that covers the frontier and reaches furthest."""
+        tasks = [t for t in self.live.values() if t.first <= frontier <= t.end
+                 and (t.id in self.done or not finished_only)]
+        return max(tasks, key=lambda t: t.end, default=None)
+
+    def _resolve(self, state: DecodeState, budget: int) -> Step | None:
+        from ..decoding import Step
+
+        frontier = state.ids.shape[0]
+        task = self._covering(frontier, finished_only=True)
+        if task is None:
+            return None
+        logits, seconds = self.done.pop(task.id)
+        del self.live[task.id]
+        self.counts["accepted"] += 1  # a task whose verdict was used
+        self._task_seconds += seconds
+        p = warp(logits[frontier - task.first:], state.params)  # positions frontier..task.end
+        g = min(len(self.drafts), p.shape[0])
+        drafts = torch.tensor(self.drafts[:g], dtype=torch.long)
+        q = torch.stack(self.q[:g]) if g else p[:0]
+        accepted, next_token = resolve(p, drafts, q, state.generator)
+        if g:
+            self.latencies.observe_verdict(g, accepted)
+        tokens = self.drafts[:accepted] + ([] if next_token is None else [next_token])
+        state.commit(tokens[:budget])
+        if next_token is None:
+            del self.drafts[:accepted], self.q[:accepted]
+            self._cancel(lambda t: t.end < state.ids.shape[0])
+            last = "draft"
+        else:
+            # A recovered token invalidates every task built on the rejected draft; after a bonus
+            # no draft existed past this task, so nothing live reaches further either.
+            self.drafts, self.q = [], []
+            self._cancel(lambda t: True)
+            last = "bonus" if accepted == g and g else "recovered" if g else "plain"
+        self.exhausted = False  # the committed text changed: the drafter may find more
+        return Step(tokens[:budget], drafted=g, accepted=accepted, depth=g, verified=p.shape[0], last=last)
+
+    def _cancel(self, which) -> None:
+        tasks = {t.id for t in self.live.values() if which(t)}
+        for task_id in tasks:
+            del self.live[task_id]
+            self.done.pop(task_id, None)
+        self.pool.cancel(tasks)
+        self.counts["cancelled"] += len(tasks)
+
+    def _draft_loop(self, state: DecodeState, generator: torch.Generator) -> None:
+        """The drafting thread: extend the chain while there is room and something to draft."""
+        while True:
+            with self._changed:
+                while not self.closed and (self.exhausted or len(self.drafts) >= self._room()):
+                    self._changed.wait()
+                if self.closed:
+                    return
+                want = max(1, self.latencies.lookahead() - self._unsent(state))
+                chain = torch.cat([state.ids, torch.tensor(self.drafts, dtype=torch.long)])
+                drafting = replace(state, ids=state.ids, generator=generator)
+            started = time.perf_counter()
+            try:
+                proposal = self.drafter.draft(drafting, chain, min(want, self._room() - len(self.drafts)))
+            except Exception as error:  # the caller raises it: the answer ends with the reason
+                with self._changed:
+                    self.error = error
+                return
+            seconds = time.perf_counter() - started
+            with self._changed:
+                if proposal is None or len(proposal) == 0:
+                    self.exhausted = self._current().shape[0] == chain.shape[0]  # else: try the new text
+                else:
+                    self.latencies.observe_draft(seconds, len(proposal))
+                    self._extend(chain, proposal)
+                if self._block_ready(state) and self.pool.idle():
+                    self.pool.wake()  # the caller's thread sends it
+
+    def _current(self) -> torch.Tensor:
+        return torch.cat([self._state.ids, torch.tensor(self.drafts, dtype=torch.long)])
+
+    def _extend(self, chain: torch.Tensor, proposal) -> None:
+        """Take the drafts of `proposal` (which continues `chain`) past the current chain, if
+        the current chain still agrees with it. It may have moved on meanwhile: a rejection
+        replaced a draft (then nothing agrees), or the target committed tokens past every draft,
+        and where they equal the proposal's first tokens the rest still continues the text, as
+        DSI keeps the threads that drew the target's token. Keeping or not depends on a draft's
+        value only through that equality, which leaves later drafts distributed as Q given
+        their context: verification stays exact."""
+        current = self._current()
+        extended = torch.cat([chain, proposal.tokens])
+        start = current.shape[0] - chain.shape[0]  # the proposal's first token past the current chain
+        if start < 0 or start >= len(proposal) or not torch.equal(extended[:current.shape[0]], current):
+            return
+        self.drafts += proposal.tokens[start:].tolist()
+        self.q += list(proposal.q[start:])
+
+    def _room(self) -> int:
+        """Drafts worth holding: a lookahead for each instance, and the next one being drafted
+        while they all verify (so an instance that frees finds a block ready)."""
+        return self.latencies.lookahead() * (self.pool.size + 1)
+
+    def _unsent(self, state: DecodeState) -> int:
+        """Drafts no live task holds yet."""
+        reach = max((t.end for t in self.live.values()), default=state.ids.shape[0])  # drafts held: before it
+        return max(0, state.ids.shape[0] + len(self.drafts) - reach)
+
+    def _block_ready(self, state: DecodeState) -> bool:
+        """A lookahead of drafts no task holds yet, or whatever there is when the drafter has
+        run dry."""
+        unsent = self._unsent(state)
+        return unsent >= self.latencies.lookahead() or (self.exhausted and unsent > 0)
+
+    def _dispatch_block(self, state: DecodeState) -> None:
+        if self._block_ready(state) and self.pool.idle():
+            self._submit(state)

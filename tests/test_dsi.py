@@ -1,0 +1,149 @@
+"""DSI (spec/dsi.py) on tiny random models: identical to plain greedy decoding and exact in
+distribution when sampling, whatever order its target instances answer in."""
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+
+from specchat.core.selftest import chi_square_p_value
+from conftest import tiny_llama
+from test_decoding import exact_sequence_probs, prompts, run
+from test_hierarchy import sampled_hierarchy
+from test_tree_decoding import noisy_copy
+from specchat.core.decoding import DecodeState, decode, prefill_all, triforce_drafter
+from specchat.core.dsi_pool import thread_pool, wait_unless_cancelled
+from specchat.core.sampling import SamplingParams, make_generator
+from specchat.core.spec.drafters import PromptLookupDrafter
+from specchat.core.spec.dsi import DsiDecoder, resolve
+from specchat.core.spec.hierarchy import ModelDrafter
+
+
+class Slow:
+    """A model whose forwards take `seconds` more, plus a random extra up to `jitter` (so tasks
+    finish out of order): a target slower than its drafter, as DSI assumes."""
+
+    def __init__(self, model, seconds: float, jitter: float, seed: int):
+        self.model, self.seconds, self.jitter = model, seconds, jitter
+        self.random = random.Random(seed)
+        self.vocab_size, self.context_length = model.vocab_size, model.context_length
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def forward(self, ids, positions, cache, mask=None, last_only=False):
+        if not last_only:  # reading the prompt is quick: the decoding steps are what DSI hides
+            wait_unless_cancelled(self.seconds + self.random.uniform(0, self.jitter))
+        return self.model.forward(ids, positions, cache, mask, last_only)
+
+
+def instances(model, count, seconds=0.01, jitter=0.0):
+    return thread_pool([Slow(copy.deepcopy(model), seconds, jitter, seed) for seed in range(count)])
+
+
+def run_dsi(model, prompt, params, max_new_tokens, decoder):
+    """Like test_decoding.run, but the engine's cache only holds the prompt: the instances hold the rest."""
+    ids = torch.tensor(prompt)
+    state = DecodeState(model, model.new_cache(), ids, params, make_generator(params.seed))
+    first_logits = prefill_all(model, state.cache, ids, chunk_size=16, decoder=decoder)
+    steps = list(decode(state, decoder, first_logits, max_new_tokens))
+    return [t for s in steps for t in s.tokens][:max_new_tokens], steps
+
+
+def test_resolve_stops_at_the_last_row_without_a_bonus_when_every_draft_is_accepted():
+    p = torch.eye(4)[[1, 2]]  # greedy: the target says 1, then 2
+    q = torch.eye(4)[[1, 2]]
+    assert resolve(p, torch.tensor([1, 2]), q, None) == (2, None)  # the next row comes from a later task
+    assert resolve(p, torch.tensor([1]), q[:1], None) == (1, 2)  # bonus from the last row
+    assert resolve(p, torch.tensor([1, 3]), torch.eye(4)[[1, 3]], None) == (1, 2)  # recovered
+
+
+@pytest.mark.parametrize("workers, jitter", [(1, 0.0), (2, 0.0), (3, 0.01)])
+@pytest.mark.parametrize("drafter", ["lookup", "model"])
+def test_greedy_dsi_equals_greedy_plain(drafter, workers, jitter):
+    used = cancelled = drafted = accepted = 0
+    for seed in range(2):
+        target = tiny_llama(seed, weight_scale=8.0)
+        pool = instances(target, workers, jitter=jitter)
+        for name, prompt in prompts(seed).items():
+            plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
+            source = (PromptLookupDrafter(target.vocab_size, min_ngram=1) if drafter == "lookup"
+                      else ModelDrafter(noisy_copy(seed, 0.3, weight_scale=8.0), 2, 16, False, "pair"))
+            decoder = DsiDecoder(source, pool)
+            parallel, steps = run_dsi(target, prompt, SamplingParams(), 40, decoder)
+            assert parallel == plain, (seed, name)
+            counts = decoder.stage_counts()["dsi"]
+            used, cancelled = used + counts["accepted"], cancelled + counts["cancelled"]
+            drafted += sum(s.drafted for s in steps)
+            accepted += sum(s.accepted for s in steps)
+        pool.close()
+    assert 0 < accepted < drafted  # drafts were accepted and rejected
+    assert used > 0
+    assert cancelled > 0 or workers == 1  # rejections cancelled tasks built on the rejected drafts
+
+
+@pytest.mark.slow
+def test_sampled_dsi_over_the_hierarchy_samples_from_the_target(params=SamplingParams(temperature=0.7, top_p=0.9)):
+    """TriForce's hierarchy below (a noisy draft over a streaming cache, verified by the target over
+    a retrieval cache) drafts for DSI over two instances that answer in random order: the first
+    four tokens follow the target's exact sequence distribution."""
+    target, draft, prompt, settings = sampled_hierarchy()
+    exact = exact_sequence_probs(target, prompt, params, 4)
+    counts = torch.zeros_like(exact)
+    pool = instances(target, 2, seconds=0.004, jitter=0.002)
+    drafted = accepted = 0
+    for sample in range(1200):
+        run_params = SamplingParams(params.temperature, params.top_k, params.top_p, seed=sample)
+        decoder = DsiDecoder(triforce_drafter(target, settings, draft), pool)
+        tokens, steps = run_dsi(target, prompt, run_params, 4, decoder)
+        counts[tuple(tokens)] += 1
+        drafted += sum(s.drafted for s in steps)
+        accepted += sum(s.accepted for s in steps)
+    pool.close()
+    assert drafted > 500 and 0.1 * drafted < accepted < 0.95 * drafted, (drafted, accepted)
+    assert chi_square_p_value(counts, exact) > 1e-3
+
+
+def test_the_simulation_runs_every_decoder_to_the_target_text(tmp_path):
+    """The bench's simulated world through plain, SI and DSI (each run checks it committed only
+    the target's tokens); timings are the bench's business, not this test's."""
+    from specchat.core.bench_dsi import run_dsi_simulation
+
+    paths = run_dsi_simulation(tmp_path, instances=(2,), draft_shares=(0.1,), acceptances=(0.0, 0.9), rejections=2,
+                               progress=lambda line: None)
+    report = json.loads(paths[0].read_text())
+    cells = report["instances"]["2"]["cells"]
+    assert [(c["draft_share"], c["acceptance"]) for c in cells] == [(0.1, 0.0), (0.1, 0.9)]
+    assert all(c["plain_s"] > 0 and c["si_s"] > 0 and c["dsi_s"] > 0 for c in cells)
+
+
+def test_a_cancelled_forward_leaves_the_instance_as_if_it_never_ran():
+    """Stopped between two layers (the first layer's KV written, the second's not), the instance
+    rolls every layer back: its next task's logits equal a fresh instance's."""
+    import threading
+
+    from specchat.core import dsi_pool
+
+    model = tiny_llama(3)
+    instance = dsi_pool.CacheInstance(model)
+    tokens = torch.tensor(prompts(3)["n-gram hits"])
+    flag = threading.Event()
+    dsi_pool._task.cancel = flag
+    try:
+        def stop_after_the_first_layer(module, args, output):
+            if args[0].shape[1] == 4:  # the task's last forward, not the prompt read before it
+                flag.set()
+
+        hook = model.hf.base_model.layers[0].register_forward_hook(stop_after_the_first_layer)
+        with pytest.raises(dsi_pool.Cancelled):
+            instance.run(tokens, 4)
+        hook.remove()
+        assert instance.ids.shape[0] == tokens.shape[0] - 4  # the prompt part finished before the stop
+        flag.clear()
+        again = instance.run(tokens[:-1], 5)
+    finally:
+        dsi_pool._task.cancel = None
+    fresh = dsi_pool.CacheInstance(tiny_llama(3)).run(tokens[:-1], 5)
+    assert torch.equal(again, fresh)
