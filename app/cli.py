@@ -1,17 +1,19 @@
 """The `specchat` command: the app (default), `generate` and `chat`.
 
 Public contract: `generate --json` prints exactly one JSON object (text, token_ids,
-prompt_tokens, new_tokens, mode, finish_reason, stats); bad input prints one line to stderr and
-exits with code 2. Extend it, never break it.
+prompt_tokens, new_tokens, mode, finish_reason, stats, context_full); bad input prints one line to
+stderr and exits with code 2. Extend it, never break it.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
-from dataclasses import asdict
 import os
 import sys
+from dataclasses import asdict
+from typing import NoReturn
 
 from ..core.errors import InputError, SpecchatError, first_line
 from ..core.modes import MAX_DSI_WORKERS, REQUEST_MODES
@@ -321,9 +323,17 @@ def _generate(args) -> int:
         stats = result.stats
         print(file=sys.stdout)
         print(f"[{result.new_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
-              f"{stats.mean_accepted_per_forward:.2f} tokens per target forward, mode {result.mode}]",
-              file=sys.stderr)
+              f"{stats.mean_accepted_per_forward:.2f} tokens per target forward, mode {result.mode}"
+              f"{cut_off_note(result)}]", file=sys.stderr)
     return 0
+
+
+def cut_off_note(result) -> str:
+    """For an answer's end line: which limit cut it off, since finish_reason "length" says it for
+    both (the answer limit, or the model's context with no room left)."""
+    if result.finish_reason != "length":
+        return ""
+    return ", cut off: the context is full" if result.context_full else ", cut off at the answer limit"
 
 
 def triforce_settings(args):
@@ -474,5 +484,18 @@ def _bench_auto(args) -> int:
     return 0
 
 
+def _exit_now(code: int) -> NoReturn:
+    """End the process without tearing its modules down one by one: after the app's server
+    stopped, freeing torch's and Gradio's module graphs took over a second of a Ctrl-C. The exit
+    handlers still run (temporary folders, locks, worker processes)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away, or a stream already closed
+            pass
+    os._exit(code)
+
+
 def entry_point() -> None:
-    sys.exit(main())
+    _exit_now(main())

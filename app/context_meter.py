@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from ..core.errors import InputError
 from .documents import user_turn
 
-# Tokens kept free for the answer. A reply needs some room, but the answer limit may be set far
-# above what a long document leaves, so only this much of it counts against the prompt.
-ANSWER_RESERVE = 256
+# The shortest answer limit offered when the one set does not fit: less is no answer worth having.
+MIN_ANSWER = 128
+ANSWER_STEP = 16  # the answer limit's step in the page's slider: an offered limit is a multiple of it
 CUTS = ("start", "middle", "end")
 # Decoded text can re-tokenize a few tokens differently at the cut, so a cut takes this many more.
 CUT_MARGIN = 16
@@ -23,7 +23,7 @@ class Meter:
     question: int
     prompt: int  # the whole prompt as the model reads it, chat template included
     context: int  # the most tokens the model reads
-    reserve: int  # tokens kept for the answer
+    reserve: int  # tokens kept for the answer: the whole answer limit, so that an answer has room to end
 
     @property
     def needed(self) -> int:
@@ -41,6 +41,13 @@ class Meter:
     def fraction(self) -> float:
         return self.needed / self.context
 
+    @property
+    def answer_room(self) -> int:
+        """The longest answer limit (a multiple of `ANSWER_STEP`) that ends before the context
+        does, so that the answer never runs into its end; 0 when no useful one fits."""
+        room = (self.context - self.prompt - 1) // ANSWER_STEP * ANSWER_STEP
+        return room if room >= MIN_ANSWER else 0
+
 
 def measure(engine, system: str, history: list[dict], document: str, question: str,
             max_new_tokens: int) -> Meter:
@@ -54,18 +61,17 @@ def measure(engine, system: str, history: list[dict], document: str, question: s
         question=engine.count_tokens(question.strip()),
         prompt=len(engine.chat_ids(messages)),
         context=engine.context_length,
-        reserve=min(max_new_tokens, ANSWER_RESERVE),
+        reserve=max_new_tokens,
     )
 
 
 def describe(meter: Meter) -> str:
-    """One Markdown line for the page, e.g. "**7,812 / 8,192 tokens** · document 7,402 · … ·
-    256 kept for the answer"; parts with no tokens are left out."""
-    parts = [f"**{meter.prompt:,} / {meter.context:,} tokens**"]
+    """One Markdown line for the page, e.g. "**7,812 + 512 / 8,192 tokens** (prompt + answer
+    limit) · document 7,402 · …"; parts with no tokens are left out."""
+    parts = [f"**{meter.prompt:,} + {meter.reserve:,} / {meter.context:,} tokens** (prompt + the answer limit)"]
     parts += [f"{name} {count:,}" for name, count in (("document", meter.document), ("history", meter.history),
                                                       ("system", meter.system), ("question", meter.question))
               if count]
-    parts.append(f"{meter.reserve:,} kept for the answer")
     line = " · ".join(parts)
     return f"{line} — **over the limit by {meter.excess:,} tokens**" if meter.over else line
 
@@ -104,3 +110,20 @@ def cut_document(tokenizer, text: str, remove_tokens: int, where: str) -> tuple[
 def _decode(tokenizer, ids: list[int]) -> str:
     """Text of a slice of ids; a slice can split a character's bytes, which decode as U+FFFD."""
     return tokenizer.decode(ids).strip().strip("\ufffd").strip()
+
+
+def split_document(tokenizer, text: str, part_tokens: int) -> list[str]:
+    """`text` in consecutive parts of at most about `part_tokens` tokens each, cut at a line break
+    where one is near the end of a part (so a part rarely stops mid-sentence)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    parts, start = [], 0
+    while start < len(ids):
+        end = min(len(ids), start + part_tokens)
+        if end < len(ids):
+            window = _decode(tokenizer, ids[start:end])
+            cut = window.rfind("\n", len(window) * 3 // 4)
+            if cut > 0:
+                end = start + len(tokenizer.encode(window[:cut], add_special_tokens=False))
+        parts.append(_decode(tokenizer, ids[start:end]))
+        start = end
+    return [part for part in parts if part]

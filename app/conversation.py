@@ -5,7 +5,12 @@ through `inert_markdown`: no message may make the reader's browser load anything
 A user message: {"role": "user", "content": question as typed, "document": None or
 {"name": str, "text": str, "tokens": int, "note": str}}.
 An assistant message: {"role": "assistant", "content": str, "partial": bool, "stats": dict or None,
-"origins": list or None}; `partial` stays True while it streams and after a crash cut it short.
+"origins": list or None, "finish_reason": "stop" | "length" | "cancelled", "context_full": bool,
+"new_tokens": int}; `partial` stays True while it streams and after a crash cut it short.
+Either kind may carry "left_out": True: the user chose to leave it out of what the model reads, to
+make room (it stays in the chat; a left-out question's document is still read).
+`settings`: the sampling and decoding settings the conversation last answered with, restored when
+it is reopened (names as in `ui_chat.Settings`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from .safe_markdown import inert_markdown
 NEW_TITLE = "New chat"
 TITLE_LENGTH = 48
 INTERRUPTED = "*(interrupted)*"
+PASTED_NAME = "pasted document"  # the name of a document pasted rather than uploaded
+LEFT_OUT = "*(left out of what the model reads, to make room)*"
 
 
 @dataclass
@@ -34,18 +41,23 @@ class Conversation:
     system: str = ""
     preset: str = "free"
     messages: list[dict] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
 
 
 def model_messages(conversation: Conversation) -> list[dict]:
     """The chat the model is given: the system prompt, then each turn with its document inlined.
-    An answer cut off before its first word is left out: it says nothing to continue from."""
+    An answer stopped before its first word is left out: it says nothing to continue from. So is
+    a turn the user left out, except a question's document, which stays."""
     system = conversation.system.strip()
     messages = [{"role": "system", "content": system}] if system else []
     for message in conversation.messages:
+        left_out = message.get("left_out", False)
         if message["role"] == "user":
             document = message.get("document")
-            content = user_turn(message["content"], document["text"] if document else None)
-        elif message.get("partial") and not message["content"]:
+            if left_out and not document:
+                continue
+            content = user_turn("" if left_out else message["content"], document["text"] if document else None)
+        elif left_out or not message["content"]:  # stopped before its first word: nothing to continue from
             continue
         else:
             content = message["content"]
@@ -53,19 +65,25 @@ def model_messages(conversation: Conversation) -> list[dict]:
     return messages
 
 
-def shown_messages(conversation: Conversation, streaming: bool = False) -> list[dict]:
+def shown_messages(conversation: Conversation, streaming: bool = False, pending: str = "") -> list[dict]:
     """The chat as the Chatbot shows it. `streaming`: the last answer is still being written, so it
-    is not marked as interrupted."""
+    is not marked as interrupted; while it has no text yet its bubble shows `pending` (Markdown of
+    ours: the model loading, the document being read)."""
     shown = []
     last = len(conversation.messages) - 1
     for index, message in enumerate(conversation.messages):
+        live = streaming and index == last
         if message["role"] == "user":
             label = [attachment_label(message["document"])] if message.get("document") else []
             question = [message["content"]] if message["content"].strip() else []
-            content = "\n\n".join(label + question)
+            content = inert_markdown("\n\n".join(label + question))
+        elif live and not message["content"] and pending:
+            content = pending
         else:
-            content = answer_text(message, live=streaming and index == last)
-        shown.append({"role": message["role"], "content": inert_markdown(content)})
+            content = inert_markdown(answer_text(message, live=live))
+        if message.get("left_out"):
+            content = f"{content}\n\n{LEFT_OUT}"
+        shown.append({"role": message["role"], "content": content})
     return shown
 
 
@@ -76,30 +94,61 @@ def attachment_label(document: dict) -> str:
 
 
 def _document_details(document: dict) -> list[str]:
-    details = [document["name"], f"{document['tokens']:,} tokens"]
+    counted = f"{document['tokens']:,} tokens" if document.get("tokens") is not None else "counted once the model loads"
+    details = [document["name"], counted]
     return details + [document["note"]] if document.get("note") else details
 
 
 def answer_text(message: dict, live: bool = False) -> str:
-    """An answer's text, marked when a stop or a crash cut it short."""
-    if not message.get("partial") or live:
+    """An answer's text, marked where it did not end on its own: a crash or a stop cut it short,
+    or it ran into the answer limit or the end of the context."""
+    if live:
         return message["content"]
-    return f"{message['content']} {INTERRUPTED}" if message["content"] else INTERRUPTED
+    mark = ending_mark(message)
+    return f"{message['content']}\n\n{mark}" if mark and message["content"] else mark or message["content"]
 
 
-def title_from(question: str) -> str:
-    """A list title from the first question: its first line, cut at a word near 48 characters."""
-    lines = [" ".join(line.split()) for line in question.splitlines()]
-    first = next((line for line in lines if line), "")
-    if not first:
-        return NEW_TITLE
-    if len(first) <= TITLE_LENGTH:
-        return first
-    cut = first[:TITLE_LENGTH - 1]
+def ending_mark(message: dict) -> str:
+    """How an answer that did not end on its own ended, in a few words ("" when it did)."""
+    if message.get("partial"):
+        return INTERRUPTED
+    reason = message.get("finish_reason")
+    if reason == "cancelled":
+        return "*(stopped)*"
+    if reason == "length" and message.get("context_full"):
+        return "*(cut off: the model's context is full. Start a new conversation, or leave out earlier turns)*"
+    if reason == "length":
+        count = message.get("new_tokens")
+        limit = f" of {count:,} tokens" if isinstance(count, int) else ""
+        return f"*(cut off at the answer limit{limit}: ask it to continue, or raise the limit in Settings)*"
+    return ""
+
+
+def title_from(question: str, document: dict | None = None) -> str:
+    """A list title from the first question: its first line, cut at a word near 48 characters.
+    With a document, the document's name (or a pasted text's first line) comes first, so that
+    the same question about different documents gives different titles."""
+    first = _first_line(question)
+    if document:
+        named = document["name"] if document["name"] != PASTED_NAME else _first_line(document["text"])
+        first = " — ".join(part for part in (_shortened(named, TITLE_LENGTH * 2 // 3), first) if part)
+    return _shortened(first, TITLE_LENGTH) or NEW_TITLE
+
+
+def _shortened(line: str, length: int) -> str:
+    """`line` cut at a word near `length` characters, with an ellipsis when cut."""
+    if len(line) <= length:
+        return line
+    cut = line[:length - 1]
     # Prefer ending on a whole word, unless that leaves too little of the line.
-    if first[len(cut)] != " " and " " in cut[TITLE_LENGTH // 2:]:
+    if line[len(cut)] != " " and " " in cut[length // 2:]:
         cut = cut[:cut.rindex(" ")]
-    return cut.rstrip(" ,.;:-") + "…"
+    return cut.rstrip(" ,.;:-—") + "…"
+
+
+def _first_line(text: str) -> str:
+    lines = (" ".join(line.split()) for line in text.splitlines())
+    return next((line for line in lines if line), "")
 
 
 def to_json(conversation: Conversation) -> str:
@@ -171,15 +220,20 @@ NUMERIC_STATS = ("target_forwards", "drafted_tokens", "accepted_draft_tokens", "
 def _check_types(conversation: Conversation) -> None:
     """Reject a record whose fields the views would trip over later, so it fails here, once."""
     fields = {"id": str, "title": str, "created": (int, float), "updated": (int, float),
-              "system": str, "preset": str, "messages": list}
+              "system": str, "preset": str, "messages": list, "settings": dict}
     for name, kind in fields.items():
         if not isinstance(getattr(conversation, name), kind) or isinstance(getattr(conversation, name), bool):
             raise ValueError(f"field {name!r} has the wrong type")
     if not (math.isfinite(conversation.created) and math.isfinite(conversation.updated)):
         raise ValueError("the times must be finite numbers")
+    if not all(value is None or isinstance(value, (str, int, float)) and not isinstance(value, bool)
+               for value in conversation.settings.values()):
+        raise ValueError("the settings hold numbers and words")
     for message in conversation.messages:
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
             raise ValueError("a message needs text content")
+        if not isinstance(message.get("left_out", False), bool):
+            raise ValueError("a message's `left_out` is true or false")
         if message.get("role") == "user":
             _check_document(message.get("document"))
         elif message.get("role") == "assistant":

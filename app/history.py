@@ -24,6 +24,7 @@ from ..core.limits import CONVERSATION_FILE
 from .conversation import NEW_TITLE, Conversation, from_json, to_json
 
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")
+DELETED_SUFFIX = ".deleted"  # a deleted conversation, kept until the next start so that it can be undone
 # A temporary file younger than this may belong to another specchat that is writing it right now.
 STALE_TEMPORARY_S = 60.0
 
@@ -68,6 +69,7 @@ class HistoryStore:
         self._summaries: dict[str, tuple[tuple[int, int], Summary]] = {}
         self._reported: set[str] = set()  # problems already reported about files left in place
         self._remove_stale_temporaries()
+        self._empty_the_bin()
 
     def new(self, system: str = "", preset: str = "free") -> Conversation:
         """A fresh conversation, not written until it holds a message."""
@@ -113,8 +115,18 @@ class HistoryStore:
         self._write(conversation)  # renaming is not activity: the list order stays
 
     def delete(self, conversation_id: str) -> None:
-        self._path(conversation_id).unlink(missing_ok=True)
+        """Take the conversation out of the list; `undelete` brings it back until the next start
+        of the app, which empties the bin."""
+        path = self._path(conversation_id)
+        if path.exists():
+            os.replace(path, path.with_name(path.name + DELETED_SUFFIX))
         self._summaries.pop(conversation_id, None)
+
+    def undelete(self, conversation_id: str) -> None:
+        deleted = self._path(conversation_id).with_name(f"{conversation_id}.json{DELETED_SUFFIX}")
+        if not deleted.exists():
+            raise InputError("that conversation can no longer be brought back")
+        os.replace(deleted, self._path(conversation_id))
 
     def take_problems(self) -> list[str]:
         """Messages about files set aside since the last call, for the UI to show once."""
@@ -197,6 +209,10 @@ class HistoryStore:
         if problem not in self._reported:
             self._reported.add(problem)
             self._problems.append(problem)
+
+    def _empty_the_bin(self) -> None:
+        for deleted in self.folder.glob(f"*.json{DELETED_SUFFIX}") if self.folder.is_dir() else []:
+            deleted.unlink(missing_ok=True)
 
     def _remove_stale_temporaries(self) -> None:
         """Drop what a crash midway through `write_atomically` left behind."""

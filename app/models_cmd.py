@@ -79,6 +79,8 @@ class Fit:
     verdict: str  # a few words for a table
     reason: str  # one sentence with the figures; a refusal's says what fits instead
     alternatives: tuple[Alternative, ...] = ()  # when it does not fit: what does, nearest first
+    slow: bool = False  # it fits, but on the CPU, reading over `SLOW_ON_CPU_BYTES` of weights per token
+    plain: str = ""  # the verdict in everyday words, for people who never heard of a KV cache
 
 
 def plan_fit(pair: ModelPair, profile: HardwareProfile, registry: Registry | None = None) -> Fit:
@@ -92,8 +94,24 @@ def plan_fit(pair: ModelPair, profile: HardwareProfile, registry: Registry | Non
         shorter = next((alternative.context for alternative in refusal.alternatives
                         if alternative.pair_id == pair.id and alternative.quantization is None), None)
         verdict = "does not fit" + (f" (up to {shorter // 1024}K tokens)" if shorter else "")
-        return Fit(False, verdict, str(refusal), refusal.alternatives)
-    return Fit(True, _fit_verdict(plan, pair), _fit_reason(plan))
+        plain = "Too big for this computer" + (
+            f" at its full length; it would fit for documents up to about {shorter * 3 // 4:,} words." if shorter
+            else ".")
+        return Fit(False, verdict, str(refusal), refusal.alternatives, plain=plain)
+    slow = plan.target_devices == ("cpu",) and _weight_bytes(plan) > SLOW_ON_CPU_BYTES
+    return Fit(True, _fit_verdict(plan, pair), _fit_reason(plan), slow=slow, plain=_fit_plain(plan, slow))
+
+
+def _fit_plain(plan: Plan, slow: bool) -> str:
+    if plan.target_devices == ("cpu",):
+        return ("Runs on the processor, slowly: a graphics card would make it many times faster." if slow else
+                "Runs on the processor.")
+    words = ["Runs on your graphics card"]
+    if plan.weights in ("int8", "nf4"):
+        words.append("stored compressed so that it fits")
+    if plan.kv_device == "cpu-pinned":
+        words.append("with what it remembers of long documents kept in the computer's memory")
+    return ", ".join(words) + "."
 
 
 def _fit_verdict(plan: Plan, pair: ModelPair) -> str:
@@ -103,7 +121,7 @@ def _fit_verdict(plan: Plan, pair: ModelPair) -> str:
     if pair.draft is not None and plan.draft_device is None and plan.mode != "plain":
         notes.append("no draft model")
     if plan.target_devices == ("cpu",):
-        notes.append("CPU only, slow" if _weight_bytes(plan) > SLOW_ON_CPU_BYTES else "CPU only")
+        notes.append("CPU only, slow" if _weight_bytes(plan) > SLOW_ON_CPU_BYTES else "CPU only")  # Fit.slow
     notes = [note for note in notes if note]
     return "fits" + (f" ({', '.join(notes)})" if notes else "")
 
@@ -143,7 +161,7 @@ def pair_row(pair: ModelPair, profile: HardwareProfile, registry: Registry | Non
     return {"id": pair.id, "name": pair.name, "source": pair.source, "context_length": pair.context_length,
             "license": pair.license, "gated": pair.gated,
             "download_bytes": pair.download_bytes, "download": human_size(pair.download_bytes) if pair.download_bytes else "-",
-            "fits": fit.fits, "fit": fit.verdict, "fit_reason": fit.reason,
+            "fits": fit.fits, "fit": fit.verdict, "fit_reason": fit.reason, "fit_plain": fit.plain,
             "fit_alternatives": [asdict(alternative) for alternative in fit.alternatives],
             "downloaded": downloaded == "yes" or pair.source == "embedded", "present_bytes": present,
             "status": downloaded}

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import html
 
-FINISH_REASONS = {"stop": "done", "length": "reached the token limit", "cancelled": "stopped"}
+# How an answer ended (`ending`), as the figures line says it.
+ENDINGS = {"stop": "done", "length": "cut off at the answer limit", "context_full": "cut off: the context is full",
+           "cancelled": "stopped"}
+# A speed over a shorter stretch of decoding says more about timer noise than about the decoder.
+MEASURING_SECONDS = 0.5
 ORIGINS = {  # origin -> (legend, color); the colors stay readable on light and dark themes
     "draft": ("accepted draft token", "#2e9d5b"),
     "recovered": ("recovered after a rejection", "#d9822b"),
@@ -18,21 +22,34 @@ ORIGINS = {  # origin -> (legend, color); the colors stay readable on light and 
 }
 
 
-def stats_line(stats: dict, mode: str, new_tokens: int | None = None, finish_reason: str | None = None) -> str:
-    """One Markdown line: speed, tokens per target forward, acceptance; the end when finished."""
+def ending(message: dict) -> str | None:
+    """How a saved answer ended, a key of `ENDINGS`; None while it has not ended."""
+    reason = message.get("finish_reason")
+    if reason == "length" and message.get("context_full"):
+        return "context_full"
+    return reason if reason in ENDINGS else None
+
+
+def stats_line(stats: dict, mode: str, new_tokens: int | None = None, end: str | None = None) -> str:
+    """One Markdown line: speed, tokens per target forward, acceptance; the end (`ending`) when
+    finished. While it streams, the speed shows once there is enough of it to measure."""
     drafted, accepted = stats.get("drafted_tokens", 0), stats.get("accepted_draft_tokens", 0)
     acceptance = f" · {accepted / drafted:.0%} of draft tokens accepted" if drafted else ""
     reused = stats.get("reused_prompt_tokens", 0)
     reused_text = f" ({reused:,} prompt tokens reused)" if reused else ""
     predicted = stats.get("predicted_tokens_per_second")
     predicted_text = f" (cost model: {predicted:.1f})" if predicted else ""
-    line = (f"**{stats.get('tokens_per_second', 0):.1f} tok/s**{predicted_text} · "
+    if end is not None and new_tokens == 0:  # stopped during the read: no speed to speak of
+        return f"No answer: {ENDINGS[end]} while the prompt was read" + (f" · mode {_code(mode)}" if mode else "")
+    measured = end is not None or stats.get("decode_seconds", 0) >= MEASURING_SECONDS
+    speed = f"**{stats.get('tokens_per_second', 0):.1f} tok/s**{predicted_text}" if measured else "measuring the speed…"
+    line = (f"{speed} · "
             f"**{stats.get('mean_accepted_per_forward', 0):.2f}** tokens per target forward · "
             f"{stats.get('target_forwards', 0)} target forwards{acceptance} · "
             f"first token after {stats.get('prefill_seconds', 0):.2f} s{reused_text}"
             + (f" · mode {_code(mode)}" if mode else ""))
-    if finish_reason is not None:
-        line += f" · {new_tokens} tokens, {FINISH_REASONS[finish_reason]}"
+    if end is not None:
+        line += f" · {new_tokens if new_tokens is not None else '?'} tokens, {ENDINGS[end]}"
     return line
 
 

@@ -55,6 +55,8 @@ def run_chat(engine, args, document: str | None = None, stdin=sys.stdin, stdout=
 def _answer(engine, messages, args, params, stdout, saved_tokens: int = 0) -> str | None:
     """Stream one answer; returns its text (partial if stopped), or None if it could not start.
     Any failure ends the turn, never the conversation."""
+    from .cli import cut_off_note
+
     text, reading = "", False
     stdout.write("specchat> ")
     events = None
@@ -80,7 +82,7 @@ def _answer(engine, messages, args, params, stdout, saved_tokens: int = 0) -> st
                 reused = f", {stats.reused_prompt_tokens:,} prompt tokens reused" if stats.reused_prompt_tokens else ""
                 stdout.write(f"\n[{stats.tokens_per_second:.1f} tok/s, "
                              f"{stats.mean_accepted_per_forward:.2f} tokens per target forward, "
-                             f"first token after {stats.prefill_seconds:.2f} s{reused}]\n")
+                             f"first token after {stats.prefill_seconds:.2f} s{reused}{cut_off_note(event.result)}]\n")
     except KeyboardInterrupt:
         stdout.write("\n(stopped)\n")
     except SpecchatError as error:

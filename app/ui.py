@@ -29,32 +29,51 @@ from .engine_handle import EngineHandle  # noqa: E402
 from .history import HistoryStore, default_folder  # noqa: E402
 from .presets import PRESETS  # noqa: E402
 from .security import Guard, uploaded_file  # noqa: E402
-from .ui_chat import ChatLogic, Settings, View, problem_text, shown  # noqa: E402
+from .context_meter import ANSWER_STEP, CUTS  # noqa: E402
+from .model_notice import ModelNotice  # noqa: E402
+from .ui_chat import KEPT_SETTINGS, ChatLogic, Settings, View, problem_text, shown  # noqa: E402
 
 DEFAULT_HOST = "127.0.0.1"
 SHUTDOWN_GRACE_SECONDS = 1
+MODEL_LINE_SECONDS = 2.0  # how often the Chat tab's model line is read again (loading, switching)
 MODES = list(REQUEST_MODES)
 # Dark mode follows the visitor's last choice (kept in the browser), else the system's.
 DARK_MODE_JS = """() => { const dark = !document.body.classList.contains('dark');
   document.body.classList.toggle('dark', dark); localStorage.setItem('specchat-dark', dark ? '1' : '0'); }"""
+# Below 900 px the conversations sidebar goes above the chat, which keeps the whole width; table
+# cells break between words, never inside one.
+APP_CSS = """
+@media (max-width: 900px) {
+  #chat-row { flex-direction: column !important; }
+  #sidebar, #main-column { width: 100% !important; min-width: 0 !important; flex: 1 1 auto !important; }
+  #conversations { max-height: 9em; overflow-y: auto; }
+}
+table td, table th, table td *, table th *, #pairs span.text {
+  word-break: normal !important; overflow-wrap: normal !important; hyphens: none; }
+#exported .file-name, #exported a { word-break: break-all; white-space: normal; }
+"""
 RESTORE_DARK_MODE_JS = """() => { const saved = localStorage.getItem('specchat-dark');
   if (saved !== null) document.body.classList.toggle('dark', saved === '1'); }"""
 
 
 def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | None = None) -> gr.Blocks:
-    from .ui_models import build_models_tab
+    from .ui_models import PairDownload, build_models_tab
 
     logic = ChatLogic(handle, store, registry_file)
+    downloads = PairDownload()  # one download at a time, whichever tab starts it
+    model_status = ModelNotice(handle, registry_file, downloads)
     with gr.Blocks(title="specchat") as demo:
         conversation = gr.State(None)
         attachment = gr.State(None)
+        deleted = gr.State("")  # the conversation just deleted, for Undo
         with gr.Row():
             gr.Markdown("## specchat\nLong-document chat, sped up by lossless speculative decoding.")
             dark = gr.Button("🌓 Dark mode", size="sm", scale=0, elem_id="dark-mode")
         with gr.Tab("Chat"):
-            with gr.Row():
-                with gr.Column(scale=1, min_width=220):
+            with gr.Row(elem_id="chat-row"):
+                with gr.Column(scale=1, min_width=220, elem_id="sidebar"):
                     new = gr.Button("+ New conversation", size="sm", elem_id="new-conversation")
+                    undo = gr.Button("↶ Undo the delete", size="sm", visible=False, elem_id="undo-delete")
                     preset = gr.Dropdown([(p.label, key) for key, p in PRESETS.items()], value="free",
                                          label="Preset", elem_id="preset")
                     conversations = gr.Radio([], label="Conversations", elem_id="conversations")
@@ -64,30 +83,45 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
                         delete = gr.Button("Delete", size="sm", variant="stop", elem_id="delete")
                     export = gr.Button("Export (Markdown + JSON)", size="sm", elem_id="export")
                     exported = gr.File(label="Exported", file_count="multiple", visible=False, elem_id="exported")
-                with gr.Column(scale=4):
+                with gr.Column(scale=4, min_width=320, elem_id="main-column"):
+                    with gr.Row():
+                        model_line = gr.Markdown(model_status.line(), elem_id="model-line")
+                        get_pair = gr.Button("⬇ Download it and switch to it", size="sm", scale=0, min_width=200,
+                                             visible=False, elem_id="get-recommended")
                     chatbot = gr.Chatbot(label="Chat", height=460, elem_id="chat", editable="user",
                                          buttons=["copy", "copy_all"])
                     status = gr.Markdown("", elem_id="status")
                     with gr.Group(visible=False, elem_id="over-limit") as over_group:
                         over_text = gr.Markdown("")
-                        with gr.Row(visible=False) as cut_row:
-                            cut_buttons = {where: gr.Button(f"Cut the {where}", size="sm", elem_id=f"cut-{where}")
-                                           for where in ("start", "middle", "end")}
                         with gr.Row():
-                            longer_pairs = gr.Dropdown([], label="Longer-context pairs", scale=3, elem_id="longer-pairs")
+                            shorter = gr.Button("Answer in fewer tokens", size="sm", visible=False, elem_id="shorter-answer")
+                            leave_out = gr.Button("✂ Leave earlier messages out (documents stay)", size="sm",
+                                                  visible=False, elem_id="leave-out")
+                            in_parts = gr.Button("📚 Summarize it in parts, then answer from the summaries "
+                                                 "(not a whole-document reading)", size="sm", visible=False,
+                                                 elem_id="in-parts")
+                        with gr.Row():
+                            cut_buttons = {where: gr.Button(f"Cut the {where}", size="sm", visible=False,
+                                                            elem_id=f"cut-{where}") for where in CUTS}
+                        with gr.Row(visible=False) as pairs_row:
+                            longer_pairs = gr.Dropdown([], label="Longer-context pairs that fit this machine", scale=3,
+                                                       elem_id="longer-pairs")
                             switch = gr.Button("Switch to this pair", size="sm", scale=1, elem_id="switch-pair")
                     with gr.Row():
-                        message = gr.Textbox(placeholder="Ask about your document, or just chat", show_label=False,
-                                             scale=6, elem_id="message", autofocus=True)
+                        # 📎 and drag-and-drop attach a document right at the box (`attach_dropped`).
+                        message = gr.MultimodalTextbox(
+                            placeholder="Ask about your document, or just chat (the clip attaches a file; "
+                                        "so does dropping one here)",
+                            show_label=False, scale=6, elem_id="message", autofocus=True, sources=["upload"],
+                            file_types=list(DOCUMENT_SUFFIXES), file_count="single", submit_btn=False)
                         send = gr.Button("Send", variant="primary", scale=0, min_width=90, elem_id="send")
                         stop = gr.Button("Stop", variant="stop", scale=0, min_width=90, elem_id="stop")
                     attachment_line = gr.Markdown("", elem_id="attachment")
                     meter = gr.Markdown("", elem_id="meter")
                     stats = gr.Markdown("", elem_id="stats")
-                    with gr.Accordion("Document", open=False):
-                        upload = gr.File(label=f"Upload ({', '.join(DOCUMENT_SUFFIXES)})", type="filepath",
-                                         file_types=list(DOCUMENT_SUFFIXES), elem_id="upload")
-                        pasted = gr.Textbox(label="…or paste one", lines=6, elem_id="document")
+                    with gr.Accordion("Paste a document", open=False):
+                        pasted = gr.Textbox(label=f"Paste a document's text here (or attach a file with the clip by the message box: "
+                                                  f"{', '.join(DOCUMENT_SUFFIXES)})", lines=6, elem_id="document")
                         detach = gr.Button("Remove the document", size="sm", elem_id="detach")
                     with gr.Accordion("Speculation view", open=False, elem_id="speculation"):
                         color = gr.Checkbox(label="Color the answer's tokens by origin", value=False, elem_id="color-tokens")
@@ -100,16 +134,20 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
                             top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
                             top_k = gr.Number(0, label="Top-k (0 = off)", precision=0, minimum=0)
                         with gr.Row():
-                            max_new_tokens = gr.Slider(16, 4096, value=512, step=16, label="Max new tokens",
+                            max_new_tokens = gr.Slider(ANSWER_STEP, 4096, value=512, step=ANSWER_STEP,
+                                                       label="Answer limit (tokens)",
                                                        elem_id="max-new-tokens")
                             seed = gr.Textbox("", label="Seed (blank = random)", elem_id="seed")
                         mode = gr.Radio(MODES, value="auto", label="Decoding", elem_id="mode")
         with gr.Tab("Models & hardware"):
-            build_models_tab(handle, registry_file)
+            build_models_tab(handle, registry_file, downloads)
 
         settings_inputs = [system, preset, temperature, top_p, top_k, seed, max_new_tokens, mode]
+        kept_settings = dict(zip(KEPT_SETTINGS, [temperature, top_p, top_k, seed, max_new_tokens, mode]))
         outputs = [conversation, chatbot, status, message, attachment, attachment_line, pasted, stats, stages,
-                   tokens, over_group, over_text, cut_row, longer_pairs, conversations, title, system, preset]
+                   tokens, over_group, over_text, shorter, leave_out, in_parts, *cut_buttons.values(), pairs_row,
+                   longer_pairs,
+                   conversations, title, system, preset, *kept_settings.values(), deleted, undo]
 
         def render(view: View) -> tuple:
             keep = gr.update()
@@ -122,23 +160,36 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
                 conversation_value, chat_value = None, []
             else:
                 conversation_value = keep if chat is None else chat
-                chat_value = keep if chat is None else shown(chat, view.streaming)
+                chat_value = keep if chat is None else shown(chat, view.streaming, view.pending)
+            over = view.over_limit
+            saved = view.settings or {}
             return (conversation_value, chat_value,
                     keep if view.status is None else view.status,
-                    keep if view.message is None else view.message,
+                    keep if view.message is None else {"text": view.message, "files": []},
                     attached, label,
                     keep if view.pasted is None else view.pasted,
                     keep if view.stats is None else view.stats,
                     keep if view.stages is None else view.stages,
                     keep if view.tokens is None else view.tokens,
-                    keep if view.over_limit is None else gr.update(visible=bool(view.over_limit)),
-                    keep if view.over_limit is None else view.over_limit,
-                    gr.update(visible=view.cuts_possible) if view.over_limit else keep,
+                    keep if over is None else gr.update(visible=bool(over)),
+                    keep if over is None else over,
+                    keep if over is None else gr.update(
+                        visible=bool(over and view.answer_room),
+                        value=f"Answer in up to {view.answer_room:,} tokens (what fits)"),
+                    keep if over is None else gr.update(visible=bool(over and view.can_leave_out)),
+                    keep if over is None else gr.update(visible=bool(over and view.in_parts)),
+                    *(keep if over is None else gr.update(visible=bool(over and view.cuts),
+                                                          value=(view.cuts or {}).get(where, ""))
+                      for where in cut_buttons),
+                    keep if view.longer_pairs is None else gr.update(visible=bool(view.longer_pairs)),
                     keep if view.longer_pairs is None else gr.update(choices=view.longer_pairs, value=None),
                     listing,
                     "" if view.clear_conversation else keep if chat is None else chat.title,
                     keep if view.system is None else view.system,
-                    keep if view.preset is None or view.preset not in PRESETS else view.preset)
+                    keep if view.preset is None or view.preset not in PRESETS else view.preset,
+                    *(saved[name] if name in saved else keep for name in kept_settings),
+                    keep if view.deleted is None else view.deleted,
+                    keep if view.deleted is None else gr.update(visible=bool(view.deleted)))
 
         def streamed(views):
             """A handler's stream of views, rendered; an error ends it as a line in the page."""
@@ -167,9 +218,25 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
             return Settings(*(default if value is None else value for value, default in zip(values, defaults)))
 
         # Gradio passes the request (for the session's Stop) and event data by these annotations.
-        def send_message(request: gr.Request, text, attached, pasted_text, chat, *values):
-            yield from streamed(lambda: logic.send(text, attached, pasted_text, chat, settings_of(values),
-                                                   request.session_hash))
+        def send_message(request: gr.Request, box, attached, pasted_text, chat, *values):
+            def views():
+                # A file dropped just before sending may not have been attached by its change event yet.
+                dropped = attach_dropped(box)
+                yield dropped
+                yield from logic.send(typed(box), dropped.attachment or attached, pasted_text, chat,
+                                      settings_of(values), request.session_hash)
+            yield from streamed(views)
+
+        def attach_dropped(box) -> View:
+            """A file put in the message box (📎 or dropped) becomes the attachment; the box keeps the text."""
+            files = (box or {}).get("files") or []
+            if not files:
+                return View()
+            # Only a file that came through Gradio's upload: the event's path is whatever the client sends.
+            path = files[-1] if isinstance(files[-1], str) else files[-1].get("path")
+            view = logic.attach_file(uploaded_file(path))
+            view.message = typed(box)
+            return view
 
         def regenerate(request: gr.Request, chat, *values):
             yield from streamed(lambda: logic.regenerate(chat, settings_of(values), request.session_hash))
@@ -181,9 +248,9 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
         def stop_answer(request: gr.Request):
             logic.stop(request.session_hash)
 
-        def update_meter(chat, attached, pasted_text, text, *values):
+        def update_meter(chat, attached, pasted_text, box, *values):
             try:
-                return logic.meter_text(chat, attached, pasted_text, text, settings_of(values))
+                return logic.meter_text(chat, attached, pasted_text, typed(box), settings_of(values))
             except Exception as error:
                 return problem_text(error)
 
@@ -194,54 +261,86 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
         answering = [trigger(send_message, send_inputs, outputs, **quiet) for trigger in (message.submit, send.click)]
         answering.append(chatbot.retry(regenerate, [conversation, *settings_inputs], outputs, **quiet))
         answering.append(chatbot.edit(edit, [conversation, *settings_inputs], outputs, **quiet))
-        for where, button in cut_buttons.items():
-            cut = button.click(once(lambda *args, where=where: logic.cut(where, *args[:4], settings_of(args[4:])),
-                                    stop_chain=True),
-                               [message, attachment, pasted, conversation, *settings_inputs], outputs, **light)
-            answering.append(cut.success(send_message, send_inputs, outputs, **quiet))
+        # The over-limit choices each change what is sent, then send it: the question and document are kept.
+        choices = {button: (lambda box, *args, where=where: logic.cut(where, typed(box), *args[:3], settings_of(args[3:])))
+                   for where, button in cut_buttons.items()}
+        choices[shorter] = lambda box, *args: logic.shorter_answer(typed(box), *args[:3], settings_of(args[3:]))
+        choices[leave_out] = lambda box, *args: logic.leave_out_turns(typed(box), *args[:3], settings_of(args[3:]))
+        for button, choose in choices.items():
+            chosen = button.click(once(choose, stop_chain=True),
+                                  [message, attachment, pasted, conversation, *settings_inputs], outputs, **light)
+            answering.append(chosen.success(send_message, send_inputs, outputs, **quiet))
+        def summarize_in_parts(request: gr.Request, box, attached, pasted_text, chat, *values):
+            yield from streamed(lambda: logic.summarize_in_parts(typed(box), attached, pasted_text, chat,
+                                                                 settings_of(values), request.session_hash))
+
+        answering.append(in_parts.click(summarize_in_parts, send_inputs, outputs, **quiet))
         for event in answering:
             event.then(update_meter, meter_inputs, meter, **light)
         # Stop ends the answer gracefully (saved, with its figures); it skips the queue, which an answer holds.
         stop.click(stop_answer, None, None, queue=False)
 
-        for box in (message, pasted, max_new_tokens, system):
+        for box in (pasted, max_new_tokens, system):
             box.change(update_meter, meter_inputs, meter, trigger_mode="always_last", **light)
-        # Only a file that came through Gradio's upload: the event's path is whatever the client sends.
-        upload.upload(once(lambda path: logic.attach_file(uploaded_file(path))), upload, outputs).then(
-            lambda: None, None, upload).then(update_meter, meter_inputs, meter, **light)
+        # Typing recounts the meter; a file put in the box is attached first, then counted.
+        message.change(once(attach_dropped), message, outputs, trigger_mode="always_last", **light).then(
+            update_meter, meter_inputs, meter, **light)
+        pasted.change(lambda attached, text: gr.update() if attached else logic.pasted_chip(text), [attachment, pasted],
+                      attachment_line, trigger_mode="always_last", **light)
         detach.click(lambda: (None, "", ""), None, [attachment, attachment_line, pasted]).then(
             update_meter, meter_inputs, meter, **light)
         switch.click(once(logic.switch_pair), longer_pairs, outputs)
         color.change(lambda on: gr.update(visible=on), color, tokens)
-        preset.change(_preset_chosen, [preset, message, conversation], [system, message])
+        preset.change(_preset_chosen, [preset, message, conversation], [system, message, temperature, top_p])
 
         for clear in (new.click, chatbot.clear):  # the chat's own Clear starts afresh too; nothing is deleted
             clear(once(lambda: View(clear_conversation=True, conversations_changed=True, status="", stats="",
-                                    stages="", tokens="", over_limit="")), None, outputs, cancels=answering,
+                                    stages="", tokens="", over_limit="", message="", clear_attachment=True,
+                                    pasted="")), None, outputs, cancels=answering,
                   **light).then(
                 update_meter, meter_inputs, meter, **light)
         conversations.input(once(logic.open), conversations, outputs, cancels=answering, **light).then(
             update_meter, meter_inputs, meter, **light)
         rename.click(once(logic.rename), [conversation, title], outputs, **light)
-        delete.click(once(logic.delete), conversation, outputs, cancels=answering, **light)
+        delete.click(once(logic.delete), conversation, outputs, cancels=answering, **light).then(
+            update_meter, meter_inputs, meter, **light)
+        undo.click(once(logic.undelete), deleted, outputs, **light).then(update_meter, meter_inputs, meter, **light)
         export.click(_exporter(logic), conversation, [exported, status])
         # Leaving a running answer (new, open, delete) cancels its Gradio event, which abandons the
         # answer without closing it: cancel its ticket too, so the engine moves on at once instead of
         # after the line's stall backstop.
         for leave in (new.click, chatbot.clear, conversations.input, delete.click):
             leave(stop_answer, None, None, queue=False)
+            # Another conversation's export files are not this one's: they go.
+            leave(lambda: gr.update(value=None, visible=False), None, exported, **light)
+
+        def model_state():
+            return model_status.line(), gr.update(visible=model_status.offers_download()
+                                                  and not downloads.downloading(model_status.recommended.id))
+
+        gr.Timer(MODEL_LINE_SECONDS).tick(model_state, None, [model_line, get_pair], **light)
+        get_pair.click(lambda: model_status.get_recommended() or "", None, status, **light).then(
+            model_state, None, [model_line, get_pair], **light)
         dark.click(None, js=DARK_MODE_JS)
         demo.load(once(logic.newest), None, outputs).then(update_meter, meter_inputs, meter, **light)
         demo.load(None, js=RESTORE_DARK_MODE_JS)
     return demo
 
 
-def _preset_chosen(key: str, text: str, chat) -> tuple[str, str]:
-    """The system prompt and message box for a preset. The conversation's own preset (set as it
-    is opened) keeps its own system prompt, which may have been edited, and adds no question."""
+def typed(box) -> str:
+    """The text in the message box (a MultimodalTextbox: {"text", "files"}; a string from the API)."""
+    return (box.get("text") or "") if isinstance(box, dict) else str(box or "")
+
+
+def _preset_chosen(key: str, box, chat) -> tuple:
+    """The system prompt, message box, temperature and top-p for a preset. The conversation's own
+    preset (set as it is opened) keeps its own system prompt and settings, which may have been
+    edited, and adds no question."""
+    text = typed(box)
     if chat is not None and chat.preset == key:
-        return chat.system, text
-    return PRESETS[key].system, text or PRESETS[key].question
+        return chat.system, {"text": text, "files": []}, gr.update(), gr.update()
+    preset = PRESETS[key]
+    return preset.system, {"text": text or preset.question, "files": []}, preset.temperature, preset.top_p
 
 
 def _exporter(logic: ChatLogic):
@@ -264,7 +363,7 @@ def build_app(handle: EngineHandle, store: HistoryStore, registry_file: str | No
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     add_api(app, handle)  # the key is the Guard's, for every route alike
     demo = build_ui(handle, store, registry_file).queue(default_concurrency_limit=1)
-    app = gr.mount_gradio_app(app, demo, path="/", ssr_mode=False, footer_links=[],
+    app = gr.mount_gradio_app(app, demo, path="/", ssr_mode=False, footer_links=[], css=APP_CSS,
                               max_file_size=limits.UPLOAD.bytes)
     # Gradio checks that a file an event receives was uploaded (processing_utils._check_allowed)
     # only once `launch()` has marked the app launched, which a mounted app never is: mark it.
@@ -291,6 +390,11 @@ def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "e
               + ("its API with the key" if api_key else "its API without a key (set --api-key)")
               + "; they reach it by this computer's address, or by a name given with --allow-host",
               file=sys.stderr)
+    # The engine's modules (transformers, torch) are imported here, before any thread starts: a
+    # thread importing transformers while another does can fail with "cannot import name
+    # 'DynamicCache'" (its lazy module is then half set up). The loading thread starts next.
+    from ..core import engine  # noqa: F401
+
     handle = EngineHandle(load, model)
     store = HistoryStore(default_folder())
     app = build_app(handle, store, registry_file, api_key, host, allowed_hosts)

@@ -9,24 +9,34 @@ middle of an answer loses at most that answer's last seconds.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from ..core.errors import InputError, SpecchatError
-from .context_meter import Meter, cut_document, describe, measure
-from .conversation import Conversation, model_messages, shown_messages, title_from
-from .documents import read_document
+from .context_meter import CUT_MARGIN, CUTS, Meter, cut_document, describe, measure, split_document
+from .conversation import (LEFT_OUT, PASTED_NAME, Conversation, attachment_label, model_messages, shown_messages,
+                           title_from)
+from .documents import document_tokens, read_document, user_turn
 from .engine_handle import EngineHandle
 from .engine_queue import Ticket
 from .exports import write_export
 from .history import HistoryStore
-from .speculation_view import colored_tokens, stage_table, stats_line
+from .read_progress import ReadProgress
+from .safe_markdown import inert_markdown
+from .speculation_view import colored_tokens, ending, stage_table, stats_line
 
 SAVE_EVERY_SECONDS = 2.0  # while an answer streams; bounds what a crash can lose of it
-PASTED = "pasted document"
+KEPT_SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "mode")
+LOADING_POLL_SECONDS = 0.5
+STARTING = "⏳ *Starting…*"
+PART_ANSWER_TOKENS = 256  # each part's summary, when a document is summarized in parts (an eighth of a short context)
+PART_SYSTEM = ("You summarize one part of a longer document faithfully: its main points in order, with names, "
+               "numbers and dates exact, adding nothing it does not say.")
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,11 @@ class Settings:
     seed: str | float | None  # blank or None: a fresh seed each time
     max_new_tokens: int
     mode: str
+
+    def kept(self) -> dict:
+        """The settings a conversation keeps and brings back when reopened (the system prompt and
+        preset are fields of their own)."""
+        return {name: getattr(self, name) for name in KEPT_SETTINGS}
 
     def sampling(self):
         from ..core.sampling import SamplingParams
@@ -64,15 +79,21 @@ class View:
     stages: str | None = None
     tokens: str | None = None
     over_limit: str | None = None  # the over-limit choice's text; "" hides it
-    cuts_possible: bool = False  # the over-limit text concerns a document that can be cut
+    cuts: dict[str, str] | None = None  # where -> the cut's button label; None: no document to cut
+    answer_room: int = 0  # a shorter answer limit that fits, offered as a choice; 0: none does
+    can_leave_out: bool = False  # earlier turns can be left out to make room
+    in_parts: bool = False  # the document can be summarized in parts
     longer_pairs: list[tuple[str, str]] | None = None
     streaming: bool = False
+    pending: str = ""  # shown in the streaming answer's bubble until its first word (Markdown of ours)
     conversations_changed: bool = False
     clear_conversation: bool = False  # show an empty, new conversation
     # An opened conversation's own system prompt and preset, shown in the settings: otherwise the
     # page's (after a reload, the defaults) would replace them at its next question.
     system: str | None = None
     preset: str | None = None
+    settings: dict | None = None  # an opened conversation's own settings (`KEPT_SETTINGS`), likewise
+    deleted: str | None = None  # the id of a conversation just deleted, offered to undo; "": none now
 
 
 class ChatLogic:
@@ -81,6 +102,7 @@ class ChatLogic:
         self.store = store
         self.registry_file = registry_file
         self._cancels: dict[str, Ticket] = {}  # per browser session: its answer, for Stop
+        self._waits: dict[str, threading.Event] = {}  # per browser session: a question waiting for the model
 
     def stop(self, session: str) -> None:
         """Stop the session's answer: it ends at the next token, saved, with its figures (or
@@ -88,6 +110,9 @@ class ChatLogic:
         ticket = self._cancels.get(session)
         if ticket is not None:
             ticket.cancel()
+        waiting = self._waits.get(session)
+        if waiting is not None:
+            waiting.set()
 
     # --- documents and the meter -------------------------------------------------------------
 
@@ -97,6 +122,15 @@ class ChatLogic:
         text = read_document(path)
         return View(attachment=self._attachment(Path(path).name, text), status=f"Attached {Path(path).name}.")
 
+    def pasted_chip(self, pasted: str) -> str:
+        """The attachment line for pasted text, as a file gets one ("" when nothing is pasted)."""
+        if not (pasted or "").strip():
+            return ""
+        counted = self.handle.status() == "ready"
+        document = {"name": PASTED_NAME, "text": pasted, "note": "",
+                    "tokens": self.handle.get().count_tokens(pasted.strip()) if counted else None}
+        return attachment_label(document)
+
     def _attachment(self, name: str, text: str, note: str = "") -> dict:
         engine = self.handle.get()
         return {"name": name, "text": text, "tokens": engine.count_tokens(text), "note": note}
@@ -104,7 +138,7 @@ class ChatLogic:
     def _with_pasted(self, attachment: dict | None, pasted: str | None) -> dict | None:
         """The attachment, or pasted text made one (an uploaded file wins)."""
         if attachment is None and pasted and pasted.strip():
-            return self._attachment(PASTED, pasted.strip())
+            return self._attachment(PASTED_NAME, pasted.strip())
         return attachment
 
     def meter(self, conversation: Conversation | None, attachment: dict | None, pasted: str, message: str,
@@ -124,29 +158,61 @@ class ChatLogic:
     def send(self, message: str, attachment: dict | None, pasted: str, conversation: Conversation | None,
              settings: Settings, session: str = "") -> Iterator[View]:
         question = (message or "").strip()
-        attachment = self._with_pasted(attachment, pasted)
-        if not question and attachment is None:
+        if not question and attachment is None and not (pasted or "").strip():
             yield View(status="Type a question or attach a document.")
             return
+        if self.handle.status() == "loading":
+            loaded = yield from self._wait_for_the_model(question, attachment, pasted, conversation, session)
+            if not loaded:
+                return
+        attachment = self._with_pasted(attachment, pasted)
         meter = self.meter(conversation, attachment, "", question, settings)
         if meter.over:
-            yield self._over_limit(meter, attachment)
+            yield dataclasses.replace(self._over_limit(meter, attachment, conversation), message=question,
+                                      conversation=conversation, clear_conversation=conversation is None)
             return
         conversation = conversation or self.store.new(settings.system, settings.preset)
         conversation.system, conversation.preset = settings.system, settings.preset
+        conversation.settings = settings.kept()
         if not conversation.messages:
-            conversation.title = title_from(question or attachment["name"])
+            conversation.title = title_from(question, attachment)
         conversation.messages.append({"role": "user", "content": question, "document": attachment})
         self.store.save(conversation)  # the question is on disk before the answer starts
         yield View(conversation=conversation, message="", clear_attachment=True, pasted="", over_limit="",
-                   conversations_changed=True, status=self._loading_line())
+                   conversations_changed=True, status="")
         yield from self._answer(conversation, settings, session)
 
-    def _loading_line(self) -> str:
-        if self.handle.status() != "loading":
-            return ""
-        progress = self.handle.progress()
-        return "Loading the model…" + (f" {progress}" if progress else "")
+    def _wait_for_the_model(self, question: str, attachment: dict | None, pasted: str,
+                            conversation: Conversation | None, session: str) -> Iterator[View]:
+        """While the model loads, the question shows in the chat at once, its answer's bubble
+        saying so; True once the model is ready. On a failed load or Stop the question goes back
+        into the box (nothing was saved yet: the document's tokens are counted once loaded)."""
+        document = attachment or ({"name": PASTED_NAME, "text": pasted, "tokens": None} if (pasted or "").strip()
+                                  else None)
+        shown_turn = Conversation(**{**dataclasses.asdict(conversation or self.store.new()), "messages": [
+            *(conversation.messages if conversation else []),
+            {"role": "user", "content": question, "document": document},
+            {"role": "assistant", "content": "", "partial": True}]})
+        stopped = self._waits[session] = threading.Event()
+        try:
+            while self.handle.status() == "loading" and not stopped.is_set():
+                progress = self.handle.progress()
+                yield View(conversation=shown_turn, streaming=True, message="", status="",
+                           pending="⏳ *Loading the model, then this answer starts…* " + inert_markdown(progress))
+                stopped.wait(LOADING_POLL_SECONDS)
+        finally:
+            if self._waits.get(session) is stopped:
+                del self._waits[session]
+        back = View(conversation=conversation, clear_conversation=conversation is None, message=question)
+        if stopped.is_set():
+            yield dataclasses.replace(back, status="Stopped while the model loaded: your question is back in the box.")
+            return False
+        try:
+            self.handle.get()
+        except SpecchatError as error:
+            yield dataclasses.replace(back, status=problem_text(error))
+            return False
+        return True
 
     def regenerate(self, conversation: Conversation | None, settings: Settings, session: str = "") -> Iterator[View]:
         """A new answer to the last question (the old one is replaced)."""
@@ -170,6 +236,7 @@ class ChatLogic:
         unchanged = text == shown_messages(conversation)[index]["content"]
         content = conversation.messages[index]["content"] if unchanged else _without_attachment_line(text).strip()
         edited = dict(conversation.messages[index], content=content)
+        edited.pop("left_out", None)  # a question asked again is read again
         conversation.messages[index:] = [edited]
         self.store.save(conversation)
         yield from self._answer(conversation, settings, session)
@@ -180,17 +247,18 @@ class ChatLogic:
         ticket = None
         try:
             # The previous answer's figures go as this one starts: a stale "done" misleads.
-            yield View(conversation=conversation, streaming=True, stats="", stages="", tokens="")
+            yield View(conversation=conversation, streaming=True, stats="", stages="", tokens="",
+                       pending=STARTING)
             # A browser session answers one question at a time: an earlier answer it left without
             # closing (the page moved on to another conversation) gives the engine up now.
             self.stop(session)
             ticket = self._cancels[session] = self.handle.submit(
                 _answer_job(model_messages(conversation), int(settings.max_new_tokens), settings.sampling(),
-                            settings.mode))
+                            settings.mode, _opening_document(conversation)))
             ahead = ticket.position
             if ahead:
-                yield View(conversation=conversation, streaming=True,
-                           status=f"Waiting for the engine: {ahead} answer{'s' if ahead > 1 else ''} before yours…")
+                waiting = f"Waiting for the engine: {ahead} answer{'s' if ahead > 1 else ''} before yours…"
+                yield View(conversation=conversation, streaming=True, status=waiting, pending=f"⏳ *{waiting}*")
             yield from self._stream(conversation, reply, ticket)
             if reply["partial"]:  # stopped while it waited in line: no answer, the question stays
                 conversation.messages[:] = [m for m in conversation.messages if m is not reply]
@@ -225,16 +293,17 @@ class ChatLogic:
     def _stream(self, conversation, reply, events) -> Iterator[View]:
         from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
 
-        mode = ""
+        mode, pending = "", STARTING
+        reading = ReadProgress()
         saved_at = time.monotonic()
         for event in events:
             if isinstance(event, _Started):
                 mode = reply["mode"] = event.mode
             elif isinstance(event, PrefillProgress):
-                yield View(conversation=conversation, streaming=True,
-                           status=f"Reading the prompt: {event.done:,} / {event.total:,} tokens")
+                pending = reading.update(event.done, event.total, time.monotonic())
+                yield View(conversation=conversation, streaming=True, status="", pending=pending)
             elif isinstance(event, Notice):
-                yield View(conversation=conversation, streaming=True, status=f"ℹ️ {event.text}")
+                yield View(conversation=conversation, streaming=True, status=f"ℹ️ {event.text}", pending=pending)
             elif isinstance(event, TextDelta):
                 reply["content"] += event.text
                 reply["origins"].extend([text, origin] for text, origin in event.pieces if text)
@@ -248,32 +317,41 @@ class ChatLogic:
             elif isinstance(event, Finished):
                 result = event.result
                 reply.update(content=result.text, partial=False, stats=dataclasses.asdict(result.stats),
-                             finish_reason=result.finish_reason, mode=result.mode)
+                             finish_reason=result.finish_reason, context_full=result.context_full,
+                             new_tokens=result.new_tokens, mode=result.mode)
                 self.store.save(conversation)
                 yield View(conversation=conversation, status="",
-                           stats=stats_line(reply["stats"], result.mode, result.new_tokens, result.finish_reason),
+                           stats=stats_line(reply["stats"], result.mode, result.new_tokens, ending(reply)),
                            stages=stage_table(reply["stats"]), tokens=colored_tokens(reply["origins"]))
 
     # --- over the limit ------------------------------------------------------------------------
 
-    def _over_limit(self, meter: Meter, attachment: dict | None) -> View:
+    def _over_limit(self, meter: Meter, attachment: dict | None, conversation: Conversation | None) -> View:
         engine = self.handle.get()
-        text = (f"**This does not fit.** The conversation needs {meter.needed:,} tokens "
-                f"({meter.prompt:,} of prompt and {meter.reserve:,} kept for the answer), but "
-                f"{engine.name} reads at most {meter.context:,}: {meter.excess:,} too many. ")
-        text += ("Choose what to cut from the document, or switch to a pair with a longer context. "
-                 "Nothing is cut without your choice." if attachment is not None else
-                 "Start a new conversation, shorten the question, or switch to a pair with a longer context.")
-        return View(over_limit=text, cuts_possible=attachment is not None, attachment=attachment,
+        text = (f"**This does not fit.** The prompt is {meter.prompt:,} tokens and the answer limit keeps "
+                f"{meter.reserve:,} for the answer, but {engine.name} reads at most {meter.context:,}: "
+                f"{meter.excess:,} too many. Nothing is cut or left out without your choice:")
+        earlier = _earlier_messages(conversation)
+        return View(over_limit=text, attachment=attachment,
+                    cuts=_cut_labels(meter.excess, attachment) if attachment is not None else None,
+                    answer_room=meter.answer_room, can_leave_out=bool(earlier),
+                    in_parts=attachment is not None and meter.document > meter.context // 2,
                     longer_pairs=self._longer_pairs(meter.needed, self.handle.model),
                     status="⚠️ Too long for this model: see the choices below.")
 
     def _longer_pairs(self, needed: int, current: str) -> list[tuple[str, str]]:
+        """Pairs whose context holds `needed` tokens and that this machine can run (the plan's
+        verdict at their full context, as the Models tab shows it)."""
         from ..core.registry import load_registry
+        from .models_cmd import listing_profile, plan_fit
 
-        pairs = load_registry(self.registry_file).pairs.values()
-        return [(f"{pair.name} ({pair.context_length:,} tokens)", pair.id) for pair in pairs
-                if pair.context_length >= needed and pair.id != current]
+        registry = load_registry(self.registry_file)
+        candidates = [pair for pair in registry.pairs.values() if pair.context_length >= needed and pair.id != current]
+        if not candidates:
+            return []
+        profile = listing_profile()
+        return [(f"{pair.name} ({pair.context_length:,} tokens)", pair.id) for pair in candidates
+                if plan_fit(pair, profile, registry).fits]
 
     def cut(self, where: str, message: str, attachment: dict | None, pasted: str,
             conversation: Conversation | None, settings: Settings) -> View:
@@ -284,7 +362,98 @@ class ChatLogic:
         meter = self.meter(conversation, attachment, "", message, settings)
         text, removed = cut_document(self.handle.get().tokenizer, attachment["text"], meter.excess, where)
         cut = self._attachment(attachment["name"], text, f"cut {removed:,} tokens from the {where}")
-        return View(attachment=cut, pasted="", over_limit="", status=f"Cut {removed:,} tokens from the {where} of the document.")
+        return View(attachment=cut, pasted="", over_limit="",
+                    status=f"Cut {removed:,} tokens from the {where} of the document.")
+
+    def leave_out_turns(self, message: str, attachment: dict | None, pasted: str, conversation: Conversation | None,
+                        settings: Settings) -> View:
+        """Leave the oldest messages out of what the model reads until the next question fits; every
+        document stays, and the messages stay in the chat, marked."""
+        attachment = self._with_pasted(attachment, pasted)
+        earlier = _earlier_messages(conversation)
+        for count in range(1, len(earlier) + 1):
+            for message_index in earlier[:count]:
+                conversation.messages[message_index]["left_out"] = True
+            if not self.meter(conversation, attachment, "", message, settings).over:
+                self.store.save(conversation)
+                return View(conversation=conversation, over_limit="",
+                            status=f"Left {count} earlier message{'s' if count > 1 else ''} out of what the model "
+                                   "reads (documents stay).")
+        for message_index in earlier:
+            conversation.messages[message_index].pop("left_out", None)
+        raise InputError("leaving out every earlier turn is still not enough: cut the document, shorten the "
+                         "answer limit, or start a new conversation")
+
+    def summarize_in_parts(self, message: str, attachment: dict | None, pasted: str,
+                           conversation: Conversation | None, settings: Settings, session: str = "") -> Iterator[View]:
+        """For a document the model cannot read whole: summarize each part that fits, then ask the
+        question about those summaries, which the chat labels as such (not the whole text)."""
+        attachment = self._with_pasted(attachment, pasted)
+        if attachment is None:
+            raise InputError("there is no document to summarize in parts")
+        engine = self.handle.get()
+        summary_tokens = min(PART_ANSWER_TOKENS, engine.context_length // 8)
+        overhead = len(engine.chat_ids(_part_messages("", 99, 99)))
+        parts = split_document(engine.tokenizer, attachment["text"],
+                               engine.context_length - summary_tokens - overhead - CUT_MARGIN)
+        question = (message or "").strip()
+        unread = dataclasses.replace(self.meter(conversation, None, "", question, settings), document=0)
+        if unread.needed + len(parts) * (summary_tokens + CUT_MARGIN) > engine.context_length:
+            raise InputError(f"even the summaries of its {len(parts)} parts would not fit beside the conversation: "
+                             "cut the document first, or start a new conversation")
+        shown_turn = Conversation(**{**dataclasses.asdict(conversation or self.store.new()), "messages": [
+            *(conversation.messages if conversation else []),
+            {"role": "user", "content": question, "document": attachment},
+            {"role": "assistant", "content": "", "partial": True}]})
+        summaries = []
+        stopped = self._waits[session] = threading.Event()  # Stop between two parts' jobs too
+        try:
+            for number, part in enumerate(parts, 1):
+                doing = f"⏳ *Summarizing part {number} of {len(parts)} (the document is too long to read whole)…*"
+                yield View(conversation=shown_turn, streaming=True, message="", over_limit="", pending=doing, status="")
+                summary = None if stopped.is_set() else (yield from self._part_summary(
+                    part, number, len(parts), summary_tokens, settings, session, shown_turn, doing))
+                if summary is None or stopped.is_set():
+                    yield View(conversation=conversation, clear_conversation=conversation is None, message=question,
+                               status="Stopped while summarizing the parts: your question and document are kept.")
+                    return
+                summaries.append(f"Part {number} of {len(parts)}, summarized:\n{summary.strip()}")
+        finally:
+            if self._waits.get(session) is stopped:
+                del self._waits[session]
+        combined = self._attachment(title_from("", attachment), "\n\n".join(summaries),
+                                    f"summaries of its {len(parts)} parts, not the whole text")
+        yield from self.send(question, combined, "", conversation, settings, session)
+
+    def _part_summary(self, part: str, number: int, count: int, summary_tokens: int, settings: Settings,
+                      session: str, shown_turn: Conversation, doing: str) -> Iterator[View]:
+        """One part's summary (None when stopped), the bubble showing the part's read meanwhile."""
+        from ..core.engine import Finished, PrefillProgress
+
+        ticket = self._cancels[session] = self.handle.submit(
+            _answer_job(_part_messages(part, number, count), summary_tokens, settings.sampling(), settings.mode))
+        reading = ReadProgress()
+        try:
+            for event in ticket:
+                if isinstance(event, PrefillProgress):
+                    progress = reading.update(event.done, event.total, time.monotonic())
+                    yield View(conversation=shown_turn, streaming=True, pending=f"{doing}\n\n{progress}")
+                elif isinstance(event, Finished):
+                    return None if event.result.finish_reason == "cancelled" else event.result.text
+            return None  # taken out of the line by Stop before it started
+        finally:
+            if self._cancels.get(session) is ticket:
+                del self._cancels[session]
+            ticket.close()
+
+    def shorter_answer(self, message: str, attachment: dict | None, pasted: str, conversation: Conversation | None,
+                       settings: Settings) -> View:
+        """Lower the answer limit to what the prompt leaves."""
+        meter = self.meter(conversation, self._with_pasted(attachment, pasted), "", message, settings)
+        if not meter.answer_room:
+            raise InputError("no useful answer fits after this prompt: cut the document or leave out earlier turns")
+        return View(over_limit="", settings={"max_new_tokens": meter.answer_room},
+                    status=f"The answer limit is now {meter.answer_room:,} tokens for this conversation.")
 
     def switch_pair(self, pair_id: str | None) -> View:
         from ..core.download import model_status
@@ -305,7 +474,19 @@ class ChatLogic:
     # --- conversations -------------------------------------------------------------------------
 
     def conversation_choices(self) -> list[tuple[str, str]]:
-        return [(summary.title, summary.id) for summary in self.store.list()]
+        """(label, id) of each saved conversation, newest first: titles that repeat get their time,
+        and labels that still repeat a number."""
+        summaries = self.store.list()
+        titles = collections.Counter(summary.title for summary in summaries)
+        labels = [summary.title if titles[summary.title] == 1 else
+                  f"{summary.title} · {time.strftime('%b %d, %H:%M', time.localtime(summary.updated))}"
+                  for summary in summaries]
+        repeats, seen = collections.Counter(labels), collections.Counter()
+        for index, label in enumerate(labels):
+            seen[label] += 1
+            if repeats[label] > 1:
+                labels[index] = f"{label} ({seen[label]})"
+        return [(label, summary.id) for label, summary in zip(labels, summaries)]
 
     def open(self, conversation_id: str | None) -> View:
         if not conversation_id:
@@ -314,7 +495,8 @@ class ChatLogic:
         last = next((m for m in reversed(conversation.messages) if m["role"] == "assistant"), None)
         stats = last.get("stats") if last else None
         return View(conversation=conversation, over_limit="", system=conversation.system, preset=conversation.preset,
-                    stats=stats_line(stats, last.get("mode", ""), None) if stats else "",
+                    settings={name: value for name, value in conversation.settings.items() if name in KEPT_SETTINGS},
+                    stats=stats_line(stats, last.get("mode", ""), last.get("new_tokens"), ending(last)) if stats else "",
                     stages=stage_table(stats) if stats else "",
                     tokens=colored_tokens(last.get("origins") or []) if last else "")
 
@@ -334,10 +516,21 @@ class ChatLogic:
         return View(conversation=conversation, conversations_changed=True, status=f"Renamed to “{conversation.title}”.")
 
     def delete(self, conversation: Conversation | None) -> View:
-        if conversation is not None:
-            self.store.delete(conversation.id)
+        """Delete the conversation; it can be brought back (`undelete`) until the app restarts."""
+        if conversation is None or not conversation.messages:
+            return View(status="Nothing to delete: this conversation is not saved yet.")
+        self.store.delete(conversation.id)
         view = self.newest()
-        view.status = "Conversation deleted."
+        view.status = f"Deleted “{conversation.title}”."
+        view.deleted = conversation.id
+        return view
+
+    def undelete(self, conversation_id: str | None) -> View:
+        if not conversation_id:
+            return View(status="Nothing to bring back.")
+        self.store.undelete(conversation_id)
+        view = self.open(conversation_id)
+        view.conversations_changed, view.deleted, view.status = True, "", "Brought back."
         return view
 
     def export(self, conversation: Conversation | None) -> list[str]:
@@ -350,15 +543,44 @@ class _Started:
     mode: str
 
 
-def _answer_job(messages: list[dict], max_new_tokens: int, sampling, mode: str):
-    """An answer as a job for the engine thread (`engine_queue`)."""
+def _answer_job(messages: list[dict], max_new_tokens: int, sampling, mode: str, document: str = ""):
+    """An answer as a job for the engine thread (`engine_queue`). `document`: the text the
+    conversation opens with, whose KV is saved to disk, so that the conversation reopened after
+    a restart does not read it again."""
     def job(engine, cancel) -> Iterator:
         from ..core.engine import resolve_mode
 
-        events = engine.generate(engine.chat_ids(messages), max_new_tokens, sampling, mode, cancel)
+        system = messages[:1] if messages and messages[0]["role"] == "system" else []
+        saved = document_tokens(engine, system, document) if document else 0
+        events = engine.generate(engine.chat_ids(messages), max_new_tokens, sampling, mode, cancel,
+                                 document_tokens=saved)
         yield _Started(resolve_mode(mode, engine.auto_mode))
         yield from events
     return job
+
+
+def _opening_document(conversation: Conversation) -> str:
+    """The text of the document the conversation opens with ("" when it opens without one)."""
+    first = conversation.messages[0] if conversation.messages else {}
+    return (first.get("document") or {}).get("text", "") if first.get("role") == "user" else ""
+
+
+def _part_messages(part: str, number: int, count: int) -> list[dict]:
+    return [{"role": "system", "content": PART_SYSTEM},
+            {"role": "user", "content": user_turn(f"Summarize part {number} of {count} of a longer document.", part)}]
+
+
+def _earlier_messages(conversation: Conversation | None) -> list[int]:
+    """The indexes of the messages that can still be left out of what the model reads, oldest first."""
+    if conversation is None:
+        return []
+    return [index for index, message in enumerate(conversation.messages) if not message.get("left_out")]
+
+
+def _cut_labels(excess: int, attachment: dict) -> dict[str, str]:
+    """Each cut's button label, saying how much of the document goes."""
+    share = min(1.0, excess / max(attachment["tokens"], 1))
+    return {where: f"✂ Cut {excess:,} tokens ({share:.0%} of the document) from its {where}" for where in CUTS}
 
 
 def problem_text(error: Exception) -> str:
@@ -367,8 +589,8 @@ def problem_text(error: Exception) -> str:
     return f"⚠️ {text}"
 
 
-def shown(conversation: Conversation | None, streaming: bool = False) -> list[dict]:
-    return shown_messages(conversation, streaming=streaming) if conversation else []
+def shown(conversation: Conversation | None, streaming: bool = False, pending: str = "") -> list[dict]:
+    return shown_messages(conversation, streaming=streaming, pending=pending) if conversation else []
 
 
 def _document_text(attachment: dict | None, pasted: str | None) -> str:
@@ -378,6 +600,7 @@ def _document_text(attachment: dict | None, pasted: str | None) -> str:
 
 
 def _without_attachment_line(text: str) -> str:
-    """An edited question arrives as shown, attachment line included: drop that line."""
+    """An edited question arrives as shown, attachment line (and left-out mark) included: drop them."""
+    text = text.removesuffix(LEFT_OUT).rstrip()
     lines = text.split("\n")
     return "\n".join(lines[1:]).lstrip("\n") if lines and lines[0].startswith("📎") else text

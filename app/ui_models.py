@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 
 POLL_SECONDS = 1.0
 PROFILE_WAIT_SECONDS = 2.0  # for the first read of the profile, before the pairs table probes without it
-PAIR_COLUMNS = ["ID", "Pair", "Context (tokens)", "Size", "Fits this machine", "Why", "On disk"]
-PAIR_COLUMN_WIDTHS = ["10%", "22%", "9%", "8%", "10%", "31%", "10%"]  # the reasons are the long cells
+PAIR_COLUMNS = ["ID", "Pair", "Context", "Size", "Fits this machine", "What it means", "On disk"]
+# The reasons are the long cells; the others are wide enough for an unbroken id or number at 800 px.
+PAIR_COLUMN_WIDTHS = ["12%", "19%", "11%", "8%", "12%", "28%", "10%"]
 
 
 # ---- a download in the background -----------------------------------------------------------
@@ -276,14 +277,14 @@ class ModelsPanel:
         self.downloads = downloads or PairDownload()
         self.profiles = profiles or ProfileHolder()
 
-    def pair_table(self) -> list[list[str]]:
+    def pair_table(self, technical: bool = False) -> list[list[str]]:
         """Every pair with its fit: the plan at its full context on the profile that "Use this pair"
         checks, or, while that is still being measured, on a probe without measurement (the same
-        memory sizes, so the same verdicts)."""
+        memory sizes, so the same verdicts). Why, in everyday words, or the plan's own `technical`."""
         profile = self.profiles.get(timeout=PROFILE_WAIT_SECONDS) or listing_profile()
         rows = [pair_row(pair, profile, self.registry) for pair in self.registry.pairs.values()]
         return [[row["id"], row["name"], f"{row['context_length']:,}", row["download"], row["fit"],
-                 row["fit_reason"], row["status"]] for row in rows]
+                 row["fit_reason"] if technical else row["fit_plain"], row["status"]] for row in rows]
 
     def poll(self) -> dict[str, object]:
         """What the polled components show now. The pairs table reads the disk, so instead of it
@@ -341,6 +342,8 @@ def build_models_tab(handle: EngineHandle, registry_file: str | None, downloads:
     status = gr.Markdown(lambda: status_markdown(handle, panel.registry), elem_id="model-status")
     table = gr.Dataframe(panel.pair_table, headers=PAIR_COLUMNS, column_widths=PAIR_COLUMN_WIDTHS, interactive=False,
                          wrap=True, elem_id="pairs")
+    technical = gr.Checkbox(False, label="Technical reasons (weights, KV cache, memory per device)",
+                            elem_id="technical-reasons")
     with gr.Row():
         picker = gr.Dropdown([(f"{pair.id}: {pair.name}", pair.id) for pair in panel.registry.pairs.values()],
                              value=handle.model if handle.model in panel.registry.pairs else None,
@@ -362,16 +365,17 @@ def build_models_tab(handle: EngineHandle, registry_file: str | None, downloads:
     test_report = gr.Markdown("", elem_id="selftest-report")
     shown = gr.State({})  # what this session's components show, so a poll sends only changes
 
-    def refresh(before: dict):
+    def refresh(before: dict, detail: bool):
         now = panel.poll()
         values = [gr.skip() if before.get(key) == now[key] else now[key] for key in polled]
-        rows = gr.skip() if before.get("downloads_ended") == now["downloads_ended"] else panel.pair_table()
+        rows = gr.skip() if before.get("downloads_ended") == now["downloads_ended"] else panel.pair_table(detail)
         return *values, rows, now
 
     outputs = [status, progress, plan, profile, table, shown]
-    gr.Timer(POLL_SECONDS).tick(refresh, shown, outputs, show_progress="hidden")
+    gr.Timer(POLL_SECONDS).tick(refresh, [shown, technical], outputs, show_progress="hidden")
+    technical.change(panel.pair_table, technical, table, show_progress="hidden")
     # After a button, poll at once rather than within the second.
     for button, action, inputs in ((download, panel.download, picker), (cancel, panel.downloads.cancel, None),
                                    (use, panel.use, picker), (measure, panel.profiles.measure_again, None)):
-        button.click(action, inputs, message).then(refresh, shown, outputs, show_progress="hidden")
+        button.click(action, inputs, message).then(refresh, [shown, technical], outputs, show_progress="hidden")
     run_test.click(panel.self_test, None, test_report)

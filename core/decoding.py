@@ -7,11 +7,13 @@ between steps: the cache holds every committed token but the last, whose logits 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterator, Protocol
 
 import torch
 
+from .interrupt import stop_between_layers
 from .kv.full import FullCache
 from .kv.queries import record_queries
 from .model import CausalLM
@@ -306,19 +308,22 @@ def make_decoder(mode: str, vocab_size: int, relative_time: Callable[[int, int],
     raise ValueError(f"unknown decoding mode {mode!r} (choose from {', '.join(MODES)})")
 
 
-def prefill(model: CausalLM, cache: FullCache, ids: torch.Tensor, chunk_size: int,
-            decoder: Decoder | None = None) -> Generator[int, None, torch.Tensor]:
+def prefill(model: CausalLM, cache: FullCache, ids: torch.Tensor, chunk_size: int, decoder: Decoder | None = None,
+            cancel: threading.Event | None = None) -> Generator[int, None, torch.Tensor]:
     """Run the prompt through the model in chunks, after the prefix `cache` already holds,
     yielding the positions done after each; returns the last position's logits [vocab].
 
     A `decoder` that scores with queries (TriForce's retrieval stage) gets the last prompt
-    token's, so its first step already speculates."""
+    token's, so its first step already speculates. Once `cancel` is set, a chunk stops between
+    two layers where the cache can be rolled back (interrupt.py), raising `Cancelled` with the
+    cache holding the chunks before it; elsewhere the chunk runs to its end."""
     if cache.length >= ids.shape[0]:
         raise ValueError(f"the cache holds {cache.length} positions; the last prompt token must still run")
     observe = decoder is not None and decoder.drafter_wants_queries
     for start in range(cache.length, ids.shape[0], chunk_size):
         end = min(ids.shape[0], start + chunk_size)
-        with record_queries() if observe and end == ids.shape[0] else contextlib.nullcontext() as queries:
+        with (stop_between_layers(model, cache, cancel),
+              record_queries() if observe and end == ids.shape[0] else contextlib.nullcontext() as queries):
             logits = model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
         yield end
     if observe:

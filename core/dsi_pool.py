@@ -27,29 +27,17 @@ from typing import Callable
 import torch
 
 from .errors import SpecchatError
-from .kv.full import FullCache
+from .interrupt import Cancelled, cancel_flag, cancellable, roll_back, stoppable
 from .model import CausalLM
 from .spec.hierarchy import common_prefix
 
 PREFILL_CHUNK = 1024
 WAKE = -1  # the task id of `InstancePool.wake`'s message
-_task = threading.local()  # the serving thread's cancel flag, read between layers
-
-
-class Cancelled(Exception):
-    """The task running in this thread was cancelled."""
-
-
-def stop_if_cancelled(*_) -> None:
-    """Between two layers (a forward pre-hook): stop a cancelled task."""
-    flag = getattr(_task, "cancel", None)
-    if flag is not None and flag.is_set():
-        raise Cancelled
 
 
 def wait_unless_cancelled(seconds: float) -> None:
     """A simulated forward's wait, cut short by cancellation."""
-    flag = getattr(_task, "cancel", None)
+    flag = cancel_flag()
     if flag is None:
         time.sleep(seconds)
     elif flag.wait(seconds):
@@ -62,10 +50,7 @@ class CacheInstance:
         self.cache = model.new_cache()
         self.ids = torch.empty(0, dtype=torch.long)  # whose KV the cache holds
         self.prefill_chunk = prefill_chunk
-        # Only a full cache can be rolled back layer by layer after a stop inside a forward.
-        if isinstance(self.cache, FullCache) and hasattr(model, "hf"):
-            for layer in model.hf.base_model.layers:
-                layer.register_forward_pre_hook(stop_if_cancelled)
+        stoppable(model, self.cache)  # stops inside a forward where the cache can be rolled back
 
     def run(self, tokens: torch.Tensor, count: int) -> torch.Tensor:
         """Logits after each of the last `count` of `tokens`: [count, vocab]. Raises
@@ -81,21 +66,10 @@ class CacheInstance:
                 self.ids = tokens[:end]
             logits = self.model.forward(tokens[context:], torch.arange(context, tokens.shape[0]), self.cache)
         except Cancelled:
-            self._roll_back(self.ids.shape[0])
+            roll_back(self.cache, self.ids.shape[0])
             raise
         self.ids = tokens
         return logits
-
-    def _roll_back(self, length: int) -> None:
-        """Every layer to `length` positions: a forward stopped between layers left the first
-        layers longer than the rest."""
-        if isinstance(self.cache, FullCache):
-            for layer in self.cache.hf.layers:
-                excess = layer.get_seq_length() - length
-                if excess > 0:
-                    layer.crop(-excess)
-        else:
-            self.cache.trim(length)
 
 
 @dataclass(frozen=True)
@@ -125,24 +99,24 @@ def _serve(make_model: Callable[[str], CausalLM], device: str, threads: int, pre
     None when cancelled, seconds) out; None stops it. `cancel` (an event) stops the task."""
     if threads:
         torch.set_num_threads(threads)
-    _task.cancel = cancel
     try:
         instance = CacheInstance(make_model(device), prefill_chunk)
     except Exception as error:  # reported to the pool's owner, who shows it
         outbox.put((None, index, f"{type(error).__name__}: {error}", 0.0))
         return
     outbox.put((None, index, None, 0.0))  # ready
-    while (task := inbox.get()) is not None:
-        task_id, tokens, count = task
-        cancel.clear()  # set only for this instance's task, and never once its result is read
-        started = time.perf_counter()
-        try:  # numpy arrays cross the process boundary as plain bytes (no shared-memory handles)
-            result = instance.run(torch.from_numpy(tokens), count).numpy()
-        except Cancelled:
-            result = None
-        except Exception as error:
-            result = f"{type(error).__name__}: {error}"
-        outbox.put((task_id, index, result, time.perf_counter() - started))
+    with cancellable(cancel):  # for the thread's life: every forward it runs is a task's
+        while (task := inbox.get()) is not None:
+            task_id, tokens, count = task
+            cancel.clear()  # set only for this instance's task, and never once its result is read
+            started = time.perf_counter()
+            try:  # numpy arrays cross the process boundary as plain bytes (no shared-memory handles)
+                result = instance.run(torch.from_numpy(tokens), count).numpy()
+            except Cancelled:
+                result = None
+            except Exception as error:
+                result = f"{type(error).__name__}: {error}"
+            outbox.put((task_id, index, result, time.perf_counter() - started))
 
 
 class InstancePool:

@@ -10,13 +10,14 @@ import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 import torch
 
 from .decoding import DecodeState, Step, TriforceSettings, decode, make_decoder, prefill, triforce_decoder
 from .dsi_pool import InstancePool, process_pool
 from .errors import InputError, SpecchatError
+from .interrupt import Cancelled
 from .kv.document_store import DocumentStore
 from .kv.full import FullCache
 from .kv.prefix_store import PrefixStore
@@ -73,6 +74,8 @@ class Result:
     mode: str
     finish_reason: str  # "stop" (end of turn), "length", or "cancelled"
     stats: Stats = field(default_factory=Stats)
+    # "length" because no room was left in the model's context, not (only) the answer limit.
+    context_full: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -310,17 +313,15 @@ class Engine:
         prompt_length = state.ids.shape[0]
         stats = Stats(reused_prompt_tokens=reused, reused_from=source)
         decoder.begin(state)
-        chunks = prefill(self.model, state.cache, state.ids, self.settings.prefill_chunk, decoder)
-        while True:
-            try:
-                done = next(chunks)
-            except StopIteration as end:
-                first_logits = end.value
-                break
-            yield PrefillProgress(done, prompt_length)
-            if cancel.is_set():
-                yield Finished(Result("", [], prompt_length, 0, mode, "cancelled", stats))
-                return
+        try:
+            first_logits = yield from self._prefill(state, decoder, cancel)
+        except BaseException:  # the caller left mid-read, or the read failed
+            decoder.close()  # `decode` closes it once it runs; until then this does (DSI's tasks stop)
+            raise
+        if first_logits is None:
+            decoder.close()
+            yield Finished(Result("", [], prompt_length, 0, mode, "cancelled", stats))
+            return
         decode_started = time.perf_counter()
         stats.prefill_seconds = decode_started - started
 
@@ -360,8 +361,28 @@ class Engine:
         tail = stream.finish()
         if tail:
             yield TextDelta(tail, [], replace(stats), ((tail, "plain"),))
-        result = Result(stream.text, new_ids, prompt_length, len(new_ids), mode, finish_reason, stats)
+        # The answer limit was clamped to the room left (`_check_request`): at its end the context is full.
+        context_full = finish_reason == "length" and prompt_length + len(new_ids) >= self.context_length
+        result = Result(stream.text, new_ids, prompt_length, len(new_ids), mode, finish_reason, stats, context_full)
         yield Finished(result)
+
+    def _prefill(self, state: DecodeState, decoder,
+                 cancel: threading.Event) -> Generator[Event, None, torch.Tensor | None]:
+        """The prompt read in chunks, with progress events; returns the last position's logits, or
+        None once `cancel` is set: after a chunk, or inside one (between two layers, where the
+        cache can be rolled back: it then holds the whole chunks before, which the next turn reuses)."""
+        prompt_length = state.ids.shape[0]
+        chunks = prefill(self.model, state.cache, state.ids, self.settings.prefill_chunk, decoder, cancel)
+        while True:
+            try:
+                done = next(chunks)
+            except StopIteration as end:
+                return end.value
+            except Cancelled:
+                return None
+            yield PrefillProgress(done, prompt_length)
+            if cancel.is_set():
+                return None
 
 
 class _Prediction:

@@ -18,8 +18,8 @@ DATA = Path(__file__).parent / "data"
 
 
 def tiny_llama(seed: int, vocab_size: int = 97, dtype=torch.float64, context: int = 512,
-               weight_scale: float = 1.0):
-    """A 2-layer Llama with grouped-query attention and random weights, in `dtype`.
+               weight_scale: float = 1.0, layers: int = 2):
+    """A small Llama (2 layers unless told) with grouped-query attention and random weights, in `dtype`.
 
     `weight_scale` sharpens its distributions (random init alone gives near-uniform logits).
     """
@@ -29,7 +29,7 @@ def tiny_llama(seed: int, vocab_size: int = 97, dtype=torch.float64, context: in
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=context, attn_implementation="sdpa",
                          tie_word_embeddings=False)
     model = LlamaForCausalLM(config).to(dtype)

@@ -82,13 +82,28 @@ def test_json_contract(tiny_model_dir, mode):
                          "--max-new-tokens", "12", "--mode", mode, "--temperature", "0.7", "--seed", "3")
     assert completed.returncode == 0, completed.stderr
     result = json.loads(completed.stdout)  # exactly one JSON object, nothing else on stdout
-    assert {"text", "token_ids", "prompt_tokens", "new_tokens", "mode", "finish_reason", "stats"} <= result.keys()
+    assert {"text", "token_ids", "prompt_tokens", "new_tokens", "mode", "finish_reason", "stats",
+            "context_full"} <= result.keys()
     assert {"target_forwards", "drafted_tokens", "accepted_draft_tokens", "tree_size", "tree_depth",
             "mean_accepted_per_forward", "tokens_per_second", "prefill_seconds",
             "decode_seconds"} <= result["stats"].keys()
-    assert result["finish_reason"] in ("stop", "length")
+    assert result["finish_reason"] in ("stop", "length") and result["context_full"] is False
     assert result["mode"] == mode and result["new_tokens"] == len(result["token_ids"]) <= 12
     assert result["prompt_tokens"] > 2 and result["stats"]["target_forwards"] >= 1
+
+
+def test_a_full_context_is_told_from_the_answer_limit(tiny_model_dir):
+    """finish_reason stays "length" (the contract); `context_full` and the end line say which limit."""
+    question = "word " * 200  # about 230 of the tiny model's 256 tokens
+    options = ("generate", "--model", tiny_model_dir, "--prompt", question, "--max-new-tokens", "100")
+    completed = specchat(*options, "--json")
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(completed.stdout)
+    assert result["finish_reason"] == "length" and result["context_full"] is True
+    assert result["prompt_tokens"] + result["new_tokens"] == 256
+    completed = specchat(*options)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stderr.strip().splitlines()[-1].endswith("cut off: the context is full]")
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from specchat.app.context_meter import ANSWER_RESERVE, CUTS, Meter, cut_document, cut_marker, describe, measure
+from specchat.app.context_meter import CUTS, MIN_ANSWER, Meter, cut_document, cut_marker, describe, measure
 from specchat.core.engine import Engine
 from specchat.core.errors import InputError
 
@@ -55,10 +55,20 @@ def test_empty_parts_count_nothing(tokenizer):
     assert meter.question <= meter.prompt
 
 
-def test_reserve_is_the_answer_limit_up_to_a_cap(tokenizer):
+def test_the_whole_answer_limit_is_kept_so_an_answer_can_end(tokenizer):
     engine = TokenizerEngine(tokenizer, 8192)
-    assert measure(engine, "", [], DOCUMENT, "Q?", 10_000).reserve == ANSWER_RESERVE
+    assert measure(engine, "", [], DOCUMENT, "Q?", 1024).reserve == 1024
     assert measure(engine, "", [], DOCUMENT, "Q?", 50).reserve == 50
+
+
+def test_answer_room_is_what_the_prompt_leaves_unless_too_little():
+    meter = Meter(system=0, history=0, document=7900, question=12, prompt=7950, context=8192, reserve=512)
+    assert (meter.over, meter.answer_room) == (True, 240)  # a multiple of the slider's step, within the room
+    exact = Meter(system=0, history=0, document=7900, question=12, prompt=8192 - 160, context=8192, reserve=512)
+    assert exact.answer_room == 144  # never up to the context's very end: the answer would fill it
+    tight = Meter(system=0, history=0, document=8000, question=12, prompt=8192 - MIN_ANSWER, context=8192,
+                  reserve=512)
+    assert tight.answer_room == 0
 
 
 def test_over_flips_when_prompt_and_reserve_pass_the_context(tokenizer):
@@ -72,14 +82,14 @@ def test_over_flips_when_prompt_and_reserve_pass_the_context(tokenizer):
 
 def test_describe_lists_the_parts():
     meter = Meter(system=20, history=310, document=7402, question=12, prompt=7812, context=8192, reserve=256)
-    assert describe(meter) == ("**7,812 / 8,192 tokens** · document 7,402 · history 310 · system 20 · "
-                               "question 12 · 256 kept for the answer")
+    assert describe(meter) == ("**7,812 + 256 / 8,192 tokens** (prompt + the answer limit) · document 7,402 · "
+                               "history 310 · system 20 · question 12")
 
 
 def test_describe_says_by_how_much_it_is_over_and_skips_empty_parts():
     meter = Meter(system=0, history=0, document=9100, question=12, prompt=9170, context=8192, reserve=256)
-    assert describe(meter) == ("**9,170 / 8,192 tokens** · document 9,100 · question 12 · "
-                               "256 kept for the answer — **over the limit by 1,234 tokens**")
+    assert describe(meter) == ("**9,170 + 256 / 8,192 tokens** (prompt + the answer limit) · document 9,100 · "
+                               "question 12 — **over the limit by 1,234 tokens**")
 
 
 def sentences(text: str) -> list[str]:

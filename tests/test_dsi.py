@@ -125,13 +125,13 @@ def test_a_cancelled_forward_leaves_the_instance_as_if_it_never_ran():
     import threading
 
     from specchat.core import dsi_pool
+    from specchat.core.interrupt import cancellable
 
     model = tiny_llama(3)
     instance = dsi_pool.CacheInstance(model)
     tokens = torch.tensor(prompts(3)["n-gram hits"])
     flag = threading.Event()
-    dsi_pool._task.cancel = flag
-    try:
+    with cancellable(flag):
         def stop_after_the_first_layer(module, args, output):
             if args[0].shape[1] == 4:  # the task's last forward, not the prompt read before it
                 flag.set()
@@ -143,7 +143,5 @@ def test_a_cancelled_forward_leaves_the_instance_as_if_it_never_ran():
         assert instance.ids.shape[0] == tokens.shape[0] - 4  # the prompt part finished before the stop
         flag.clear()
         again = instance.run(tokens[:-1], 5)
-    finally:
-        dsi_pool._task.cancel = None
     fresh = dsi_pool.CacheInstance(tiny_llama(3)).run(tokens[:-1], 5)
     assert torch.equal(again, fresh)

@@ -91,8 +91,13 @@ def test_bad_requests_are_refused_before_any_work(embedded_engine):
         next(embedded_engine.generate([1, 2], 10, mode="fast"))
 
 
-def test_answer_is_cut_at_the_context_end(tiny_model_dir):
+def test_answer_is_cut_at_the_context_end_and_says_so(tiny_model_dir):
+    """finish_reason "length" for both limits (a public contract); `context_full` tells them apart."""
     engine = load_engine(str(tiny_model_dir))
     ids = [5] * (engine.context_length - 3)
     *_, finished = engine.generate(ids, 50, SamplingParams(), "plain")
-    assert finished.result.new_tokens <= 3
+    result = finished.result
+    assert (result.finish_reason, result.new_tokens, result.context_full) == ("length", 3, True)
+    *_, finished = engine.generate(ids[:20], 3, SamplingParams(), "plain")  # the answer limit, with room left
+    result = finished.result
+    assert (result.finish_reason, result.new_tokens, result.context_full) == ("length", 3, False)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from specchat.app import history
-from specchat.app.conversation import (Conversation, from_json, model_messages, shown_messages,
+from specchat.app.conversation import (LEFT_OUT, PASTED_NAME, Conversation, from_json, model_messages, shown_messages,
                                        title_from, to_json, to_markdown)
 from specchat.app.documents import user_turn
 from specchat.app.history import HistoryStore, SaveFailed, default_folder
@@ -75,13 +75,68 @@ def test_shown_messages_label_documents_and_mark_interrupted_answers():
     shown = shown_messages(conversation)
     assert shown[0] == {"role": "user", "content": "📎 *report.pdf · 7,402 tokens · cut 1,234 tokens "
                                                    "from the middle*\n\nWhat is it about?"}
-    assert shown[1] == {"role": "assistant", "content": "Cut sho *(interrupted)*"}
+    assert shown[1] == {"role": "assistant", "content": "Cut sho\n\n*(interrupted)*"}
     assert shown[2]["content"] == r"📎 *my\_notes\*.md · 7,402 tokens*"  # no empty question line
-    assert shown[3]["content"] == "Stream *(interrupted)*"
+    assert shown[3]["content"] == "Stream\n\n*(interrupted)*"
     live = shown_messages(conversation, streaming=True)
     assert live[3]["content"] == "Stream"  # the one being written now is not marked
-    assert live[1]["content"] == "Cut sho *(interrupted)*"
+    assert live[1]["content"] == "Cut sho\n\n*(interrupted)*"
     assert shown_messages(chat(user("Hi"), assistant("", partial=True)))[1]["content"] == "*(interrupted)*"
+
+
+@pytest.mark.parametrize("ended, mark", [
+    ({"finish_reason": "stop"}, None),
+    ({"finish_reason": "cancelled"}, "(stopped)"),
+    ({"finish_reason": "length", "context_full": False, "new_tokens": 512}, "answer limit of 512 tokens"),
+    ({"finish_reason": "length", "context_full": True, "new_tokens": 90}, "context is full")])
+def test_each_answer_says_how_it_ended_in_the_chat_and_the_export(ended, mark):
+    conversation = chat(user("Q?"), {**assistant("An answer"), **ended})
+    shown, exported = shown_messages(conversation)[1]["content"], to_markdown(conversation)
+    if mark is None:
+        assert shown == "An answer" and "*(" not in exported
+    else:
+        assert shown.startswith("An answer\n\n*(") and mark in shown and mark in exported
+
+
+def test_a_left_out_message_stays_in_the_chat_but_not_in_what_the_model_reads_except_its_document():
+    conversation = chat(user("What is it about?", DOCUMENT), assistant("A report."), user("And then?"),
+                        assistant("More."), user("Last?"), system="Be brief.")
+    for message in conversation.messages[:2]:
+        message["left_out"] = True
+    assert model_messages(conversation) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": user_turn("", DOCUMENT["text"])},
+        {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "More."},
+        {"role": "user", "content": "Last?"}]
+    shown = shown_messages(conversation)
+    assert [LEFT_OUT in message["content"] for message in shown] == [True, True, False, False, False]
+    conversation.messages[2]["left_out"] = True
+    assert {"role": "user", "content": "And then?"} not in model_messages(conversation)
+
+
+def test_a_streaming_answer_without_text_shows_what_is_happening():
+    conversation = chat(user("Q?"), assistant("", partial=True))
+    assert shown_messages(conversation, streaming=True, pending="⏳ *Loading…*")[1]["content"] == "⏳ *Loading…*"
+    assert shown_messages(conversation, streaming=False, pending="⏳")[1]["content"] == "*(interrupted)*"
+
+
+def test_titles_name_the_document_so_the_same_question_about_two_documents_differs():
+    assert title_from("Summarize this document.", {**DOCUMENT, "name": "LICENSE.txt"}) == \
+        "LICENSE.txt — Summarize this document."
+    pasted = {**DOCUMENT, "name": PASTED_NAME, "text": "\n  GNU GENERAL PUBLIC LICENSE\n Version 3"}
+    assert title_from("Summarize this document.", pasted).startswith("GNU GENERAL PUBLIC LICENSE — Summarize")
+    assert len(title_from("Q", {**DOCUMENT, "name": "x" * 100})) <= 48
+
+
+def test_settings_round_trip_and_old_files_without_them_still_open():
+    conversation = chat(user("Hi"))
+    conversation.settings = {"temperature": 0.7, "seed": None, "max_new_tokens": 1024, "mode": "tree"}
+    assert from_json(to_json(conversation)).settings == conversation.settings
+    old = json.loads(to_json(conversation))
+    del old["settings"]
+    assert from_json(json.dumps(old)).settings == {}
+    with pytest.raises(ValueError, match="settings"):
+        from_json(to_json(Conversation(**{**conversation.__dict__, "settings": {"mode": [1]}})))
 
 
 def test_title_from_first_question():
@@ -114,7 +169,7 @@ def test_markdown_export_holds_every_turn_and_folds_documents():
     markdown = to_markdown(conversation)
     assert markdown.startswith("# Report questions\n")
     assert "> Be brief.\n> Cite sections." in markdown
-    for text in ["What is it about?", "A report.", "Anything else?", "Line tw *(interrupted)*"]:
+    for text in ["What is it about?", "A report.", "Anything else?", "Line tw\n\n*(interrupted)*"]:
         assert text in markdown
     assert markdown.count("**You:**") == 2 and markdown.count("**specchat:**") == 2
     assert "<details><summary>📎 a_b&lt;c&gt;.md · 7,402 tokens · cut 1,234 tokens from the middle</summary>" in markdown
@@ -159,16 +214,24 @@ def test_list_is_newest_first_and_rename_keeps_the_order(tmp_path, clock):
         store.rename(store.new().id, "Never saved")
 
 
-def test_delete(tmp_path):
+def test_delete_can_be_undone_until_the_next_start(tmp_path):
     store = HistoryStore(tmp_path)
     conversation = store.new()
     conversation.messages.append(user("Hi"))
     store.save(conversation)
     store.delete(conversation.id)
-    assert store.list() == [] and list(tmp_path.iterdir()) == []
-    store.delete(conversation.id)  # already gone: fine
+    assert store.list() == []
     with pytest.raises(InputError, match="no saved conversation"):
         store.load(conversation.id)
+    store.undelete(conversation.id)
+    assert [summary.id for summary in store.list()] == [conversation.id]
+    assert store.load(conversation.id).messages == conversation.messages
+    store.delete(conversation.id)
+    store.delete(conversation.id)  # already gone: fine
+    restarted = HistoryStore(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(InputError, match="no longer"):
+        restarted.undelete(conversation.id)
 
 
 def test_unreadable_files_are_set_aside_and_reported_once(tmp_path):

@@ -11,7 +11,7 @@ from markdown_it import MarkdownIt
 
 from specchat.app.conversation import Conversation, shown_messages
 from specchat.app.safe_markdown import _outside_code, inert_markdown
-from specchat.app.speculation_view import colored_tokens, stage_table, stats_line
+from specchat.app.speculation_view import ENDINGS, colored_tokens, ending, stage_table, stats_line
 
 # Every element that fetches something or runs something, and the attributes that do.
 PAYLOADS = [
@@ -165,7 +165,7 @@ def test_the_chat_shows_no_payload_from_questions_documents_or_answers():
             assert not loads_something(message["content"]), message["content"]
     shown = shown_messages(conversation)
     assert shown[0]["content"].endswith("Look: [image: a](https://attacker.example/q)")
-    assert shown[3]["content"] == "[image: x](https://attacker.example/s) *(interrupted)*"
+    assert shown[3]["content"] == "[image: x](https://attacker.example/s)\n\n*(interrupted)*"
 
 
 def test_the_speculation_view_escapes_what_came_from_outside():
@@ -182,5 +182,24 @@ def test_the_speculation_view_escapes_what_came_from_outside():
 
 def test_the_figures_line_shows_the_cost_models_prediction_next_to_the_measured_speed():
     assert "12.0 tok/s** (cost model: 10.5)" in stats_line(
-        {"tokens_per_second": 12.0, "predicted_tokens_per_second": 10.5}, "chain")
-    assert "cost model" not in stats_line({"tokens_per_second": 12.0, "predicted_tokens_per_second": None}, "chain")
+        {"tokens_per_second": 12.0, "predicted_tokens_per_second": 10.5, "decode_seconds": 2.0}, "chain")
+    assert "cost model" not in stats_line({"tokens_per_second": 12.0, "predicted_tokens_per_second": None,
+                                           "decode_seconds": 2.0}, "chain")
+
+
+def test_no_speed_is_shown_until_there_is_enough_decoding_to_measure_it():
+    first_tokens = {"tokens_per_second": 441.3, "decode_seconds": 0.01}
+    assert "tok/s" not in stats_line(first_tokens, "chain") and "measuring the speed" in stats_line(first_tokens, "chain")
+    assert "441.3 tok/s" in stats_line(first_tokens, "chain", 3, "stop")  # a finished answer shows what it got
+    assert stats_line({"tokens_per_second": 0.0}, "chain", 0, "cancelled") == \
+        "No answer: stopped while the prompt was read · mode `chain`"
+
+
+@pytest.mark.parametrize("saved, words", [
+    ({"finish_reason": "stop"}, "done"),
+    ({"finish_reason": "length", "context_full": False}, "answer limit"),
+    ({"finish_reason": "length", "context_full": True}, "context is full"),
+    ({"finish_reason": "cancelled"}, "stopped")])
+def test_the_figures_line_tells_how_the_answer_ended(saved, words):
+    line = stats_line({"tokens_per_second": 5.0}, "chain", 40, ending(saved))
+    assert line.endswith(f"40 tokens, {ENDINGS[ending(saved)]}") and words in line

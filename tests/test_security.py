@@ -180,11 +180,12 @@ def test_a_cross_site_write_is_refused_even_with_the_key(server):
 
 
 def upload_event(server) -> tuple[int, int]:
-    """The fn index and trigger of the document upload, from the config the page loads."""
+    """The fn index and trigger of the attaching of a file put in the message box (its clip, or a
+    drop), from the config the page loads: the box's change event that renders the chat."""
     config = get(server, "/config", headers=BEARER).json()
-    upload = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "upload")
-    fn = next(d["id"] for d in config["dependencies"] if [upload, "upload"] in d["targets"])
-    return fn, upload
+    box = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "message")
+    fn = next(d["id"] for d in config["dependencies"] if [box, "change"] in d["targets"] and len(d["outputs"]) > 1)
+    return fn, box
 
 
 def run_event(server, fn: int, trigger: int, data: list) -> str:
@@ -214,14 +215,14 @@ def test_an_event_cannot_read_a_file_that_was_not_uploaded(server, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("TOP-SECRET-MARKER-7731 the password is hunter2\n")
     fn, trigger = upload_event(server)
-    refused = run_event(server, fn, trigger, [file_data(str(secret))])
+    refused = run_event(server, fn, trigger, [{"text": "", "files": [file_data(str(secret))]}])
     assert "TOP-SECRET-MARKER-7731" not in refused and "Attached" not in refused
     assert "not uploaded by a user" in refused or "only files uploaded through this page" in refused
 
     uploaded = post(server, "/gradio_api/upload", headers=BEARER,
                     files={"files": ("notes.txt", b"Notes uploaded the normal way.\n", "text/plain")})
     assert uploaded.status_code == 200, uploaded.text
-    attached = run_event(server, fn, trigger, [file_data(uploaded.json()[0])])
+    attached = run_event(server, fn, trigger, [{"text": "", "files": [file_data(uploaded.json()[0])]}])
     assert "Attached notes.txt" in attached
 
 
@@ -300,8 +301,7 @@ def test_a_browser_is_asked_for_the_key_then_uses_the_page(server, playwright_br
         page.locator("#message textarea").wait_for(timeout=60_000)
         document = tmp_path / "notes.txt"
         document.write_text("Meeting notes: the launch moved to March 3.\n")
-        page.get_by_text("Document", exact=True).click()
-        page.locator("#upload input[type=file]").set_input_files(str(document))
+        page.locator("#message input[type=file]").set_input_files(str(document))  # the box's clip
         attachment = page.locator("#attachment")
         wait = time.monotonic() + 60
         while "notes.txt" not in attachment.inner_text():

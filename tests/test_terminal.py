@@ -22,6 +22,7 @@ def test_conversation_keeps_history_and_survives_errors(tiny_model_dir):
     assert run_chat(engine, chat_args(), stdin=stdin, stdout=stdout) == 0
     output = stdout.getvalue()
     assert "error:" in output and "reads at most 256" in output
+    assert "cut off at the answer limit]" in output  # 8 tokens, far from the context's end
     # The failed turn was not recorded; the second question still sees the first exchange.
     assert [m["role"] for m in seen[2]] == ["user", "assistant", "user"]
     assert seen[2][0]["content"] == "Hello" and seen[2][2]["content"] == "Again"

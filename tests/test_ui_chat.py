@@ -3,6 +3,7 @@ saved when, stop, regenerate, edit, and the over-limit choice. The browser tests
 code through the page."""
 
 import dataclasses
+import threading
 
 import pytest
 
@@ -10,7 +11,7 @@ from conftest import DATA, holding
 from specchat.app.conversation import model_messages
 from specchat.app.engine_handle import EngineHandle
 from specchat.app.history import HistoryStore
-from specchat.app.ui_chat import ChatLogic, Settings
+from specchat.app.ui_chat import KEPT_SETTINGS, ChatLogic, Settings
 from specchat.core.loading import load_engine
 
 SETTINGS = Settings(system="", preset="free", temperature=0.0, top_p=1.0, top_k=0, seed=None,
@@ -74,11 +75,13 @@ def test_regenerate_and_edit_replace_what_follows(logic):
 def test_over_the_limit_nothing_is_sent_until_a_cut_is_chosen(logic):
     document = (DATA / "apache-2.0.txt").read_text()[:3000].strip()  # about 600 tokens; the context is 256
     (view,) = run(logic.send("What is this?", None, document, None, SETTINGS))
-    assert view.over_limit and view.cuts_possible and "too many" in view.over_limit
+    assert view.over_limit and view.cuts and "too many" in view.over_limit
+    assert view.message == "What is this?" and view.attachment["text"] == document  # kept for the choice
+    assert all("% of the document" in label for label in view.cuts.values())
     assert logic.store.list() == []  # nothing sent, nothing saved
     longer = dict((pair_id, label) for label, pair_id in view.longer_pairs)
     assert "embedded" in longer and all("tokens" in label for label in longer.values())
-    switch = logic.switch_pair(next(pair_id for pair_id in longer if pair_id != "embedded"))
+    switch = logic.switch_pair("qwen2.5-7b")
     assert "not downloaded" in switch.status and "kept" in switch.status  # offline here: nothing to load
     cut = logic.cut("middle", "What is this?", view.attachment, "", None, SETTINGS)
     assert "from the middle" in cut.attachment["note"] and "tokens cut" in cut.attachment["text"]
@@ -87,6 +90,142 @@ def test_over_the_limit_nothing_is_sent_until_a_cut_is_chosen(logic):
     assert conversation.messages[-1]["role"] == "assistant" and conversation.messages[-1]["content"] is not None
     assert document[:200] in model_messages(conversation)[0]["content"]  # the start kept
     assert document[-200:] in model_messages(conversation)[0]["content"]  # and the end
+
+
+def test_a_document_too_long_for_the_model_can_be_summarized_in_parts_then_asked_about(logic):
+    document = (DATA / "apache-2.0.txt").read_text()[:1500].strip()  # about 300 tokens; the context is 256
+    (view,) = run(logic.send("What is this?", None, document, None, SETTINGS))
+    assert view.over_limit and view.in_parts
+    views = run(logic.summarize_in_parts("What is this?", view.attachment, "", None, SETTINGS, session="s1"))
+    pending = " ".join(v.pending for v in views if v.pending.startswith("⏳ *Summarizing part"))
+    assert "part 1 of 3" in pending and "part 3 of 3" in pending
+    conversation = saved(logic)
+    question, answer = conversation.messages
+    assert "not the whole text" in question["document"]["note"] and question["content"] == "What is this?"
+    assert question["document"]["text"].startswith("Part 1 of ") and answer["role"] == "assistant"
+    assert not answer["partial"] and "Apache License" in conversation.title
+
+
+def test_a_shorter_answer_limit_is_offered_when_the_prompt_leaves_room_for_one(logic):
+    document = (DATA / "apache-2.0.txt").read_text()[:300].strip()  # about 60 tokens of a 256 context
+    greedy = dataclasses.replace(SETTINGS, max_new_tokens=240)
+    (view,) = run(logic.send("What is this?", None, document, None, greedy))
+    assert view.over_limit and 128 <= view.answer_room < 240
+    shorter = logic.shorter_answer("What is this?", view.attachment, "", None, greedy)
+    assert shorter.settings == {"max_new_tokens": view.answer_room}
+    fitted = dataclasses.replace(greedy, max_new_tokens=view.answer_room)
+    assert run(logic.send("What is this?", view.attachment, "", None, fitted))[-1].conversation.messages[-1]["content"]
+
+
+def test_a_follow_up_over_the_limit_can_leave_earlier_messages_out_and_the_document_stays(logic):
+    document = (DATA / "apache-2.0.txt").read_text()[:250].strip()
+    settings = dataclasses.replace(SETTINGS, max_new_tokens=40)
+    conversation = run(logic.send("What is this?", None, document, None, settings))[-1].conversation
+    question = "And what else does it say about it?"
+    for _ in range(6):  # follow-ups until one does not fit (the tiny model's answers vary in length)
+        view = run(logic.send(question, None, "", conversation, settings))[-1]
+        if view.over_limit:
+            break
+    assert view.over_limit and view.can_leave_out and not view.cuts and len(conversation.messages) >= 4
+    left = logic.leave_out_turns(question, None, "", conversation, settings)
+    assert left.over_limit == "" and "documents stay" in left.status
+    assert any(m.get("left_out") for m in saved(logic).messages)
+    answered = run(logic.send(question, None, "", conversation, settings))[-1].conversation
+    assert answered.messages[-1]["role"] == "assistant" and not answered.messages[-1]["partial"]
+    read = model_messages(answered)
+    assert document in read[0]["content"] and read[-2] == {"role": "user", "content": question}
+
+
+def test_a_reopened_conversation_keeps_every_setting_until_the_user_changes_one(logic):
+    """Each setting the page sends is kept with the conversation and comes back as it is opened (a
+    reload, a restart): the next question then saves exactly what was saved before."""
+    assert {field.name for field in dataclasses.fields(Settings)} == set(KEPT_SETTINGS) | {"system", "preset"}
+    chosen = Settings(system="Answer in French.", preset="answer", temperature=0.7, top_p=0.9, top_k=40, seed="7",
+                      max_new_tokens=32, mode="chain")
+    conversation = run(logic.send("Hello", None, "", None, chosen))[-1].conversation
+    before = saved(logic)
+    restarted = ChatLogic(logic.handle, HistoryStore(logic.store.folder))
+    view = restarted.open(conversation.id)
+    assert (view.system, view.preset, view.settings) == ("Answer in French.", "answer", chosen.kept())
+    page = Settings(system=view.system, preset=view.preset, **view.settings)  # what the page sends back
+    run(restarted.send("And then?", None, "", view.conversation, page))
+    after = saved(logic)
+    assert (after.system, after.preset, after.settings) == (before.system, before.preset, before.settings)
+
+
+def test_a_conversation_reopened_after_a_restart_starts_from_its_documents_saved_kv(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))  # no document saved by another test
+    document = (DATA / "apache-2.0.txt").read_text()[:400].strip()
+    settings = dataclasses.replace(SETTINGS, max_new_tokens=16)
+
+    def started():
+        handle = EngineHandle(lambda model, progress: load_engine(model, progress), str(tiny_model_dir))
+        handle.get()
+        return handle, ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
+
+    handle, logic = started()
+    conversation = run(logic.send("What is this?", None, document, None, settings))[-1].conversation
+    handle.close()
+    handle, restarted = started()  # a new engine: nothing in memory
+    try:
+        reopened = restarted.open(conversation.id).conversation
+        answered = run(restarted.send("And then?", None, "", reopened, settings))[-1].conversation
+        stats = answered.messages[-1]["stats"]
+        assert stats["reused_from"] == "disk" and stats["reused_prompt_tokens"] >= 60
+    finally:
+        handle.close()
+
+
+def test_a_question_sent_while_the_model_loads_shows_at_once_and_is_answered_once_loaded(tiny_model_dir, tmp_path):
+    release = threading.Event()
+
+    def slow_load(model, progress):
+        progress("Calibrating on this machine, once: 1 / 4")
+        release.wait(30)
+        return load_engine(model, progress)
+
+    handle = EngineHandle(slow_load, str(tiny_model_dir))
+    logic = ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
+    try:
+        views = logic.send("Hello there", None, "", None, SETTINGS, session="s1")
+        first = next(views)
+        assert first.message == "" and first.conversation.messages[-2]["content"] == "Hello there"
+        assert "Loading the model" in first.pending and "Calibrating" in first.pending
+        release.set()
+        rest = run(views)
+        assert saved(logic).messages[-1]["role"] == "assistant" and rest[-1].status == ""
+    finally:
+        release.set()
+        handle.close()
+
+
+def test_stop_while_the_model_loads_puts_the_question_back(tiny_model_dir, tmp_path):
+    release = threading.Event()
+    handle = EngineHandle(lambda model, progress: release.wait(30) and load_engine(model, progress),
+                          str(tiny_model_dir))
+    logic = ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
+    try:
+        views = logic.send("Stop me", None, "", None, SETTINGS, session="s1")
+        assert "Loading" in next(views).pending
+        logic.stop("s1")
+        (last,) = run(views)
+        assert last.message == "Stop me" and last.clear_conversation and "Stopped" in last.status
+        assert logic.store.list() == []
+    finally:
+        release.set()
+        handle.close()
+
+
+def test_a_deleted_conversation_comes_back_with_undo_and_repeated_titles_get_their_time(logic):
+    first = run(logic.send("Same question", None, "", None, SETTINGS))[-1].conversation
+    run(logic.send("Same question", None, "", None, SETTINGS))
+    labels = [label for label, _ in logic.conversation_choices()]
+    assert len(set(labels)) == 2 and all(label.startswith("Same question · ") for label in labels), labels
+    deleted = logic.delete(first)
+    assert deleted.deleted == first.id and first.id not in [i for _, i in logic.conversation_choices()]
+    back = logic.undelete(deleted.deleted)
+    assert back.conversation.id == first.id and back.deleted == "" and first.id in [i for _, i in logic.conversation_choices()]
 
 
 def test_conversations_survive_a_new_store_on_the_same_folder(logic):

@@ -76,8 +76,8 @@ def wait_until_ended(downloads: PairDownload, timeout: float = 60):
                     timeout=timeout, what="the download to end")
 
 
-def row_of(panel: ModelsPanel, pair_id: str) -> list[str]:
-    return next(row for row in panel.pair_table() if row[0] == pair_id)
+def row_of(panel: ModelsPanel, pair_id: str, technical: bool = False) -> list[str]:
+    return next(row for row in panel.pair_table(technical) if row[0] == pair_id)
 
 
 # ---- renderers ------------------------------------------------------------------------------
@@ -250,13 +250,15 @@ def test_the_table_says_what_use_this_pair_does(caches, models_file, profile_nam
     panel = panel_for(models_file, "embedded", loader=lambda model, progress: loads.append(model),
                       profiles=synthetic(profile_name))
     for pair_id in ("llama3.1-8b", "qwen2.5-7b", "qwen3-8b"):
-        row = row_of(panel, pair_id)
+        row, plain = row_of(panel, pair_id, technical=True), row_of(panel, pair_id)[5]
         refusal = panel.use(pair_id)
         if row[4].startswith("fits"):
             assert refusal.endswith("is not downloaded: download it first (" +
                                     f"{human_size(panel.registry.get(pair_id).download_bytes)}).")
+            assert plain.startswith("Runs on ") and "KV" not in plain
         else:
             assert row[4].startswith("does not fit") and refusal == f"⚠️ {row[5]}"
+            assert plain.startswith("Too big for this computer")
     verdicts = {pair_id: row_of(panel, pair_id)[4] for pair_id in ("embedded", "qwen2.5-7b")}
     if profile_name == "cpu-only-32gb":  # fits, with the notes the plan gives
         assert verdicts == {"embedded": "fits (CPU only)", "qwen2.5-7b": "fits (CPU only, slow)"}
@@ -325,3 +327,38 @@ def test_the_tab_downloads_a_pair_in_the_browser(hub, caches, models_file, embed
         finally:
             browser.close()
             demo.close()
+
+
+# ---- the Chat tab's model line ------------------------------------------------------------------
+
+
+def test_the_demonstration_model_says_so_and_one_click_downloads_the_recommended_pair_and_switches(
+        hub, caches, models_file, monkeypatch):
+    from specchat.app import model_notice
+    from specchat.app.model_notice import ModelNotice
+
+    # The registry's real pairs are larger (the choice among them is the next test's); the stand-in
+    # Hub serves the tiny pair, so that is the one recommended here.
+    tiny = load_registry(models_file).get("tiny")
+    monkeypatch.setattr(model_notice, "recommendation", lambda registry_file, profile: (tiny, "Get Tiny test pair."))
+    asked = []
+    handle = EngineHandle(lambda model, progress: asked.append(model) or SimpleNamespace(), "embedded")
+    profile = HardwareProfile.load(PROFILES / "rtx4090-24gb.json")
+    notice = ModelNotice(handle, str(models_file), PairDownload(hub.endpoint), profile=lambda: profile)
+    line = wait_for(lambda: "Tiny test pair" in notice.line() and notice.line(), timeout=30, what="the advice")
+    assert "demonstration model" in line and notice.offers_download() and notice.recommended.id == "tiny"
+    with hub_online():
+        assert notice.get_recommended() == ""
+        wait_for(lambda: handle.model == "tiny", timeout=60, what="the switch after the download")
+    wait_for(lambda: handle.status() == "ready", timeout=30, what="the new pair")
+    assert asked == ["embedded", "tiny"] and notice.line() == "Model: **Tiny test pair** · ready"
+    assert not notice.offers_download()
+
+
+def test_without_a_pair_that_runs_well_the_line_says_why():
+    from specchat.app.model_notice import recommendation
+
+    pair, why = recommendation(None, HardwareProfile.load(PROFILES / "cpu-only-32gb.json"))
+    assert pair is None and "need a CUDA GPU" in why and "Qwen2.5 7B" in why
+    pair, why = recommendation(None, HardwareProfile.load(PROFILES / "rtx4090-24gb.json"))
+    assert pair is not None and pair.id in why or pair.name in why
