@@ -400,37 +400,6 @@ def test_stop_during_a_long_read_takes_effect_within_a_second(page):
     shot(page, "stopped-during-read")
 
 
-def test_a_19k_token_document_gets_every_choice_and_each_one_starts_and_stops(page):
-    """Each choice offered for a document over twice the context starts what it says (a cut
-    document read, or the first part summarized), shown in the answer's bubble, and Stop ends it
-    within 2 s; nothing is sent before a choice. (The full runs: `test_ui_chat.py`, tiny model.)"""
-    page.locator("#new-conversation").click()
-    wait_for(lambda: answers(page).count() == 0, what="an empty chat")
-    set_max_new_tokens(page, 16)
-    choose_preset(page, PRESETS["free"])
-    huge = "\n\n".join((DATA / name).read_text() for name in ("gpl-3.0.txt", "documents/numpy-LICENSE.txt"))
-    paste_document(page, huge)
-    choices = {"cut-start": "Reading the prompt", "cut-middle": "Reading the prompt", "cut-end": "Reading the prompt",
-               "in-parts": "Summarizing part 1 of 3"}
-    for button, started in choices.items():
-        send(page, "What is this about?")
-        choice = page.locator(f"#{button}")
-        wait_for(choice.is_visible, what=f"the choice {button}")
-        assert not page.locator("#shorter-answer").is_visible()  # no answer fits beside this prompt
-        if button == "cut-start":
-            assert re.search(r"Cut [\d,]+ tokens \((5\d|6\d)% of the document\) from its start", choice.inner_text())
-            shot(page, "19k-choices")
-        choice.click()
-        wait_for(lambda: started in last_answer(page), what=f"{button} to start")
-        clicked = time.monotonic()
-        page.locator("#stop").click()
-        wait_for(lambda: started not in last_answer(page), timeout=30, what=f"{button} to stop")
-        assert time.monotonic() - clicked < 2.0, button
-        page.locator("#new-conversation").click()
-        wait_for(lambda: answers(page).count() == 0, what="an empty chat")
-        paste_document(page, huge)
-
-
 def test_the_main_job_a_long_document_summarized_then_a_follow_up(page):
     """The issue's first finding: a ~7.7K-token licence with the Summarize preset. The default
     answer limit does not fit beside it, so the page offers the answer that does, which ends
