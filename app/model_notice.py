@@ -32,6 +32,7 @@ class ModelNotice:
     def __init__(self, handle: EngineHandle, registry_file: str | None = None, downloads: PairDownload | None = None,
                  profile: Callable[[], HardwareProfile] = _listing_profile):
         self.handle, self.registry_file = handle, registry_file
+        self._pairs = load_registry(registry_file).pairs  # read once: the line is redrawn every tick
         self.downloads = downloads or PairDownload()
         self._profile = profile
         self._advice: str | None = None  # None until worked out
@@ -64,8 +65,7 @@ class ModelNotice:
             self.handle.switch(pair.id)
 
     def line(self) -> str:
-        registry = load_registry(self.registry_file)
-        pair = registry.pairs.get(self.handle.model)
+        pair = self._pairs.get(self.handle.model)
         name = f"**{pair.name if pair else self.handle.model}**"
         status = self.handle.status()
         if status == "loading":

@@ -85,7 +85,7 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
                     exported = gr.File(label="Exported", file_count="multiple", visible=False, elem_id="exported")
                 with gr.Column(scale=4, min_width=320, elem_id="main-column"):
                     with gr.Row():
-                        model_line = gr.Markdown(model_status.line(), elem_id="model-line")
+                        model_line = gr.Markdown(model_status.line, elem_id="model-line")  # drawn anew at each page load
                         get_pair = gr.Button("⬇ Download it and switch to it", size="sm", scale=0, min_width=200,
                                              visible=False, elem_id="get-recommended")
                     chatbot = gr.Chatbot(label="Chat", height=460, elem_id="chat", editable="user",

@@ -189,10 +189,7 @@ class ChatLogic:
         into the box (nothing was saved yet: the document's tokens are counted once loaded)."""
         document = attachment or ({"name": PASTED_NAME, "text": pasted, "tokens": None} if (pasted or "").strip()
                                   else None)
-        shown_turn = Conversation(**{**dataclasses.asdict(conversation or self.store.new()), "messages": [
-            *(conversation.messages if conversation else []),
-            {"role": "user", "content": question, "document": document},
-            {"role": "assistant", "content": "", "partial": True}]})
+        shown_turn = self._shown_turn(conversation, question, document)
         stopped = self._waits[session] = threading.Event()
         try:
             while self.handle.status() == "loading" and not stopped.is_set():
@@ -213,6 +210,14 @@ class ChatLogic:
             yield dataclasses.replace(back, status=problem_text(error))
             return False
         return True
+
+    def _shown_turn(self, conversation: Conversation | None, question: str, document: dict | None) -> Conversation:
+        """A copy of the conversation with the question and its empty answer, shown while work that
+        comes before the answer (loading, summarizing parts) runs; nothing of it is saved."""
+        return Conversation(**{**dataclasses.asdict(conversation or self.store.new()), "messages": [
+            *(conversation.messages if conversation else []),
+            {"role": "user", "content": question, "document": document},
+            {"role": "assistant", "content": "", "partial": True}]})
 
     def regenerate(self, conversation: Conversation | None, settings: Settings, session: str = "") -> Iterator[View]:
         """A new answer to the last question (the old one is replaced)."""
@@ -401,18 +406,15 @@ class ChatLogic:
         if unread.needed + len(parts) * (summary_tokens + CUT_MARGIN) > engine.context_length:
             raise InputError(f"even the summaries of its {len(parts)} parts would not fit beside the conversation: "
                              "cut the document first, or start a new conversation")
-        shown_turn = Conversation(**{**dataclasses.asdict(conversation or self.store.new()), "messages": [
-            *(conversation.messages if conversation else []),
-            {"role": "user", "content": question, "document": attachment},
-            {"role": "assistant", "content": "", "partial": True}]})
+        shown_turn = self._shown_turn(conversation, question, attachment)
         summaries = []
         stopped = self._waits[session] = threading.Event()  # Stop between two parts' jobs too
         try:
             for number, part in enumerate(parts, 1):
                 doing = f"⏳ *Summarizing part {number} of {len(parts)} (the document is too long to read whole)…*"
                 yield View(conversation=shown_turn, streaming=True, message="", over_limit="", pending=doing, status="")
-                summary = None if stopped.is_set() else (yield from self._part_summary(
-                    part, number, len(parts), summary_tokens, settings, session, shown_turn, doing))
+                summary = yield from self._part_summary(part, number, len(parts), summary_tokens, settings,
+                                                        session, shown_turn, doing, stopped)
                 if summary is None or stopped.is_set():
                     yield View(conversation=conversation, clear_conversation=conversation is None, message=question,
                                status="Stopped while summarizing the parts: your question and document are kept.")
@@ -426,12 +428,14 @@ class ChatLogic:
         yield from self.send(question, combined, "", conversation, settings, session)
 
     def _part_summary(self, part: str, number: int, count: int, summary_tokens: int, settings: Settings,
-                      session: str, shown_turn: Conversation, doing: str) -> Iterator[View]:
+                      session: str, shown_turn: Conversation, doing: str, stopped: threading.Event) -> Iterator[View]:
         """One part's summary (None when stopped), the bubble showing the part's read meanwhile."""
         from ..core.engine import Finished, PrefillProgress
 
         ticket = self._cancels[session] = self.handle.submit(
             _answer_job(_part_messages(part, number, count), summary_tokens, settings.sampling(), settings.mode))
+        if stopped.is_set():  # a Stop that came before the ticket could be cancelled
+            ticket.cancel()
         reading = ReadProgress()
         try:
             for event in ticket:
@@ -580,7 +584,8 @@ def _earlier_messages(conversation: Conversation | None) -> list[int]:
 def _cut_labels(excess: int, attachment: dict) -> dict[str, str]:
     """Each cut's button label, saying how much of the document goes."""
     share = min(1.0, excess / max(attachment["tokens"], 1))
-    return {where: f"✂ Cut {excess:,} tokens ({share:.0%} of the document) from its {where}" for where in CUTS}
+    percent = "under 1%" if share < 0.005 else f"{share:.0%}"  # "0%" would read as cutting nothing
+    return {where: f"✂ Cut {excess:,} tokens ({percent} of the document) from its {where}" for where in CUTS}
 
 
 def problem_text(error: Exception) -> str:

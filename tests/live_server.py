@@ -11,9 +11,27 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from test_cli import SPECCHAT
+
+
+def cache_without_documents(data_dir: Path) -> Path:
+    """A cache folder for one app's data (shared by its restarts) that sees the machine's converted
+    models and calibrations but not its saved document KV: a document read in an earlier test run
+    would otherwise start from disk, and the read a test watches would not happen."""
+    from specchat.core import embedded
+
+    cache = data_dir / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    shared = embedded.cache_root()
+    shared.mkdir(parents=True, exist_ok=True)
+    for entry in ("embedded", "hardware", "trees", "acceptance"):
+        (shared / entry).mkdir(exist_ok=True)
+        if not (cache / entry).exists():
+            (cache / entry).symlink_to(shared / entry)
+    return cache
 
 
 def free_port() -> int:
@@ -32,6 +50,7 @@ def specchat_process(*args: str, data_dir: str | None = None,
     with contextlib.ExitStack() as stack:
         data_dir = data_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="specchat-data-"))
         env = {**os.environ, **(env or {}), "SPECCHAT_DATA_DIR": str(data_dir)}
+        env.setdefault("SPECCHAT_CACHE_DIR", str(cache_without_documents(Path(data_dir))))
         process = subprocess.Popen([SPECCHAT, "--no-browser", "--port", str(port), *args], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:

@@ -57,6 +57,13 @@ def test_stop_keeps_the_answer_so_far(logic):
     assert reply["content"] == streamed[-1].conversation.messages[-1]["content"]
 
 
+def test_a_cut_label_says_how_much_of_the_document_goes_and_never_zero():
+    from specchat.app.ui_chat import _cut_labels
+
+    assert "(25% of the document) from its start" in _cut_labels(250, {"tokens": 1000})["start"]
+    assert "Cut 3 tokens (under 1% of the document)" in _cut_labels(3, {"tokens": 19_000})["end"]
+
+
 def test_regenerate_and_edit_replace_what_follows(logic):
     conversation = run(logic.send("First question", None, "", None, SETTINGS))[-1].conversation
     run(logic.send("Second question", None, "", conversation, SETTINGS))
