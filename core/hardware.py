@@ -143,10 +143,15 @@ def _curves_from_dict(data: dict) -> ModelCurves:
     return ModelCurves(data["model_key"], times)
 
 
+# Bump when the forward's kernels change what t(n) is, so curves measured before are measured
+# again (2: cpu_linear.py's single rows and 5-8 rows, 2026-11-23).
+FORWARD_KERNELS = 2
+
+
 def curve_key(repo: str, revision: str, weights: str) -> str:
     """The name a model's curves are stored under: t(n) depends on the weights and their format
-    (a 4-bit forward dequantizes on the fly), so all three are in it."""
-    return f"{repo}@{revision[:12] or 'local'}:{weights}"
+    (a 4-bit forward dequantizes on the fly), so all three are in it, and on the forward's kernels."""
+    return f"{repo}@{revision[:12] or 'local'}:{weights}#k{FORWARD_KERNELS}"
 
 
 # ---- probing -------------------------------------------------------------------------------

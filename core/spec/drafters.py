@@ -6,9 +6,12 @@ from (one-hot for deterministic drafters), which verification needs to stay loss
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
+
+VOTERS = 64  # the latest occurrences whose continuations vote: bounded work in long documents
 
 
 @dataclass(frozen=True)
@@ -35,9 +38,10 @@ class QueryBlind:
 
 
 class PromptLookupDrafter(QueryBlind):
-    """Model-free drafting: find the latest earlier occurrence of the text's last n tokens
-    (longest n first) and propose what followed it. Pays off when the answer quotes the
-    document or the conversation."""
+    """Model-free drafting: find the earlier occurrences of the text's last n tokens (longest n
+    first) and propose what followed them, token by token the way most of them went on. Pays off
+    when the answer quotes the document or the conversation. (Voting rather than copying the
+    latest occurrence: a summary reuses the phrasing the document uses most, not the nearest.)"""
 
     def __init__(self, vocab_size: int, max_ngram: int = 4, min_ngram: int = 2):
         self.vocab_size = vocab_size
@@ -78,5 +82,22 @@ class PromptLookupDrafter(QueryBlind):
         n, starts = self._match(ids)
         if not starts:
             return None
-        tokens = ids[starts[0] + n:starts[0] + n + max_tokens]
+        voted = vote([ids[s + n:s + n + max_tokens].tolist() for s in starts[:VOTERS]])
+        tokens = torch.tensor(voted, dtype=ids.dtype)
         return Proposal(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float(), n)
+
+
+def vote(continuations: list[list[int]]) -> list[int]:
+    """Token by token, the token most of the continuations that agree so far go on with (a tie
+    goes to the earliest listed); ends where none of them goes on."""
+    chosen, alive = [], continuations
+    for depth in range(max(map(len, continuations), default=0)):
+        alive = [c for c in alive if len(c) > depth]
+        if not alive:
+            break
+        counts = Counter(c[depth] for c in alive)
+        top = max(counts.values())
+        token = next(c[depth] for c in alive if counts[c[depth]] == top)
+        chosen.append(token)
+        alive = [c for c in alive if c[depth] == token]
+    return chosen
