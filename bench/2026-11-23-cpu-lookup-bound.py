@@ -8,12 +8,15 @@ and drafts exactly that many tokens (at most MAX_DRAFT). Every chain or tree of 
 part, and verifying it costs at least t(a + 1); so the fewest one-token-forward units the answer
 can cost (a DP over the oracle's steps, drafting free) bounds the speedup of every lookup mode
 from above. t(n) is measured here at each document's context (the cheapest of n..MAX_DRAFT + 1
-rows, so noise only raises the bound). Run: .venv/bin/python bench/2026-11-23-cpu-lookup-bound.py
+rows, so noise only raises the bound), next to the newest `bench/*-cpu-auto.json`'s measured
+ratios. Writes bench/<today>-cpu-lookup-bound.json.
+Run: .venv/bin/python bench/2026-11-23-cpu-lookup-bound.py
 """
 
 import json
 import statistics
 import sys
+from datetime import date
 from pathlib import Path
 
 from specchat.app.documents import user_turn
@@ -61,7 +64,8 @@ def fewest_units(accepts: list[int], cost: dict[int, float]) -> float:
 
 def main() -> None:
     engine = load_engine("embedded")
-    measured = json.loads((Path(__file__).parent / "2026-11-23-cpu-auto.json").read_text())["documents"]
+    auto_report = sorted(Path(__file__).parent.glob("*-cpu-auto.json"))[-1]
+    measured = json.loads(auto_report.read_text())["documents"]
     rows = {}
     for name in DOCUMENTS:
         text = (DATA / name).read_text()
@@ -81,17 +85,18 @@ def main() -> None:
             "oracle_tokens_per_forward_if_all_drafts_verified": round(
                 len(answer) / sum(1 for _ in _steps(accepts)), 3),
             "lookup_speedup_bound": round(bound, 3),
-            "auto_over_plain_in_cpu_auto_json": round(chain.get("auto", float("nan")), 3),
-            "chain_over_plain_in_cpu_auto_json": round(chain.get("chain (prompt lookup)", float("nan")), 3),
+            "auto_over_plain_measured": round(chain.get("auto", float("nan")), 3),
+            "chain_over_plain_measured": round(chain.get("chain (prompt lookup)", float("nan")), 3),
         }
         print(short, rows[short], flush=True)
     bounds = [row["lookup_speedup_bound"] for row in rows.values()]
     report = {
-        "date": "2026-11-23", "device": device_label(), "model": engine.name, "max_draft": MAX_DRAFT,
+        "date": date.today().isoformat(), "device": device_label(), "model": engine.name, "max_draft": MAX_DRAFT,
+        "measured_in": auto_report.name,
         "new_tokens": NEW_TOKENS, "documents": rows,
         "lookup_speedup_bound_median": statistics.median(bounds), "lookup_speedup_bound_min": min(bounds),
     }
-    out = Path(__file__).with_suffix(".json")
+    out = Path(__file__).parent / f"{date.today().isoformat()}-cpu-lookup-bound.json"
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(out, report["lookup_speedup_bound_median"], file=sys.stderr)
 

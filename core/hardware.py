@@ -144,8 +144,9 @@ def _curves_from_dict(data: dict) -> ModelCurves:
 
 
 # Bump when the forward's kernels change what t(n) is, so curves measured before are measured
-# again (2: cpu_linear.py's single rows and 5-8 rows, 2026-11-23).
-FORWARD_KERNELS = 2
+# again (2: cpu_linear.py's single rows and 5-8 rows, 2026-11-23; 3: one-query attention folded on
+# the CPU, kv/queries.py, 2026-11-24).
+FORWARD_KERNELS = 3
 
 
 def curve_key(repo: str, revision: str, weights: str) -> str:

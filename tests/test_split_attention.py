@@ -55,6 +55,47 @@ def test_verification_attention_folds_grouped_heads_without_changing_a_score(tre
     torch.testing.assert_close(folded, reference, rtol=1e-12, atol=1e-12)
 
 
+def test_a_decode_step_folds_grouped_heads_on_the_cpu_without_changing_a_score(monkeypatch):
+    """One query, grouped KV heads, on the CPU: the heads of a group as one KV head's query
+    rows give transformers' SDPA's output, and a one-token model forward takes that path."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_llama
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from specchat.core.kv import queries
+
+    generator = torch.Generator().manual_seed(4)
+    past, kv_heads, groups, dim = 40, 2, 4, 16
+    query = torch.randn(1, kv_heads * groups, 1, dim, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(1, kv_heads, past + 1, dim, generator=generator, dtype=torch.float64) for _ in "kv")
+    module = SimpleNamespace(num_key_value_groups=groups, layer_idx=0, is_causal=True)
+    assert queries._one_query_on_cpu(module, query, None)
+    folded = queries._one_query_attention(module, query, key, value, 0.25)
+    reference, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.25)
+    assert folded.shape == reference.shape == (1, 1, kv_heads * groups, dim)
+    torch.testing.assert_close(folded, reference, rtol=1e-12, atol=1e-12)
+
+    model = tiny_llama(5, dtype=torch.float64)
+    ids = torch.arange(3, 34) % 97
+
+    def step(fold):
+        monkeypatch.setattr(queries, "_one_query_on_cpu", fold)
+        cache = model.new_cache()
+        model.forward(ids[:30], torch.arange(30), cache)
+        return model.forward(ids[30:31], torch.tensor([30]), cache)
+
+    folds, taken = queries._one_query_on_cpu, []
+
+    def counted(*args):
+        taken.extend([args[1].shape[2]] if folds(*args) else [])
+        return folds(*args)
+
+    expected = step(lambda *args: False)
+    torch.testing.assert_close(step(counted), expected, rtol=1e-10, atol=1e-10)
+    assert taken == [1, 1]  # the step's 2 layers, never the prefill
+
+
 def _attention_case(device, dtype, n, past, shape, seed):
     """A query, keys and values with grouped heads, and the new tokens' mask among themselves."""
     generator = torch.Generator(device).manual_seed(seed)
