@@ -227,6 +227,25 @@ def test_the_document_folder_stays_within_its_disk_budget(tiny_engine_parts, tmp
     assert len(list(tmp_path.glob("*.safetensors"))) == 1
 
 
+def test_temporaries_left_by_a_killed_save_are_removed_once_stale(tiny_engine_parts, tmp_path):
+    import os
+    import time
+
+    stale = [tmp_path / "tmpa1b2c3d4.tmp", tmp_path / ".tmpyVGmDu"]
+    young = tmp_path / "tmpe5f6g7h8.tmp"  # another app's save in progress
+    for path in (*stale, young):
+        path.write_bytes(b"\x00" * 1024)
+    hours_ago = time.time() - 2 * 3600
+    for path in stale:
+        os.utime(path, (hours_ago, hours_ago))
+    store = DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED)
+    assert not any(path.exists() for path in stale) and young.exists()
+    os.utime(young, (hours_ago, hours_ago))  # its writer died too: the next save sweeps it
+    run(engine_with(tiny_engine_parts, documents=store), [{"role": "user", "content": user_turn("What?", DOCUMENT)}],
+        document_tokens=document_tokens(engine_with(tiny_engine_parts), [], DOCUMENT))
+    assert not young.exists() and len(list(tmp_path.glob("*.safetensors"))) == 1
+
+
 def test_terminal_chat_about_a_document_reuses_the_conversation(tiny_engine_parts, tmp_path):
     engine = engine_with(tiny_engine_parts, documents=DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED))
     args = SimpleNamespace(system=None, max_new_tokens=6, temperature=0.0, top_p=1.0, top_k=0, seed=None,

@@ -4,7 +4,8 @@ when the same document comes back, also after a restart.
 One safetensors file per document prefix: per-layer keys and values, the token ids themselves,
 and metadata naming the model (weights and revision), the dtype and a hash of the ids. A file
 that cannot be read, or whose ids, shapes or dtype do not match what it claims, is reported,
-deleted and never trusted. The folder is kept under a disk budget, least recently used first.
+deleted and never trusted. The folder is kept under a disk budget, least recently used first;
+a save's temporary file left behind (a process killed mid-write) goes once it is stale.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,9 @@ import torch
 from .full import FullCache
 
 FORMAT = "specchat-kv-1"
+# A save writes for seconds; a temporary older than this was left by a process that died
+# (another app sharing the folder may be writing a younger one).
+STALE_TEMPORARY_SECONDS = 3600
 
 
 def ids_digest(ids: list[int]) -> str:
@@ -39,6 +44,7 @@ class DocumentStore:
         self.model_key = model_key  # names the weights: a cache is valid for these alone
         self.budget_bytes = budget_bytes
         self.problems: list[str] = []  # files found unusable since the last `take_problems`
+        self._remove_stale_temporaries()
 
     def take_problems(self) -> list[str]:
         problems, self.problems = self.problems, []
@@ -133,7 +139,21 @@ class DocumentStore:
         self.problems.append(f"ignored the saved document cache {path.name}: {reason}; it was deleted")
         path.unlink(missing_ok=True)
 
+    def _remove_stale_temporaries(self) -> None:
+        """Left-over temporaries: ours (`tmp*.tmp`, from `save`) and `.tmp*` (seen once in this
+        folder, from a writer killed mid-file); they hold gigabytes outside the budget."""
+        if not self.folder.is_dir():
+            return
+        now = time.time()
+        for path in [*self.folder.glob("tmp*.tmp"), *self.folder.glob(".tmp*")]:
+            try:
+                if path.is_file() and now - path.stat().st_mtime > STALE_TEMPORARY_SECONDS:
+                    path.unlink()
+            except OSError:  # gone meanwhile, or not ours to delete: the budget does not count it
+                pass
+
     def _enforce_budget(self, keep: Path) -> None:
+        self._remove_stale_temporaries()
         files = sorted(self.folder.glob("*.safetensors"), key=lambda path: path.stat().st_mtime)
         total = sum(path.stat().st_size for path in files)
         for path in files:
