@@ -100,13 +100,13 @@ def stats(page) -> str:
     return page.locator("#stats").inner_text()
 
 
-def wait_until_finished(page, new_answer, what="the answer to finish"):
+def wait_until_finished(page, new_answer, what="the answer to finish", timeout=120):
     """Until `new_answer()` holds (the page shows the answer waited for, not an earlier one) and
     the figures line marks its end, unchanged for half a second."""
     def finished():
         text = stats(page)
         return new_answer() and FINISHED.search(text) and time.sleep(0.5) is None and stats(page) == text
-    wait_for(finished, what=what)
+    wait_for(finished, timeout=timeout, what=what)
 
 
 def open_accordion(page, label):
@@ -463,7 +463,9 @@ def test_the_main_job_a_long_document_summarized_then_a_follow_up(page):
     wait_for(shorter.is_visible, what="the offer of an answer that fits")
     shot(page, "main-job-choices")
     shorter.click()
-    wait_until_finished(page, lambda: answers(page).count() == 1, "the summary")
+    # A 7.7K-token read and a ~480-token answer beside Chromium on 2 cores: on a slowed machine
+    # one CI run waited past 120 s for it. This test is about the flow; speed is the bench's.
+    wait_until_finished(page, lambda: answers(page).count() == 1, "the summary", timeout=300)
     summary = last_answer(page)
     assert summary.strip() and "context is full" not in summary and "context is full" not in stats(page)
     shot(page, "main-job-summary")
@@ -471,7 +473,7 @@ def test_the_main_job_a_long_document_summarized_then_a_follow_up(page):
     leave_out = page.locator("#leave-out")
     wait_for(leave_out.is_visible, what="the offer to make room")
     leave_out.click()
-    wait_until_finished(page, lambda: answers(page).count() == 2, "the follow-up's answer")
+    wait_until_finished(page, lambda: answers(page).count() == 2, "the follow-up's answer", timeout=300)
     assert last_answer(page).strip() and "reused" in stats(page)
     assert "left out" in questions(page).first.inner_text()
     shot(page, "main-job-follow-up")
