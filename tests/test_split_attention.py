@@ -70,8 +70,8 @@ def test_a_decode_step_folds_grouped_heads_on_the_cpu_without_changing_a_score(m
     query = torch.randn(1, kv_heads * groups, 1, dim, generator=generator, dtype=torch.float64)
     key, value = (torch.randn(1, kv_heads, past + 1, dim, generator=generator, dtype=torch.float64) for _ in "kv")
     module = SimpleNamespace(num_key_value_groups=groups, layer_idx=0, is_causal=True)
-    assert queries._one_query_on_cpu(module, query, None)
-    folded = queries._one_query_attention(module, query, key, value, 0.25)
+    assert queries._foldable(module, query, None)
+    folded = queries._grouped_attention(module, query, key, value, None, 0.25)
     reference, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.25)
     assert folded.shape == reference.shape == (1, 1, kv_heads * groups, dim)
     torch.testing.assert_close(folded, reference, rtol=1e-12, atol=1e-12)
@@ -80,12 +80,12 @@ def test_a_decode_step_folds_grouped_heads_on_the_cpu_without_changing_a_score(m
     ids = torch.arange(3, 34) % 97
 
     def step(fold):
-        monkeypatch.setattr(queries, "_one_query_on_cpu", fold)
+        monkeypatch.setattr(queries, "_foldable", fold)
         cache = model.new_cache()
         model.forward(ids[:30], torch.arange(30), cache)
         return model.forward(ids[30:31], torch.tensor([30]), cache)
 
-    folds, taken = queries._one_query_on_cpu, []
+    folds, taken = queries._foldable, []
 
     def counted(*args):
         taken.extend([args[1].shape[2]] if folds(*args) else [])

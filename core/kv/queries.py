@@ -80,40 +80,26 @@ def _sdpa_recording_queries(module, query, key, value, attention_mask, **kwargs)
         out = past_and_new_attention(query, key, value, query.shape[-1] ** -0.5 if scale is None else scale, visible)
         if out is not None:
             return out, None
-    if _one_query_on_cpu(module, query, attention_mask):
-        return _one_query_attention(module, query, key, value, kwargs.get("scaling")), None
     if _foldable(module, query, attention_mask):
         return _grouped_attention(module, query, key, value, attention_mask, kwargs.get("scaling")), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def _foldable(module, query, attention_mask) -> bool:
-    """Several queries under a mask shared by all heads, with grouped KV heads, on a GPU: the
-    case where transformers' SDPA copies every key and value once per query head of the group.
-    (On this project's 2-core CPU folding made a 7.7K-token chunked prefill 10-15% slower, so
-    the CPU keeps transformers' path.)"""
-    groups = getattr(module, "num_key_value_groups", 1)
-    return (query.is_cuda and groups > 1 and query.shape[2] > 1 and attention_mask is not None
-            and attention_mask.shape[1] == 1)
-
-
-def _one_query_on_cpu(module, query, attention_mask) -> bool:
-    """A decode step (one query, no mask) with grouped KV heads on the CPU. transformers folds
-    it itself, but not once `TRANSFORMERS_SDPA_FORCE_GQA` is set (model.py), and SDPA's own GQA
-    then reads each KV head once per query head of its group."""
-    return (query.device.type == "cpu" and query.shape[2] == 1 and attention_mask is None
-            and getattr(module, "num_key_value_groups", 1) > 1)
-
-
-def _one_query_attention(module, query, key, value, scaling) -> torch.Tensor:
-    """The query heads that share a KV head as that head's query rows: each layer's keys and
-    values are read once. Measured on this project's 2-core CPU at 4K positions (30 layers of
-    the embedded model's shape, caches cold): 400 against 510 us a layer. Returns [1, 1, heads,
-    head_dim]."""
-    batch, heads, _, dim = query.shape
-    folded = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)
-    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, scale=scaling)
-    return out.reshape(batch, 1, heads, dim)
+    """Grouped KV heads, where transformers' SDPA reads or copies each KV head once per query
+    head of its group:
+    - several queries under a mask shared by all heads, on a GPU (it copies every key and value;
+      on this project's 2-core CPU folding made a 7.7K-token chunked prefill 10-15% slower, so
+      the CPU keeps transformers' path there);
+    - a decode step's single unmasked query, on the CPU: transformers folds it itself, but not
+      once `TRANSFORMERS_SDPA_FORCE_GQA` is set (model.py), and SDPA's own GQA then reads each KV
+      head once per query head. Measured at 4K positions (30 layers of the embedded model's
+      shape, caches cold): 400 against 510 us a layer folded."""
+    if getattr(module, "num_key_value_groups", 1) <= 1:
+        return False
+    if query.is_cuda:
+        return query.shape[2] > 1 and attention_mask is not None and attention_mask.shape[1] == 1
+    return query.device.type == "cpu" and query.shape[2] == 1 and attention_mask is None
 
 
 def _splittable(module, query, key, kwargs) -> bool:
@@ -127,7 +113,8 @@ def _splittable(module, query, key, kwargs) -> bool:
 
 
 def _grouped_attention(module, query, key, value, attention_mask, scaling) -> torch.Tensor:
-    """Grouped-query attention for a verification (a chain or a tree) without copying the KV.
+    """Grouped-query attention for a verification (a chain or a tree), or a decode step without a
+    mask (`attention_mask` None), without copying the KV.
 
     The g query heads that share a KV head are folded into the query length, and the mask's
     rows repeated g times: the same scores and softmax as with `repeat_kv`, but each layer's
@@ -138,7 +125,7 @@ def _grouped_attention(module, query, key, value, attention_mask, scaling) -> to
     groups = module.num_key_value_groups
     batch, heads, n, dim = query.shape
     folded = query.reshape(batch, heads // groups, groups * n, dim)  # row = member * n + query
-    mask = attention_mask.repeat(1, 1, groups, 1)
+    mask = None if attention_mask is None else attention_mask.repeat(1, 1, groups, 1)
     out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, n, dim).transpose(1, 2).contiguous()
 
