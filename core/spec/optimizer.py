@@ -103,7 +103,7 @@ def measure_forward_times(model: CausalLM, context: int, sizes: list[int],
     """Measure t(n) for n in `sizes` (1 is always added) after a cache of `context` random tokens.
 
     Each size gets one untimed warm-up forward (allocations, kernel selection), then `repeats`
-    timed ones; t(n) = median time(n) / median time(1). The forwards attend causally: a tree mask
+    timed ones, in rounds over the sizes; t(n) = median time(n) / median time(1). The forwards attend causally: a tree mask
     changes which keys are visible, not how many are computed (though on a GPU an explicit mask
     can select another attention kernel). After every forward the cache is trimmed back to
     `context`, so each measurement sees the same context and nothing is left behind.
@@ -129,10 +129,16 @@ def measure_forward_times(model: CausalLM, context: int, sizes: list[int],
         cache.trim(context)
         return elapsed, logits.device
 
-    medians = {}
     for n in sizes:
-        device = timed(n)[1]  # the warm-up
-        medians[n] = statistics.median(timed(n)[0] for _ in range(repeats))
+        device = timed(n)[1]  # the warm-ups
+    # Rounds over the sizes rather than each size's repeats in a row: a slow spell of the machine
+    # then touches every size alike instead of skewing the ratios (timed one size after another,
+    # a 2,261-token context once gave t(2) = 0.87, t(1) caught in such a spell).
+    samples = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            samples[n].append(timed(n)[0])
+    medians = {n: statistics.median(samples[n]) for n in sizes}
     unit = medians[1]
     return ForwardTimes(sizes=tuple(sizes), ratios=tuple(medians[n] / unit for n in sizes),
                         one_token_seconds=unit, context=context,
