@@ -114,16 +114,6 @@ def tree_options(drafter, prompt: list[int], answer: list[int], width: int) -> l
     return options
 
 
-def fewest_tree_units(options: list[list[tuple[int, int]]], cost: dict[int, float]) -> float:
-    """`fewest_units` for trees: each step picks one of its (nodes, accepted) options."""
-    count = len(options)
-    best = [0.0] * (count + 1)
-    for i in range(count - 1, -1, -1):
-        best[i] = min(cost[nodes + 1] + best[i + min(accepted, count - 1 - i) + 1]
-                      for nodes, accepted in options[i])
-    return best[0]
-
-
 def oracle_accepts(prompt: list[int], answer: list[int]) -> list[int]:
     """For answer positions 1.., the longest run of the coming answer tokens that a continuation
     after an earlier occurrence of the context's last token reproduces."""
@@ -141,16 +131,21 @@ def oracle_accepts(prompt: list[int], answer: list[int]) -> list[int]:
     return accepts
 
 
-def fewest_units(accepts: list[int], cost: dict[int, float]) -> float:
+def fewest_units(options: list[list[tuple[int, int]]], cost: dict[int, float]) -> float:
     """The least total cost (in one-token forwards) of the tokens after the first, each step
-    drafting 0..accepts[i] tokens (never past the answer's end) and gaining that many plus the
-    target's own token."""
-    count = len(accepts)
+    picking one of its (draft nodes, accepted) options (never gaining past the answer's end) and
+    gaining the accepted tokens plus the target's own."""
+    count = len(options)
     best = [0.0] * (count + 1)
     for i in range(count - 1, -1, -1):
-        most = min(accepts[i], count - 1 - i)
-        best[i] = min(cost[a + 1] + best[i + a + 1] for a in range(most + 1))
+        best[i] = min(cost[nodes + 1] + best[i + min(accepted, count - 1 - i) + 1]
+                      for nodes, accepted in options[i])
     return best[0]
+
+
+def chain_options(accepts: list[int]) -> list[list[tuple[int, int]]]:
+    """A chain's options: draft any 0..accepts[i] tokens, all accepted."""
+    return [[(a, a) for a in range(most + 1)] for most in accepts]
 
 
 def main() -> None:
@@ -169,10 +164,10 @@ def main() -> None:
         tokens = len(answer) - 1
         chain = make_decoder("chain", vocab, relative, engine.settings.chain_drafts)
         replayed = tokens / replayed_units(chain, prompt, answer, vocab, cost)
-        hindsight = tokens / fewest_units(drafter_accepts(chain.drafter, prompt, answer), cost)
-        tree = max(tokens / fewest_tree_units(tree_options(chain.drafter, prompt, answer, width), cost)
+        hindsight = tokens / fewest_units(chain_options(drafter_accepts(chain.drafter, prompt, answer)), cost)
+        tree = max(tokens / fewest_units(tree_options(chain.drafter, prompt, answer, width), cost)
                    for width in (2, 3, 4))
-        oracle = tokens / fewest_units(oracle_accepts(prompt, answer), cost)
+        oracle = tokens / fewest_units(chain_options(oracle_accepts(prompt, answer)), cost)
         short = Path(name).name
         rows[short] = {
             "prompt_tokens": len(prompt), "answer_tokens": len(answer),

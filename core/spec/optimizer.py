@@ -103,9 +103,9 @@ def measure_forward_times(model: CausalLM, context: int, sizes: list[int],
     """Measure t(n) for n in `sizes` (1 is always added) after a cache of `context` random tokens.
 
     Each size gets one untimed warm-up forward (allocations, kernel selection), then `repeats`
-    timed ones, in rounds over the sizes; t(n) = median time(n) / median time(1). The forwards attend causally: a tree mask
-    changes which keys are visible, not how many are computed (though on a GPU an explicit mask
-    can select another attention kernel). After every forward the cache is trimmed back to
+    timed ones, in rounds over the sizes; t(n) = median time(n) / median time(1). The forwards
+    attend causally: a tree mask changes which keys are visible, not how many are computed
+    (though on a GPU an explicit mask can select another attention kernel). After every forward the cache is trimmed back to
     `context`, so each measurement sees the same context and nothing is left behind.
     """
     sizes = sorted({1, *sizes})
