@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parsers(commands, _add_models_file_option)
     from .selftest_cmd import add_parser as add_selftest_parser
     add_selftest_parser(commands, _add_model_option)
+    for command in (parser, *commands.choices.values()):
+        command.add_argument("--vram-limit", type=float, metavar="GB", default=argparse.SUPPRESS,
+                             help="use at most this much of each GPU, e.g. to leave room for a game, or to try "
+                                  "an 8 GB card's plan on a larger one (default: $SPECCHAT_VRAM_LIMIT, else all)")
     return parser
 
 
@@ -175,6 +179,7 @@ def _add_generation_options(parser: argparse.ArgumentParser, mode: bool = True) 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _set_vram_limit(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "calibrate":
@@ -215,6 +220,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specchat: unexpected error: {type(error).__name__}: {first_line(error)} "
               "(set SPECCHAT_DEBUG=1 for details)", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _set_vram_limit(args) -> None:
+    """--vram-limit reaches every part through the environment (worker processes included), and
+    a bad value fails here, before anything loads."""
+    from ..core.hardware import VRAM_LIMIT_ENV, vram_limit_bytes
+
+    if hasattr(args, "vram_limit"):
+        os.environ[VRAM_LIMIT_ENV] = f"{args.vram_limit:g}"
+    vram_limit_bytes()
 
 
 def model_id(args) -> str:

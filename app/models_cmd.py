@@ -116,6 +116,8 @@ def _fit_plain(plan: Plan, slow: bool) -> str:
 
 def _fit_verdict(plan: Plan, pair: ModelPair) -> str:
     notes = [{"int8": "8-bit", "nf4": "4-bit"}.get(plan.weights)]
+    if plan.weights in ("int8", "nf4") and plan.head_weights == plan.weights:
+        notes.append("output head too")
     if plan.kv_device == "cpu-pinned":
         notes.append("KV offloaded to RAM")
     if pair.draft is not None and plan.draft_device is None and plan.mode != "plain":

@@ -58,6 +58,12 @@ def profile_facts(profile) -> list[tuple[str, str]]:
              ("torch", profile.torch_version + (f", CUDA {profile.cuda_version}" if profile.cuda_version else ", no CUDA"))]
     if not profile.gpus:
         facts.append(("GPU", "none: models run on the CPU"))
+    from ..core.hardware import vram_limit_bytes
+
+    limit = vram_limit_bytes()
+    if profile.gpus and limit is not None:
+        facts.append(("limit", f"at most {human_size(limit)} of each GPU (--vram-limit or $SPECCHAT_VRAM_LIMIT): "
+                               f"the plan and the allocator keep to it"))
     for gpu in profile.gpus:
         rates = ", ".join(f"{label} {human_size(rate)}/s" for label, rate in (
             ("host->GPU", gpu.host_to_device_bytes_per_s), ("GPU->host", gpu.device_to_host_bytes_per_s),
@@ -88,7 +94,7 @@ def profile_markdown(profile) -> str:
 
 
 def run_plan(args) -> int:
-    from ..core.hardware import HardwareProfile, load_or_probe
+    from ..core.hardware import HardwareProfile, capped, load_or_probe, vram_limit_bytes
     from ..core.plan import PlanRefused, make_plan
     from ..core.registry import load_registry
 
@@ -97,7 +103,7 @@ def run_plan(args) -> int:
     pair = registry.get(args.pair)
     if args.profile:
         try:
-            profile = HardwareProfile.load(args.profile)
+            profile = capped(HardwareProfile.load(args.profile), vram_limit_bytes())
         except ValueError as error:
             raise InputError(f"--profile {error}") from None
     else:

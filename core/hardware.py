@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import platform
 import re
 import statistics
@@ -21,10 +22,12 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
+from .errors import InputError
 from .files import write_atomically
 from .spec.optimizer import ForwardTimes, measure_forward_times
 
 FORMAT_VERSION = 1  # of the profile and curve files; bump when a field changes meaning
+VRAM_LIMIT_ENV = "SPECCHAT_VRAM_LIMIT"  # GB per GPU; `--vram-limit` sets it, so worker processes see it too
 BANDWIDTH_BYTES = 256 * 2**20  # one timed copy: large enough that launch overhead is noise
 BANDWIDTH_REPEATS = 5
 CURVE_REPEATS = 3
@@ -75,9 +78,6 @@ class HardwareProfile:
     cuda_version: str | None  # the CUDA runtime torch was built with; None without CUDA
     measured_on: str  # ISO date of the probe
     curves: tuple[ModelCurves, ...] = ()
-    # KV bytes per second the CPU attends over (bf16, grouped heads): offloaded attention can run
-    # where the KV lies instead of streaming it to the GPU (kv/split_attention.py). None: unmeasured.
-    cpu_attention_bytes_per_s: float | None = None
 
     def machine_key(self) -> str:
         """What the cached measurements depend on: GPU names, CUDA and torch versions, RAM size
@@ -109,6 +109,7 @@ class HardwareProfile:
                          for gpu in data.pop("gpus"))
             cpu = CpuInfo(**data.pop("cpu"))
             curves = tuple(_curves_from_dict(item) for item in data.pop("curves", ()))
+            data.pop("cpu_attention_bytes_per_s", None)  # profiles saved before 2026-11-24 measured it; unused
             profile = cls(gpus=gpus, cpu=cpu, curves=curves, **data)
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"not a hardware profile: {error}") from None
@@ -169,30 +170,7 @@ def probe(measure_bandwidth: bool = True) -> HardwareProfile:
     cpu = CpuInfo(_cpu_model(), psutil.cpu_count(logical=True) or 1, psutil.cpu_count(logical=False))
     return HardwareProfile(gpus=gpus, cpu=cpu, ram_total_bytes=memory.total, ram_available_bytes=memory.available,
                            torch_version=torch.__version__, cuda_version=torch.version.cuda if cuda else None,
-                           measured_on=date.today().isoformat(),
-                           cpu_attention_bytes_per_s=measure_cpu_attention() if measure_bandwidth else None)
-
-
-def measure_cpu_attention(positions: int = 32768, repeats: int = 3) -> float:
-    """KV bytes per second of one query token's attention on the CPU over Llama-3-shaped KV
-    (8 KV heads of 128, 32 query heads, bf16): the median of `repeats` after a warm-up."""
-    import time
-
-    import torch
-
-    from .kv.split_attention import attention_with_lse
-
-    generator = torch.Generator().manual_seed(0)
-    keys, values = (torch.randn(8, positions, 128, generator=generator).to(torch.bfloat16) for _ in range(2))
-    queries = torch.randn(32, 1, 128, generator=generator)
-
-    def seconds() -> float:
-        begin = time.perf_counter()
-        attention_with_lse(queries, keys, values, 128 ** -0.5)
-        return time.perf_counter() - begin
-
-    seconds()
-    return 2 * keys.numel() * keys.element_size() / statistics.median(seconds() for _ in range(repeats))
+                           measured_on=date.today().isoformat())
 
 
 def _probe_gpu(index: int, measure_bandwidth: bool) -> GpuInfo:
@@ -266,7 +244,8 @@ def cache_dir() -> Path:
 def load_or_probe(refresh: bool = False, root: Path | None = None) -> HardwareProfile:
     """The profile of this machine: measured bandwidths and curves from the cache when this
     machine's key has them (unless `refresh`), else measured now and saved. Free VRAM and
-    available RAM change from minute to minute, so they are always read fresh."""
+    available RAM change from minute to minute, so they are always read fresh. The GPUs are seen
+    through `--vram-limit` (the saved file holds what the cards really have)."""
     current = probe(measure_bandwidth=False)
     folder = (root or cache_dir()) / current.machine_key()
     path = folder / "profile.json"
@@ -285,7 +264,48 @@ def load_or_probe(refresh: bool = False, root: Path | None = None) -> HardwarePr
             profile = profile.with_curves(_read_curves(curves_path))
         except ValueError:
             curves_path.unlink(missing_ok=True)
-    return profile
+    return capped(profile, vram_limit_bytes())
+
+
+def vram_limit_bytes() -> int | None:
+    """The cap on what specchat uses of each GPU, from SPECCHAT_VRAM_LIMIT (`--vram-limit`), or
+    None. In GB as cards are sold: 8 means an "8 GB" card, 8 GiB."""
+    text = os.environ.get(VRAM_LIMIT_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        limit = float(text)
+    except ValueError:
+        limit = math.nan
+    if not limit > 0.5 or math.isinf(limit):
+        raise InputError(f"--vram-limit / {VRAM_LIMIT_ENV}: give the GB specchat may use on each GPU, such as 8 "
+                         f"or 11.5, got {text!r}")
+    return int(limit * 2**30)
+
+
+def capped(profile: HardwareProfile, limit_bytes: int | None) -> HardwareProfile:
+    """`profile` as if each GPU had at most `limit_bytes` (None: unchanged). Memory that other
+    processes hold counts only where it cuts into the limit: free becomes min(free, limit)."""
+    if limit_bytes is None:
+        return profile
+    gpus = tuple(dataclasses.replace(gpu, vram_total_bytes=min(gpu.vram_total_bytes, limit_bytes),
+                                     vram_free_bytes=min(gpu.vram_free_bytes, limit_bytes))
+                 for gpu in profile.gpus)
+    return dataclasses.replace(profile, gpus=gpus)
+
+
+def cap_cuda_allocator() -> None:
+    """Hold torch's CUDA allocator to the limit on every GPU, so that going past it raises CUDA
+    out of memory as the smaller card would (the CUDA context itself is outside the cap; the plan
+    budgets it inside the limit). Nothing without a limit or without CUDA."""
+    import torch
+
+    limit = vram_limit_bytes()
+    if limit is None or not torch.cuda.is_available():
+        return
+    for index in range(torch.cuda.device_count()):
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
 
 
 def probe_key() -> str:

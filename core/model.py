@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from .cpu_linear import use_few_row_linear
+from .hardware import cap_cuda_allocator
+from .host_embedding import embedding_on_cpu
 from .kv.full import FullCache
 from .kv.offload import OffloadedCache
 from .kv.queries import ATTENTION, new_tokens_see_the_past
@@ -44,25 +46,27 @@ class CausalLM(Protocol):
         ...
 
 
-def _bitsandbytes(quantization: str, compute_dtype: torch.dtype):
+def _bitsandbytes(quantization: str, compute_dtype: torch.dtype, quantize_head: bool):
     from transformers import BitsAndBytesConfig
 
+    # bitsandbytes skips the output head unless given its own (here empty) list of modules to skip.
+    skip = [] if quantize_head else None
     if quantization == "nf4":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
-    return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype,
+                                  llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
 
 
 class TransformersLM:
     """A transformers causal LM (batch of one) behind the `CausalLM` interface."""
 
-    def __init__(self, hf_model, vocab_size: int | None = None, offload_capacity: int | None = None,
-                 cpu_attention: bool = False):
+    def __init__(self, hf_model, vocab_size: int | None = None, offload_capacity: int | None = None):
         self.hf = hf_model.eval()
         # SDPA that can also record queries, which the retrieval cache scores with (kv/queries.py).
         self.hf.set_attn_implementation(ATTENTION)
         use_few_row_linear(self.hf)  # cheap verification forwards on the CPU (cpu_linear.py)
         config = hf_model.config
-        own_width = hf_model.get_output_embeddings().weight.shape[0]
+        own_width = hf_model.get_output_embeddings().out_features  # a quantized head's weight is packed
         # A draft whose embeddings are padded less than its target's answers with the target's
         # width; the extra ids get probability zero.
         self.vocab_size = max(own_width, vocab_size or 0)
@@ -72,7 +76,6 @@ class TransformersLM:
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         # Positions of full KV kept in (pinned) CPU memory and streamed per layer; None: on the device.
         self.offload_capacity = offload_capacity
-        self.cpu_attention = cpu_attention  # attend over the offloaded KV where it lies
 
     @classmethod
     def from_pretrained(cls, path: Path | str, options: LoadOptions | None = None,
@@ -87,15 +90,18 @@ class TransformersLM:
             if options.device_map != "cpu":
                 kwargs["device_map"] = options.device_map
             if options.quantization is not None:
-                kwargs["quantization_config"] = _bitsandbytes(options.quantization, kwargs["dtype"])
+                kwargs["quantization_config"] = _bitsandbytes(options.quantization, kwargs["dtype"], options.quantize_head)
             if options.rope_scaling is not None:
                 config = AutoConfig.from_pretrained(path)
                 config.rope_parameters = {**(config.rope_parameters or {}), **options.rope_scaling}
                 config.max_position_embeddings = int(
                     options.rope_scaling["original_max_position_embeddings"] * options.rope_scaling["factor"])
                 kwargs["config"] = config
-        offload = (options.offload_capacity, options.cpu_attention) if options is not None else (None, False)
-        return cls(AutoModelForCausalLM.from_pretrained(path, **kwargs), vocab_size, *offload)
+        cap_cuda_allocator()
+        hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        if options is not None and options.embedding_on_cpu:
+            embedding_on_cpu(hf_model)
+        return cls(hf_model, vocab_size, options.offload_capacity if options is not None else None)
 
     def truncated(self, num_layers: int) -> "TransformersLM":
         """A layer-skip self-draft: the first `num_layers` decoder layers, then the final norm and
@@ -128,12 +134,12 @@ class TransformersLM:
 
     @property
     def device(self) -> torch.device:
-        return self.hf.device
+        """Where the forward runs: the first decoder layer's device (the embedding may be on the CPU)."""
+        return next(self.hf.base_model.layers[0].parameters()).device
 
     def new_cache(self) -> FullCache | OffloadedCache:
         if self.offload_capacity is not None:
-            return OffloadedCache(self.hf.config, self.offload_capacity, self.device, self.hf.dtype,
-                                  cpu_attention=self.cpu_attention)
+            return OffloadedCache(self.hf.config, self.offload_capacity, self.device, self.hf.dtype)
         return FullCache(self.hf.config)
 
     @torch.inference_mode()
@@ -141,7 +147,7 @@ class TransformersLM:
         mask = None if mask is None else mask.to(self.device, self.hf.dtype)
         with new_tokens_see_the_past(mask, len(ids)):
             out = self.hf(
-                input_ids=ids[None].to(self.device),
+                input_ids=ids[None].to(self.hf.get_input_embeddings().weight.device),
                 position_ids=positions[None].to(self.device),
                 attention_mask=mask,
                 past_key_values=cache.hf,

@@ -18,14 +18,16 @@ class LoadOptions:
     quantization: str | None  # None, "int8" or "nf4" (bitsandbytes)
     rope_scaling: dict | None  # applied to the config to reach the plan's context
     offload_capacity: int | None = None  # positions of full KV kept in pinned CPU memory (None: on the device)
-    cpu_attention: bool = False  # with the KV offloaded: attend over it on the CPU instead of streaming it
+    quantize_head: bool = False  # the output head quantized as the layers are (bitsandbytes skips it by default)
+    embedding_on_cpu: bool = False  # the input embedding in CPU memory, the layers on the GPU(s)
 
 
 def target_options(plan: Plan, spec: ModelSpec) -> LoadOptions:
     quantization = plan.weights if plan.weights in ("int8", "nf4") else None
     dtype = "bfloat16" if quantization else DTYPES.get(plan.weights, "float32")
     return LoadOptions(dtype, _device_map(plan), quantization, _rope_scaling(plan, spec), offload_capacity(plan),
-                       plan.kv_device == "cpu-pinned" and plan.kv_attention == "cpu")
+                       quantize_head=quantization is not None and plan.head_weights == plan.weights,
+                       embedding_on_cpu=plan.embedding_device == "cpu" and plan.target_devices[0] != "cpu")
 
 
 def draft_options(plan: Plan) -> LoadOptions | None:

@@ -9,9 +9,12 @@ the decisions is the order of what matters to a user:
    context); otherwise chain or tree speculation, a tree only when the hardware-aware optimizer
    (measured t(n) and an acceptance vector) says it beats a chain.
 2. Weights: as precise as fits. Unquantized (bf16 on GPUs), else bitsandbytes 8-bit, else 4-bit
-   nf4; "fits" always allows the full KV to be offloaded, so precision is never traded for speed.
+   nf4, else nf4 with the output head quantized too; "fits" always allows the full KV to be
+   offloaded and the embedding table to stay in RAM, so precision is never traded for speed.
 3. The full KV on the GPUs with its layers when it fits, else in pinned CPU memory, streamed layer
    by layer (one full verification then costs its bytes over the measured host-to-device bandwidth).
+   The embedding table on the GPU when it fits, else in RAM (host_embedding.py): given up first,
+   as it costs a few KB over the link per token.
 4. The draft on the GPU when it fits, else on the CPU.
 5. Gammas, retrieval chunk size and prefill chunk from the measured bandwidths.
 6. DSI (algorithms.md section 6) instead, with two or more GPUs that each hold a whole target at
@@ -44,7 +47,11 @@ from .spec.dsi_cost import dsi_lookahead, dsi_seconds_per_token, si_seconds_per_
 from .spec.lookahead import MAX_DRAFT  # pure: no torch, as this module must stay
 from .registry import DTYPE_BYTES, ModelPair, ModelSpec, Registry
 
-QUANTIZATIONS = ("none", "int8", "nf4")  # the order they are tried in: most precise first
+QUANTIZATIONS = ("none", "int8", "nf4")
+# (the decoder layers' quantization, the output head's too), in the order tried: most precise first.
+# bitsandbytes leaves the head in the compute dtype by default; quantizing it as well is the last
+# resort (an 8 GB card at 128K), and the output is then lossless against that quantized target.
+WEIGHT_TIERS = (("none", False), ("int8", False), ("nf4", False), ("nf4", True))
 
 VRAM_MARGIN_SHARE = 0.10
 RAM_MARGIN_SHARE = 0.20
@@ -78,7 +85,7 @@ DEFAULT_TREE = (16, 4)
 MAX_TREE_DEPTH = 12
 PREFILL_CHUNK_CPU = 1024  # as the engine's prefill
 PREFILL_CHUNK_GPU = 2048
-PREFILL_CHUNKS_OFFLOADED = (8192, 4096, 2048)  # largest first: each chunk re-streams the KV so far
+PREFILL_CHUNKS_OFFLOADED = (8192, 4096, 2048, 1024)  # largest first: each chunk re-streams the KV so far
 
 
 class PlanRefused(InputError):
@@ -154,8 +161,6 @@ class Plan:
     memory: tuple[MemoryItem, ...]
     devices: tuple[DeviceMemory, ...]
     reasons: dict[str, str] = field(default_factory=dict)  # choice -> one line
-    # With the full KV offloaded: "gpu" streams it to the GPU per layer, "cpu" attends where it lies.
-    kv_attention: str = "gpu"
     # TriForce's final verification: "chain" (gamma2 tokens) or "tree" (the tree_size/tree_depth
     # Sequoia tree, grown by the retrieval stage).
     triforce_verify: str = "chain"
@@ -165,6 +170,11 @@ class Plan:
     # DSI's draft tokens per verification task until the instances' measured latencies choose
     # (spec/dsi_cost.py's dsi_lookahead with the plan's step times); None outside dsi mode.
     dsi_lookahead: int | None = None
+    # The target's output head: as `weights`, or unquantized ("bfloat16", ...) beside quantized layers.
+    head_weights: str = ""
+    # The target's input embedding: with its first layers (target_devices[0]), or "cpu" on a GPU
+    # machine short of memory (a token's row is read there, a hidden vector crosses the link).
+    embedding_device: str = ""
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -176,14 +186,17 @@ class Plan:
 # ---- memory arithmetic from the registry's shapes ------------------------------------------
 
 
-def weight_parts(spec: ModelSpec, quantization: str, dtype_bytes: int) -> tuple[int, int, int]:
-    """(embedding, output head, decoder layers) bytes. bitsandbytes quantizes linear layers only:
-    the embedding and output head stay in the compute dtype. The registry does not say whether a
-    model ties them, so both are counted: exact for untied models, an upper bound for tied ones."""
+def weight_parts(spec: ModelSpec, quantization: str, dtype_bytes: int,
+                 head_quantized: bool = False) -> tuple[int, int, int]:
+    """(embedding, output head, decoder layers) bytes. bitsandbytes quantizes linear layers only,
+    and by default not the output head: the embedding (and the head) stay in the compute dtype.
+    The registry does not say whether a model ties them, so both are counted: exact for untied
+    models, an upper bound for tied ones."""
     matrix = spec.vocab_size * spec.hidden_size
     body_params = max(0.0, spec.params_b * 1e9 - 2 * matrix)
     bits = {"none": 8 * dtype_bytes, "int8": 8 + 32 / spec.hidden_size, "nf4": NF4_BITS}[quantization]
-    return matrix * dtype_bytes, matrix * dtype_bytes, int(body_params * bits / 8)
+    head = int(matrix * bits / 8) if head_quantized else matrix * dtype_bytes
+    return matrix * dtype_bytes, head, int(body_params * bits / 8)
 
 
 def activation_bytes(spec: ModelSpec, chunk: int, dtype_bytes: int) -> int:
@@ -237,15 +250,20 @@ def _try_plan(profile: HardwareProfile, pair: ModelPair, context: int, overrides
     budget = overrides.retrieval_budget or RETRIEVAL_BUDGET
     mode = _mode(profile, context, budget, overrides, reasons)
     tried = []
-    for quantization in (overrides.quantization,) if overrides.quantization else QUANTIZATIONS:
+    # Outer loops hold what matters most: precision, then the KV on the GPU, the draft on the GPU,
+    # a large prefill chunk; the embedding table on the GPU matters least (on the CPU a token's
+    # row is read there and a few KB go over the link).
+    tiers = [tier for tier in WEIGHT_TIERS if overrides.quantization in (None, tier[0])]
+    for quantization, head_quantized in tiers:
         for kv_on_chip in (True, False) if profile.gpus else (False,):
             for with_draft in (True, False) if _uses_draft(pair, mode) and profile.gpus else (True,):
                 for prefill_chunk in _prefill_chunks(profile, kv_on_chip):
-                    layout = _Layout(profile, pair, context, mode, budget, overrides, quantization,
-                                     kv_on_chip, with_draft, prefill_chunk)
-                    if layout.fits:
-                        return _finish(layout, tried, reasons)
-                    tried.append(layout)
+                    for embedding_on_cpu in (False, True) if profile.gpus else (False,):
+                        layout = _Layout(profile, pair, context, mode, budget, overrides, quantization,
+                                         kv_on_chip, with_draft, prefill_chunk, head_quantized, embedding_on_cpu)
+                        if layout.fits:
+                            return _finish(layout, tried, reasons)
+                        tried.append(layout)
     return tried[-1].shortfall()
 
 
@@ -284,9 +302,10 @@ class _Layout:
     goes, and whether it fits. Built once per candidate, read by `_finish`."""
 
     def __init__(self, profile, pair, context, mode, budget, overrides, quantization, kv_on_chip, with_draft,
-                 prefill_chunk):
+                 prefill_chunk, head_quantized=False, embedding_on_cpu=False):
         self.profile, self.pair, self.context, self.mode, self.overrides = profile, pair, context, mode, overrides
         self.quantization, self.kv_on_chip = quantization, kv_on_chip
+        self.head_quantized, self.embedding_on_cpu = head_quantized, embedding_on_cpu
         self.prefill_chunk = prefill_chunk
         target = pair.target
         self.dtype = _compute_dtype(profile, target)
@@ -312,10 +331,14 @@ class _Layout:
 
     # -- what each part weighs
 
+    def weights(self) -> tuple[int, int, int]:
+        """The target's (embedding, output head, decoder layers) bytes."""
+        return weight_parts(self.pair.target, self.quantization, self.dtype_bytes, self.head_quantized)
+
     def _layer_bytes(self) -> int:
         """One target layer's share on a GPU: weights, its full KV when on-chip, its retrieval
         cache and chunk keys."""
-        body = weight_parts(self.pair.target, self.quantization, self.dtype_bytes)[2]
+        body = self.weights()[2]
         share = body + (self.full_kv if self.kv_on_chip else 0) + self._retrieval_bytes()
         return math.ceil(share / self.pair.target.layers)
 
@@ -354,13 +377,17 @@ class _Layout:
         budgets then tell whether they fit)."""
         target, gpus = self.pair.target, self.profile.gpus
         names = [f"cuda:{gpu.index}" for gpu in gpus]
-        embedding, head, _ = weight_parts(target, self.quantization, self.dtype_bytes)
+        embedding, head, _ = self.weights()
         per_layer = self._layer_bytes()
         staging = 0 if self.kv_on_chip else 2 * math.ceil(self.full_kv / target.layers)
         running = activation_bytes(target, self.prefill_chunk, self.dtype_bytes) + staging
         fixed = {name: [] for name in names}
-        fixed[names[0]].append(MemoryItem("target embedding", names[0], embedding))
-        fixed[names[-1]].append(MemoryItem("target output head", names[-1], head))
+        if self.embedding_on_cpu:
+            self.items.append(MemoryItem("target embedding (on the CPU)", "cpu", embedding))
+        else:
+            fixed[names[0]].append(MemoryItem("target embedding", names[0], embedding))
+        head_label = f" ({self.quantization})" if self.head_quantized else ""
+        fixed[names[-1]].append(MemoryItem(f"target output head{head_label}", names[-1], head))
         if self.draft is not None:
             fixed[names[-1]] += self._draft_items(names[-1])
         self.gpu_bytes_needed = (per_layer * target.layers + running + CUDA_CONTEXT_BYTES
@@ -385,7 +412,7 @@ class _Layout:
         target, share = self.pair.target, count / self.pair.target.layers
         span = f"target layers {start}-{start + count - 1}"
         label = self.dtype if self.quantization == "none" else self.quantization
-        body = weight_parts(target, self.quantization, self.dtype_bytes)[2]
+        body = self.weights()[2]
         items = [MemoryItem(f"{span}: weights ({label})", name, int(body * share))]
         if self.kv_on_chip:
             items.append(MemoryItem(f"{span}: full KV ({self.context:,} tokens)", name, int(self.full_kv * share)))
@@ -404,7 +431,7 @@ class _Layout:
         if not self.profile.gpus:
             label = self.dtype if self.quantization == "none" else self.quantization
             self.items += [
-                MemoryItem(f"target weights ({label})", "cpu", sum(weight_parts(target, self.quantization, self.dtype_bytes))),
+                MemoryItem(f"target weights ({label})", "cpu", sum(self.weights())),
                 MemoryItem(f"full KV ({self.context:,} tokens)", "cpu", self.full_kv),
                 MemoryItem(f"target activations (prefill chunk {self.prefill_chunk:,})", "cpu",
                            activation_bytes(target, self.prefill_chunk, self.dtype_bytes))]
@@ -422,6 +449,12 @@ class _Layout:
     def weights_label(self) -> str:
         return self.dtype if self.quantization == "none" else self.quantization
 
+    def head_label(self) -> str:
+        return self.quantization if self.head_quantized else self.dtype
+
+    def embedding_device(self) -> str:
+        return "cpu" if self.embedding_on_cpu else self.target_devices[0]
+
     def kv_device(self) -> str:
         if not self.profile.gpus:
             return "cpu"
@@ -432,8 +465,11 @@ class _Layout:
         over = [device for device in self.devices if device.headroom_bytes < 0]
         if self.profile.gpus and (not over or over[0].device != "cpu"):
             usable = sum(_usable(gpu) for gpu in self.profile.gpus)
-            return (f"{self.weights_label()} weights need about {human_size(self.gpu_bytes_needed)} of GPU "
-                    f"memory even with the KV offloaded; the GPUs offer {human_size(usable)} after the margin")
+            head = " (the output head too)" if self.head_quantized else ""
+            embedding = " and the embedding on the CPU" if self.embedding_on_cpu else ""
+            return (f"{self.weights_label()} weights{head} need about {human_size(self.gpu_bytes_needed)} of GPU "
+                    f"memory even with the KV offloaded{embedding}; the GPUs offer {human_size(usable)} after the "
+                    f"margin")
         device = over[0]
         return (f"with {self.weights_label()} weights it needs {human_size(device.used_bytes)} of RAM; "
                 f"{human_size(device.capacity_bytes - device.margin_bytes)} of {human_size(device.capacity_bytes)} "
@@ -480,6 +516,7 @@ def _finish(layout: _Layout, tried: list[_Layout], reasons: dict) -> Plan:
     if layout.draft is not None:
         reasons["draft_cache"] = _draft_cache_reason(layout)
     reasons["prefill_chunk"] = _prefill_reason(layout)
+    _kv_attention_reason(layout, reasons)
     return Plan(
         pair_id=pair.id, context=context, mode=mode, weights=layout.weights_label(),
         target_devices=layout.target_devices, target_layers=layout.target_layers,
@@ -491,7 +528,8 @@ def _finish(layout: _Layout, tried: list[_Layout], reasons: dict) -> Plan:
         draft_window=layout.draft_window if layout.draft is not None else None,
         gamma1=gamma1, gamma2=gamma2, tree_size=tree[0], tree_depth=tree[1],
         prefill_chunk=layout.prefill_chunk, memory=tuple(layout.items), devices=layout.devices, reasons=reasons,
-        kv_attention=_kv_attention(layout, reasons), triforce_verify=verify)
+        triforce_verify=verify, head_weights=layout.head_label(),
+        embedding_device=layout.embedding_device())
 
 
 def _draft_cache_reason(layout: _Layout) -> str:
@@ -500,16 +538,21 @@ def _draft_cache_reason(layout: _Layout) -> str:
 
 
 def _weights_reason(layout: _Layout, tried: list[_Layout]) -> str:
-    sizes = f"target {human_size(sum(weight_parts(layout.pair.target, layout.quantization, layout.dtype_bytes)))}"
+    sizes = f"target {human_size(sum(layout.weights()))}"
     if layout.quantization == "none":
         where = "in RAM" if not layout.profile.gpus else "with room for the caches"
         return f"{layout.weights_label()}: unquantized weights ({sizes}) fit {where}"
-    finer = [candidate for candidate in tried if candidate.quantization != layout.quantization]
+    head = (f", the output head quantized too (lossless against this quantized target; "
+            f"{human_size(layout.weights()[1])} instead of "
+            f"{human_size(weight_parts(layout.pair.target, 'none', layout.dtype_bytes)[1])})"
+            if layout.head_quantized else "")
+    tier = (layout.quantization, layout.head_quantized)
+    finer = [candidate for candidate in tried if (candidate.quantization, candidate.head_quantized) != tier]
     if not finer:
-        return f"{layout.weights_label()}: as requested ({sizes})"
-    # The last candidate of each quantization is its smallest: KV offloaded, draft on the CPU.
-    smallest = {candidate.quantization: candidate for candidate in finer}
-    return f"{layout.weights_label()} ({sizes}): " + "; ".join(
+        return f"{layout.weights_label()}{head}: as requested ({sizes})"
+    # The last candidate of each tier is its smallest: KV offloaded, no draft, embedding on the CPU.
+    smallest = {(candidate.quantization, candidate.head_quantized): candidate for candidate in finer}
+    return f"{layout.weights_label()}{head} ({sizes}): " + "; ".join(
         candidate.shortfall() for candidate in smallest.values())
 
 
@@ -518,6 +561,9 @@ def _placement_reason(layout: _Layout) -> str:
         return "no CUDA GPU: everything runs on the CPU (decode is bound by reading the weights: slow for large models)"
     spread = ", ".join(f"{count} layers on {name}" for name, count in zip(layout.target_devices, layout.target_layers))
     text = f"target: {spread}"
+    if layout.embedding_on_cpu:
+        text += (f"; its embedding table ({human_size(layout.weights()[0])}) on the CPU: each token's row is read "
+                 f"there and {layout.pair.target.hidden_size * layout.dtype_bytes:,} bytes go to the GPU")
     if len(layout.target_devices) > 1:
         held = "weights and KV" if layout.kv_on_chip else "weights"
         text += f" (split in layer order: each GPU holds its layers' {held}; one hop between them per forward)"
@@ -545,20 +591,12 @@ def _kv_reason(layout: _Layout) -> str:
             f"next to the weights{cost}")
 
 
-def _kv_attention(layout: _Layout, reasons: dict) -> str:
-    """Where attention over an offloaded KV runs: streamed to the GPU, or on the CPU, whichever
-    the profile measured faster (both read every KV byte once per full verification)."""
-    if layout.kv_on_chip or not layout.profile.gpus:
-        return "gpu" if layout.profile.gpus else "cpu"
-    h2d, cpu = _slowest(layout, "host_to_device_bytes_per_s"), layout.profile.cpu_attention_bytes_per_s
-    if not h2d or not cpu:
-        reasons["kv_attention"] = "offloaded KV streamed to the GPU: the CPU's attention speed was not measured"
-        return "gpu"
-    faster = "cpu" if cpu > h2d else "gpu"
-    reasons["kv_attention"] = (
-        f"attention over the offloaded KV {'on the CPU, where it lies' if faster == 'cpu' else 'on the GPU, streamed'}: "
-        f"the CPU attends over {human_size(cpu)}/s of KV, the link streams {human_size(h2d)}/s (measured)")
-    return faster
+def _kv_attention_reason(layout: _Layout, reasons: dict) -> None:
+    """An offloaded KV is always streamed to the GPU: the plan chooses only paths measured end to
+    end, and attention on the CPU where the KV lies was not one of them (bench/2026-11-22-h100-offload.json)."""
+    if layout.profile.gpus and not layout.kv_on_chip:
+        reasons["kv_attention"] = ("offloaded KV streamed to the GPU for attention: attending on the CPU where it lies "
+                                   "measured 17.8x slower end to end (H100, 128K), against 1.01x the link's floor")
 
 
 def _slowest(layout: _Layout, rate: str) -> float | None:
@@ -713,7 +751,7 @@ def _gamma2(layout: _Layout) -> tuple[int, str, tuple[float, float] | None]:
     if t_full is None:
         return (DEFAULT_GAMMA2, f"gamma2 = {DEFAULT_GAMMA2}: TriForce's optimum (bandwidths not measured on this machine)",
                 None)
-    _, head, body = weight_parts(layout.pair.target, layout.quantization, layout.dtype_bytes)
+    _, head, body = layout.weights()
     weights = head + body
     t_mid = (weights + layout.retrieval[0] * layout.kv_per_token) / memory_rate
     middle = f"{t_mid * 1e3:.1f} ms per retrieval-cache forward"
@@ -750,7 +788,7 @@ def _verification_seconds(layout: _Layout) -> float | None:
     h2d = _slowest(layout, "host_to_device_bytes_per_s")
     if memory_rate is None or (not layout.kv_on_chip and h2d is None):
         return None
-    _, head, body = weight_parts(layout.pair.target, layout.quantization, layout.dtype_bytes)
+    _, head, body = layout.weights()
     if layout.kv_on_chip:
         return (head + body + layout.full_kv) / memory_rate
     return max(layout.full_kv / h2d, (head + body) / memory_rate)
@@ -872,7 +910,7 @@ def _dsi_cards(layout: _Layout) -> tuple[tuple[_Layout, ...], tuple[MemoryItem, 
     holders = [card.target_devices[0] for card in cards]
     if len(holders) >= 2:  # each card fits alone: only the RAM is shared
         return f"one offloaded KV per instance ({len(holders)} x {human_size(layout.full_kv)}) does not fit in RAM"
-    size = human_size(sum(weight_parts(pair.target, layout.quantization, layout.dtype_bytes)))
+    size = human_size(sum(layout.weights()))
     return (f"no two GPUs each hold a whole target ({layout.weights_label()} weights, {size}) even with its KV "
             f"offloaded" + (f"; only {holders[0]} does" if holders else "")
             + (", so its layers are split across them" if len(layout.target_devices) > 1 else ""))
@@ -881,7 +919,8 @@ def _dsi_cards(layout: _Layout) -> tuple[tuple[_Layout, ...], tuple[MemoryItem, 
 def _card(layout: _Layout, gpu, kv_on_chip: bool, with_draft: bool, prefill_chunk: int) -> _Layout:
     """`layout`'s target alone on `gpu`: one DSI instance."""
     return _Layout(replace(layout.profile, gpus=(gpu,)), layout.pair, layout.context, "dsi", None, layout.overrides,
-                   layout.quantization, kv_on_chip, with_draft, prefill_chunk)
+                   layout.quantization, kv_on_chip, with_draft, prefill_chunk, layout.head_quantized,
+                   layout.embedding_on_cpu)
 
 
 def _dsi_plan(layout: _Layout, dsi: _Dsi, tree: tuple[int, int], reasons: dict) -> Plan:
@@ -892,7 +931,7 @@ def _dsi_plan(layout: _Layout, dsi: _Dsi, tree: tuple[int, int], reasons: dict) 
     names = tuple(card.target_devices[0] for card in dsi.cards)
     for stale in ("gammas", "triforce_verify"):
         reasons.pop(stale, None)
-    size = human_size(sum(weight_parts(layout.pair.target, layout.quantization, layout.dtype_bytes)))
+    size = human_size(sum(layout.weights()))
     drafter = (f"draft on {last.draft_device()}" if last.draft else
                "no draft model fits beside a copy: prompt lookup drafts")
     reasons["placement"] = (f"a whole target ({size}) on each of {', '.join(names)}: one DSI instance per GPU, the "
@@ -915,8 +954,8 @@ def _dsi_plan(layout: _Layout, dsi: _Dsi, tree: tuple[int, int], reasons: dict) 
         draft_sinks=DRAFT_SINKS if last.draft is not None else None,
         draft_window=last.draft_window if last.draft is not None else None,
         gamma1=None, gamma2=None, tree_size=tree[0], tree_depth=tree[1], prefill_chunk=first.prefill_chunk,
-        memory=dsi.items, devices=dsi.devices, reasons=reasons, kv_attention="gpu", dsi_devices=names,
-        dsi_lookahead=dsi.lookahead)
+        memory=dsi.items, devices=dsi.devices, reasons=reasons, dsi_devices=names,
+        dsi_lookahead=dsi.lookahead, head_weights=first.head_label(), embedding_device=first.embedding_device())
 
 
 # ---- refusals ------------------------------------------------------------------------------

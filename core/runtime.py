@@ -2,8 +2,8 @@
 
 The engine is built from an `EngineSettings` and never changed afterwards; what varies per
 answer (mode, sampling, a TriForce variant, a draft tree) is an argument of `Engine.generate`.
-Where the KV lives (plan.kv_device, plan.kv_attention) and how the weights load reach the
-model through placement.py's load options instead.
+Where the KV and the embedding live (plan.kv_device, plan.embedding_device) and how the weights
+load reach the model through placement.py's load options instead.
 """
 
 from __future__ import annotations

@@ -16,12 +16,20 @@ def plan(profile, pair_id, context):
     return make_plan(PROFILES[profile], REGISTRY.get(pair_id), context, registry=REGISTRY)
 
 
-def test_a_12_gb_card_loads_llama_in_4_bit_with_the_kv_offloaded():
+def test_a_12_gb_card_loads_llama_in_8_bit_with_the_kv_and_embedding_offloaded():
     chosen = plan("rtx3060-12gb", "llama3.1-8b", 128 * K)
     options = target_options(chosen, REGISTRY.get("llama3.1-8b").target)
-    assert options == LoadOptions("bfloat16", "cuda:0", "nf4", None, 128 * K, chosen.kv_attention == "cpu")
+    assert options == LoadOptions("bfloat16", "cuda:0", "int8", None, 128 * K,
+                                  quantize_head=False, embedding_on_cpu=True)
     assert offload_capacity(chosen) == 128 * K
     assert draft_options(chosen) is None  # the plan leaves the draft out
+
+
+def test_an_8_gb_card_loads_llama_in_4_bit_with_its_output_head():
+    chosen = plan("rtx4060ti-8gb-32gb", "llama3.1-8b", 128 * K)
+    options = target_options(chosen, REGISTRY.get("llama3.1-8b").target)
+    assert options == LoadOptions("bfloat16", "cuda:0", "nf4", None, 128 * K,
+                                  quantize_head=True, embedding_on_cpu=True)
 
 
 def test_two_cards_split_the_layers_in_order():

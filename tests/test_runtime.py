@@ -22,9 +22,10 @@ OTHER = {  # a different valid value for each field, given the plan's own
     "draft_device": lambda v: None if v else "cuda:0",
     "draft_weights": lambda v: "float32" if v != "float32" else "bfloat16",
     "kv_device": lambda v: "cpu-pinned" if v != "cpu-pinned" else "cuda:0",
-    "kv_attention": lambda v: "cpu" if v != "cpu" else "gpu",
     "triforce_verify": lambda v: "tree" if v != "tree" else "chain",
     "dsi_devices": lambda v: () if v else ("cuda:0", "cuda:1"),
+    "head_weights": lambda v: "nf4" if v != "nf4" else "bfloat16",
+    "embedding_device": lambda v: "cpu" if v != "cpu" else "cuda:0",
 }
 
 
@@ -38,7 +39,7 @@ def other_value(name, value):
     return 2 * value + 1 if isinstance(value, int) else 3  # counts and sizes; None -> a number
 
 
-PLANS = [("rtx3060-12gb", "llama3.1-8b", 128 * K), ("rtx4090-24gb", "qwen2.5-7b", 32 * K),
+PLANS = [("rtx3060-12gb", "llama3.1-8b", 128 * K), ("rtx4060ti-8gb-32gb", "llama3.1-8b", 128 * K), ("rtx4090-24gb", "qwen2.5-7b", 32 * K),
          ("2x-rtx4090", "llama3.1-8b", 128 * K), ("cpu-only-32gb", "embedded", 8 * K),
          ("2x-rtx4090", "qwen2.5-7b", 8 * K)]  # the last: DSI over both cards
 
