@@ -12,6 +12,12 @@ Then, in plain steps' time (forwards only), against plain decoding's one forward
   cost-model lookahead) stepping over the recorded answer, each step priced at t(rows verified):
   the cost model's own figure for auto, next to the measured ratio in the newest
   `bench/*-cpu-auto.json` (the difference: what a step costs beyond its forward).
+- measured_rates: the cost model with the answer's measured acceptance (issue 15's "cost model's
+  bound from measured acceptance and t(n)"): the same drafter's proposal at every position, cut to
+  the g maximizing E(g) / t(g + 1), with E from the acceptance rates of the whole answer per
+  proposal kind (match length) and draft position, known from the first step (no prior, no
+  fading): the product's policy with exact rates instead of running estimates. A policy that
+  chooses from acceptance rates does no better on average; only foresight of each draft does.
 - drafter_hindsight: the same drafter's proposal at every position, each cut to the length that
   the target will accept, chosen knowing it: the best any draft-length policy could do with
   these drafts.
@@ -90,13 +96,48 @@ def agreeing(draft: list[int], coming: list[int]) -> int:
     return run
 
 
-def drafter_accepts(drafter, prompt: list[int], answer: list[int]) -> list[int]:
-    """For answer positions 1.., how many of the drafter's proposal there the answer goes on with."""
-    accepts = []
+def drafter_proposals(drafter, prompt: list[int], answer: list[int]) -> list[tuple[int, int, int]]:
+    """For answer positions 1..: (the proposal's kind, its length, how many of it the answer goes
+    on with); (0, 0, 0) where the drafter has nothing."""
+    found = []
     for i in range(1, len(answer)):
         proposal = drafter.draft(None, torch.tensor(prompt + answer[:i]), MAX_DRAFT)
-        accepts.append(0 if proposal is None else agreeing(proposal.tokens.tolist(), answer[i:i + MAX_DRAFT]))
-    return accepts
+        if proposal is None:
+            found.append((0, 0, 0))
+            continue
+        tokens = proposal.tokens.tolist()
+        found.append((proposal.kind, len(tokens), agreeing(tokens, answer[i:i + MAX_DRAFT])))
+    return found
+
+
+def measured_rates(proposals: list[tuple[int, int, int]]) -> dict[int, list[float]]:
+    """Per kind, a_j for draft positions j = 0..: of the proposals long enough whose first j
+    drafts were accepted, the share whose draft j was too."""
+    rates = {}
+    for kind in {kind for kind, length, _ in proposals if length}:
+        mine = [(length, agree) for k, length, agree in proposals if k == kind and length]
+        reached = [sum(1 for length, agree in mine if length > j and agree >= j) for j in range(MAX_DRAFT)]
+        taken = [sum(1 for length, agree in mine if length > j and agree > j) for j in range(MAX_DRAFT)]
+        rates[kind] = [t / r if r else 0.0 for t, r in zip(taken, reached)]
+    return rates
+
+
+def measured_rates_units(proposals: list[tuple[int, int, int]], cost: dict[int, float]) -> float:
+    """One-token forwards' worth of time for the tokens after the first, each step verifying the
+    g drafts that maximize E(g) / t(g + 1) under `measured_rates` (g = 0: a plain step)."""
+    rates = measured_rates(proposals)
+    units, i, count = 0.0, 0, len(proposals)
+    while i < count:
+        kind, length, agree = proposals[i]
+        best, best_rate, expected, reach = 0, 1.0, 1.0, 1.0
+        for g in range(1, min(length, count - i - 1) + 1):
+            reach *= rates[kind][g - 1]
+            expected += reach
+            if expected / cost[g + 1] > best_rate:
+                best, best_rate = g, expected / cost[g + 1]
+        units += cost[best + 1]
+        i += min(best, agree) + 1
+    return units
 
 
 def tree_options(drafter, prompt: list[int], answer: list[int], width: int) -> list[list[tuple[int, int]]]:
@@ -164,7 +205,9 @@ def main() -> None:
         tokens = len(answer) - 1
         chain = make_decoder("chain", vocab, relative, engine.settings.chain_drafts)
         replayed = tokens / replayed_units(chain, prompt, answer, vocab, cost)
-        hindsight = tokens / fewest_units(chain_options(drafter_accepts(chain.drafter, prompt, answer)), cost)
+        proposals = drafter_proposals(chain.drafter, prompt, answer)
+        rated = tokens / measured_rates_units(proposals, cost)
+        hindsight = tokens / fewest_units(chain_options([agree for _, _, agree in proposals]), cost)
         tree = max(tokens / fewest_units(tree_options(chain.drafter, prompt, answer, width), cost)
                    for width in (2, 3, 4))
         oracle = tokens / fewest_units(chain_options(oracle_accepts(prompt, answer)), cost)
@@ -174,6 +217,7 @@ def main() -> None:
             "t_ratios": {str(n): round(cost[n], 3) for n in (1, 2, 3, 4, 5, 6, 8, 12, 17, 32, MOST_ROWS)},
             "auto_over_plain_measured": round(measured.get(short, {}).get("speedup_over_plain", {}).get("auto", float("nan")), 3),
             "replayed_over_plain": round(replayed, 3),
+            "measured_rates_bound": round(rated, 3),
             "drafter_hindsight_bound": round(hindsight, 3),
             "tree_hindsight_bound": round(tree, 3),
             "all_occurrences_bound": round(oracle, 3),
@@ -185,7 +229,8 @@ def main() -> None:
         "what": __doc__.split("Writes")[0].strip(),
         "documents": rows,
         "medians": {key: statistics.median(row[key] for row in rows.values())
-                    for key in ("auto_over_plain_measured", "replayed_over_plain", "drafter_hindsight_bound", "tree_hindsight_bound", "all_occurrences_bound")},
+                    for key in ("auto_over_plain_measured", "replayed_over_plain", "measured_rates_bound",
+                                "drafter_hindsight_bound", "tree_hindsight_bound", "all_occurrences_bound")},
     }
     out = Path(__file__).parent / f"{date.today().isoformat()}-cpu-lookup-bound.json"
     out.write_text(json.dumps(report, indent=1) + "\n")

@@ -110,13 +110,14 @@ def test_unknown_pairs_list_the_known_ones():
     ("cpu-only-32gb", "embedded", "fits (CPU only)"),
     ("cpu-only-32gb", "qwen2.5-7b", "fits (CPU only, slow)"),
     ("cpu-only-32gb", "llama3.1-8b", "fits (4-bit, CPU only, slow)"),
-    ("cpu-only-32gb", "qwen3-8b", "does not fit (up to 121K tokens)"),
+    ("cpu-only-32gb", "qwen3-8b", "does not fit (up to 127K tokens)"),
     ("2x-rtx4090", "qwen3-8b", "fits"),
     ("rtx4090-24gb", "llama3.1-8b", "fits (KV offloaded to RAM)"),
     ("rtx4080-16gb", "qwen2.5-7b", "fits (8-bit, KV offloaded to RAM)"),
-    ("rtx3060-12gb", "llama3.1-8b", "fits (4-bit, KV offloaded to RAM, no draft model)"),
-    ("laptop-rtx4060-8gb", "qwen2.5-7b", "does not fit (up to 41K tokens)"),
-    ("laptop-rtx4060-8gb", "qwen3-8b", "does not fit"),  # not even at 1K tokens: a smaller pair instead
+    ("rtx3060-12gb", "llama3.1-8b", "fits (8-bit, KV offloaded to RAM, no draft model)"),
+    ("laptop-rtx4060-8gb", "qwen2.5-7b", "fits (4-bit, KV offloaded to RAM, no draft model)"),
+    ("rtx4060ti-8gb-32gb", "llama3.1-8b", "fits (4-bit, output head too, KV offloaded to RAM, no draft model)"),
+    ("laptop-rtx4060-8gb", "qwen3-8b", "does not fit (up to 78K tokens)"),  # 16 GB of RAM: the KV is the limit
 ])
 def test_the_fit_verdict(profile_name, pair_id, verdict):
     registry = load_registry()
@@ -156,7 +157,7 @@ def test_a_pair_row_keeps_the_listing_keys():
             "fit", "fit_reason", "downloaded", "present_bytes", "status"} <= set(row)
     assert row["fits"] is False and row["fit_reason"].startswith("qwen3-8b at 131,072 tokens does not fit")
     nearest = row["fit_alternatives"][0]
-    assert (nearest["pair_id"], nearest["context"]) == ("qwen3-8b", 123904)
+    assert (nearest["pair_id"], nearest["context"]) == ("qwen3-8b", 130048)
     assert json.loads(json.dumps(row)) == row
 
 
