@@ -29,15 +29,17 @@ class HostEmbedding(torch.nn.Module):
         return self.inner(ids.to("cpu")).to(self.compute_device, non_blocking=True)
 
 
-def embedding_on_cpu(hf_model) -> bool:
-    """Move `hf_model`'s input embedding to the CPU, the rest staying where it is. False (and
-    nothing moved) where the output head shares its weight: the head must stay with the layers."""
+def compute_device(hf_model) -> torch.device:
+    """Where a forward runs: the first decoder layer's device (the embedding may be on the CPU)."""
+    return next(hf_model.base_model.layers[0].parameters()).device
+
+
+def embedding_on_cpu(hf_model) -> None:
+    """Move `hf_model`'s input embedding to the CPU, the rest staying where it is; not where the
+    output head shares its weight, as the head must stay with the layers."""
     embedding, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
-    if head is not None and head.weight is embedding.weight:
-        return False
-    compute_device = next(hf_model.base_model.layers[0].parameters()).device
-    hf_model.set_input_embeddings(HostEmbedding(embedding, compute_device))
-    return True
+    if head is None or head.weight is not embedding.weight:
+        hf_model.set_input_embeddings(HostEmbedding(embedding, compute_device(hf_model)))
 
 
 def _drop_dispatch_hook(module: torch.nn.Module) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from .cpu_linear import use_few_row_linear
 from .hardware import cap_cuda_allocator
-from .host_embedding import embedding_on_cpu
+from .host_embedding import compute_device, embedding_on_cpu
 from .kv.full import FullCache
 from .kv.offload import OffloadedCache
 from .kv.queries import ATTENTION, new_tokens_see_the_past
@@ -134,8 +134,7 @@ class TransformersLM:
 
     @property
     def device(self) -> torch.device:
-        """Where the forward runs: the first decoder layer's device (the embedding may be on the CPU)."""
-        return next(self.hf.base_model.layers[0].parameters()).device
+        return compute_device(self.hf)
 
     def new_cache(self) -> FullCache | OffloadedCache:
         if self.offload_capacity is not None:

@@ -18,6 +18,7 @@ def _saved_llama(path, tied: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
+    # A vocabulary of a multiple of 64, as real ones are: bitsandbytes' CPU nf4 kernel needs it.
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          tie_word_embeddings=tied)
