@@ -397,6 +397,31 @@ def test_at_800_px_the_chat_keeps_the_width_and_tables_break_between_words(page)
         page.set_viewport_size({"width": 1200, "height": 1100})
 
 
+# In the page: when #stop is clicked, and when the page first shows that the answer stopped (a
+# MutationObserver sees each change as it lands, before the next frame).
+WATCH_THE_STOP = """() => {
+    const text = selector => (document.querySelector(selector) || {}).innerText || "";
+    const stopped = () => {
+        const bots = document.querySelectorAll('[data-testid="bot"]');
+        return text('#stats').includes('stopped') || text('#status').includes('Stopped') || bots.length === 0
+            || bots[bots.length - 1].innerText.includes('(stopped)');
+    };
+    const watch = window.stopWatch = {clicked: null, stopped: null};
+    document.querySelector('#stop').addEventListener('click', () => {
+        watch.clicked = performance.now();
+        const check = () => {
+            if (watch.stopped === null && stopped()) {
+                watch.stopped = performance.now();
+                observer.disconnect();
+            }
+        };
+        const observer = new MutationObserver(check);
+        observer.observe(document.body, {subtree: true, childList: true, characterData: true});
+        check();
+    }, {capture: true, once: true});
+}"""
+
+
 def test_stop_during_a_long_read_takes_effect_within_a_second(page):
     new_conversation(page)
     paste_document(page, (DATA / "documents" / "lgpl-2.1.txt").read_text())
@@ -404,14 +429,18 @@ def test_stop_during_a_long_read_takes_effect_within_a_second(page):
     wait_for(lambda: "Reading the prompt" in last_answer(page) and "left" in last_answer(page),
              what="the read's progress bar with the time left")
     shot(page, "reading-progress")
+    page.evaluate(WATCH_THE_STOP)
     clicked = time.monotonic()
     page.locator("#stop").click()
-    wait_for(lambda: "stopped" in stats(page) or "Stopped" in page.locator("#status").inner_text()
-             or "(stopped)" in last_answer(page) or answers(page).count() == 0, timeout=30, what="the stop")
-    took = time.monotonic() - clicked
-    # The issue's bound: the engine stops between two layers, the page polls at 0.2 s (measured
-    # 0.25-0.47 s on this 2-core machine).
-    assert took < 1.0, f"Stop took {took:.2f} s"
+    dispatched = time.monotonic() - clicked
+    watch = wait_for(lambda: page.evaluate("() => window.stopWatch.stopped !== null && window.stopWatch"),
+                     timeout=30, what="the stop")
+    # Timed by the page, from the click event to the page showing the stop, as the user sees it:
+    # Playwright's own wait before it clicks and this test's polling are left out (under load on
+    # 2 cores they took up to seconds). The issue's bound: the engine stops between two layers
+    # (measured 0.3-0.5 s here, on a machine also running a busy loop).
+    took = (watch["stopped"] - watch["clicked"]) / 1000
+    assert took < 1.0, f"Stop took {took:.2f} s in the page (Playwright took {dispatched:.2f} s to click)"
     shot(page, "stopped-during-read")
 
 
