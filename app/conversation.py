@@ -3,7 +3,8 @@ chat shows, and the exports people download. What is rendered (the chat, the Mar
 through `inert_markdown`: no message may make the reader's browser load anything.
 
 A user message: {"role": "user", "content": question as typed, "document": None or
-{"name": str, "text": str, "tokens": int, "note": str}}.
+{"name": str, "text": str, "tokens": int, or None when sent while the model loaded and the tab
+closed before it was counted, "note": str}}.
 An assistant message: {"role": "assistant", "content": str, "partial": bool, "stats": dict or None,
 "origins": list or None, "finish_reason": "stop" | "length" | "cancelled", "context_full": bool,
 "new_tokens": int}; `partial` stays True while it streams and after a crash cut it short.
@@ -245,10 +246,11 @@ def _check_types(conversation: Conversation) -> None:
 def _check_document(document) -> None:
     if document is None:
         return
+    tokens = document.get("tokens") if isinstance(document, dict) else None
     if not (isinstance(document, dict) and isinstance(document.get("name"), str)
-            and isinstance(document.get("text"), str) and _is_number(document.get("tokens"), int)
+            and isinstance(document.get("text"), str) and (tokens is None or _is_number(tokens, int))
             and isinstance(document.get("note", ""), (str, type(None)))):
-        raise ValueError("a document needs a name, text and a token count")
+        raise ValueError("a document needs a name, text and a token count (or null: not counted yet)")
 
 
 def _check_answer(message: dict) -> None:

@@ -78,8 +78,11 @@ class HistoryStore:
                             system=system, preset=preset)
 
     def save(self, conversation: Conversation) -> None:
-        """Write `conversation` (bumping `updated`); one without messages leaves no file."""
+        """Write `conversation` (bumping `updated`); one without messages leaves no file (and
+        takes away the file of a question saved while the model loaded, then taken back)."""
         if not conversation.messages:
+            self._path(conversation.id).unlink(missing_ok=True)
+            self._summaries.pop(conversation.id, None)
             return
         conversation.updated = time.time()
         self._write(conversation)

@@ -162,7 +162,7 @@ class ChatLogic:
             yield View(status="Type a question or attach a document.")
             return
         if self.handle.status() == "loading":
-            loaded = yield from self._wait_for_the_model(question, attachment, pasted, conversation, session)
+            loaded = yield from self._wait_for_the_model(question, attachment, pasted, conversation, settings, session)
             if not loaded:
                 return
         attachment = self._with_pasted(attachment, pasted)
@@ -182,24 +182,30 @@ class ChatLogic:
                    conversations_changed=True, status="")
         yield from self._answer(conversation, settings, session)
 
-    def _wait_for_the_model(self, question: str, attachment: dict | None, pasted: str,
-                            conversation: Conversation | None, session: str) -> Iterator[View]:
+    def _wait_for_the_model(self, question: str, attachment: dict | None, pasted: str, conversation: Conversation | None,
+                            settings: Settings, session: str) -> Iterator[View]:
         """While the model loads, the question shows in the chat at once, its answer's bubble
-        saying so; True once the model is ready. On a failed load or Stop the question goes back
-        into the box (nothing was saved yet: the document's tokens are counted once loaded)."""
+        saying so, and it is saved: a tab closed meanwhile leaves it in its conversation, to
+        answer once reopened. True once the model is ready. Whatever the wait's end, with the page
+        still there the saved question comes back out: `send` saves it again with its document's
+        tokens counted, or puts it back in the box (a failed load, Stop, or too long to fit)."""
         document = attachment or ({"name": PASTED_NAME, "text": pasted, "tokens": None} if (pasted or "").strip()
                                   else None)
-        shown_turn = self._shown_turn(conversation, question, document)
+        asked = self._asked(conversation, question, document, settings)
+        problem = self._save_after_error(asked)
+        shown_turn = dataclasses.replace(asked, messages=[*asked.messages, {"role": "assistant", "content": "",
+                                                                            "partial": True}])
         stopped = self._waits[session] = threading.Event()
         try:
             while self.handle.status() == "loading" and not stopped.is_set():
                 progress = self.handle.progress()
-                yield View(conversation=shown_turn, streaming=True, message="", status="",
+                yield View(conversation=shown_turn, streaming=True, message="", status=problem,
                            pending="⏳ *Loading the model, then this answer starts…* " + inert_markdown(progress))
                 stopped.wait(LOADING_POLL_SECONDS)
         finally:
             if self._waits.get(session) is stopped:
                 del self._waits[session]
+        self._save_after_error(dataclasses.replace(asked, messages=conversation.messages if conversation else []))
         back = View(conversation=conversation, clear_conversation=conversation is None, message=question)
         if stopped.is_set():
             yield dataclasses.replace(back, status="Stopped while the model loaded: your question is back in the box.")
@@ -210,6 +216,17 @@ class ChatLogic:
             yield dataclasses.replace(back, status=problem_text(error))
             return False
         return True
+
+    def _asked(self, conversation: Conversation | None, question: str, document: dict | None,
+               settings: Settings) -> Conversation:
+        """A copy of the conversation (a new one when None) with the question asked, as `send`
+        saves it."""
+        asked = Conversation(**{**dataclasses.asdict(conversation or self.store.new()), "messages": [
+            *(conversation.messages if conversation else []), {"role": "user", "content": question, "document": document}]})
+        asked.system, asked.preset, asked.settings = settings.system, settings.preset, settings.kept()
+        if not conversation or not conversation.messages:
+            asked.title = title_from(question, document)
+        return asked
 
     def _shown_turn(self, conversation: Conversation | None, question: str, document: dict | None) -> Conversation:
         """A copy of the conversation with the question and its empty answer, shown while work that

@@ -184,44 +184,65 @@ def test_a_conversation_reopened_after_a_restart_starts_from_its_documents_saved
         handle.close()
 
 
-def test_a_question_sent_while_the_model_loads_shows_at_once_and_is_answered_once_loaded(tiny_model_dir, tmp_path):
+@pytest.fixture
+def loading_logic(tiny_model_dir, tmp_path):
+    """A ChatLogic whose model loads until the test sets the event it gets along."""
     release = threading.Event()
 
-    def slow_load(model, progress):
-        progress("Calibrating on this machine, once: 1 / 4")
-        release.wait(30)
+    def load(model, progress):
+        progress("Reading the weights...")
+        release.wait(60)
         return load_engine(model, progress)
 
-    handle = EngineHandle(slow_load, str(tiny_model_dir))
-    logic = ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
-    try:
-        views = logic.send("Hello there", None, "", None, SETTINGS, session="s1")
-        first = next(views)
-        assert first.message == "" and first.conversation.messages[-2]["content"] == "Hello there"
-        assert "Loading the model" in first.pending and "Calibrating" in first.pending
-        release.set()
-        rest = run(views)
-        assert saved(logic).messages[-1]["role"] == "assistant" and rest[-1].status == ""
-    finally:
-        release.set()
-        handle.close()
+    handle = EngineHandle(load, str(tiny_model_dir))
+    yield ChatLogic(handle, HistoryStore(tmp_path / "conversations")), release
+    release.set()
+    handle.close()
 
 
-def test_stop_while_the_model_loads_puts_the_question_back(tiny_model_dir, tmp_path):
-    release = threading.Event()
-    handle = EngineHandle(lambda model, progress: release.wait(30) and load_engine(model, progress),
-                          str(tiny_model_dir))
-    logic = ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
-    try:
-        views = logic.send("Stop me", None, "", None, SETTINGS, session="s1")
-        assert "Loading" in next(views).pending
-        logic.stop("s1")
-        (last,) = run(views)
-        assert last.message == "Stop me" and last.clear_conversation and "Stopped" in last.status
-        assert logic.store.list() == []
-    finally:
-        release.set()
-        handle.close()
+def test_a_question_sent_while_the_model_loads_survives_the_tab_closing(loading_logic):
+    logic, release = loading_logic
+    views = logic.send("What is this about?", None, "Some pasted notes.", None, SETTINGS, "tab")
+    first = next(views)
+    assert first.message == "" and first.conversation.messages[-2]["content"] == "What is this about?"
+    assert "Loading the model" in first.pending and "Reading the weights" in first.pending
+    (question,) = saved(logic).messages  # on disk while the model still loads
+    assert question["content"] == "What is this about?" and question["document"]["text"] == "Some pasted notes."
+    views.close()  # the tab closed
+    reopened = saved(logic)
+    assert reopened.messages == [question] and reopened.title != "New conversation"
+    release.set()
+    run(logic.regenerate(reopened, SETTINGS))  # what the reopened page's Regenerate does
+    answered = saved(logic).messages
+    assert [m["role"] for m in answered] == ["user", "assistant"] and answered[1]["content"]
+
+
+def test_a_question_sent_while_the_model_loads_is_answered_and_saved_once(loading_logic):
+    logic, release = loading_logic
+    views = logic.send("Hello there", None, "", None, SETTINGS, "tab")
+    next(views)
+    release.set()
+    rest = run(views)
+    (summary,) = logic.store.list()  # the question saved while loading became this conversation
+    answered = logic.store.load(summary.id).messages
+    assert [m["role"] for m in answered] == ["user", "assistant"] and answered[0]["content"] == "Hello there"
+    assert answered[1]["content"] == rest[-1].conversation.messages[-1]["content"] and rest[-1].status == ""
+
+
+def test_stop_while_the_model_loads_puts_the_question_back_and_keeps_the_conversation_as_it_was(loading_logic):
+    logic, _ = loading_logic
+    earlier = logic.store.new()
+    earlier.messages = [{"role": "user", "content": "Earlier", "document": None},
+                        {"role": "assistant", "content": "Earlier answer", "partial": False}]
+    logic.store.save(earlier)
+    for conversation, left in ((None, []), (earlier, earlier.messages)):
+        views = logic.send("Second thoughts", None, "", conversation, SETTINGS, "tab")
+        next(views)
+        logic.stop("tab")
+        back = run(views)[-1]
+        assert back.message == "Second thoughts" and "back in the box" in back.status
+        assert back.clear_conversation == (conversation is None)
+        assert [logic.store.load(summary.id).messages for summary in logic.store.list()] == [earlier.messages]
 
 
 def test_a_deleted_conversation_comes_back_with_undo_and_repeated_titles_get_their_time(logic):
