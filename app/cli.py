@@ -129,6 +129,9 @@ def _add_model_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=argparse.SUPPRESS,
                         help="a pair id from `specchat models list` (default: embedded) or a local "
                              "transformers model directory")
+    parser.add_argument("--context", default=argparse.SUPPRESS, metavar="N",
+                        help="plan and read the pair at N tokens of prompt and answer (32768, 32K; "
+                             "default: its full context): a pair that does not fit may at a shorter one")
     _add_models_file_option(parser)
 
 
@@ -180,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _set_vram_limit(args)
+        context_of(args)  # a bad --context fails here, before anything loads
         if args.command == "generate":
             return _generate(args)
         if args.command == "calibrate":
@@ -237,6 +241,13 @@ def model_id(args) -> str:
     return getattr(args, "model", "embedded")
 
 
+def context_of(args) -> int | None:
+    """`--context` in tokens, None when not given."""
+    from .plan_cmd import parse_context
+
+    return parse_context(args.context) if hasattr(args, "context") else None
+
+
 def allowed_hosts(args) -> list[str]:
     """--allow-host names and $SPECCHAT_ALLOWED_HOSTS, checked before the server starts."""
     from .security import allowed_host
@@ -275,8 +286,10 @@ def _load(args, model: str | None = None, progress=None):
         if progress is not None:
             progress(message)
 
+    # --context is for the model named at the start; a pair the app switches to later loads whole.
+    context = context_of(args) if model in (None, model_id(args)) else None
     return load_engine(model or model_id(args), progress=report,
-                       registry=reg, download_progress=ProgressLine())
+                       registry=reg, download_progress=ProgressLine(), context=context)
 
 
 def _quiet_transformers() -> None:

@@ -157,7 +157,9 @@ class Engine:
 
     @property
     def context_length(self) -> int:
-        return self.model.context_length
+        """The most tokens a prompt and its answer take: the model's, or less where the plan was
+        made for less (the memory is sized for the plan's)."""
+        return min(self.model.context_length, self.plan.context) if self.plan is not None else self.model.context_length
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation ([{"role", "content"}]) ready for the assistant's turn."""

@@ -14,7 +14,7 @@ from .engine import Engine
 from .hardware import curve_key
 from .runtime import EngineSettings, settings_from_plan
 from .step_calibration import calibrated_step_times
-from .errors import ModelUnavailable, first_line
+from .errors import InputError, ModelUnavailable, first_line
 from .kv.document_store import DocumentStore
 from .model import TransformersLM
 from .placement import LoadOptions, draft_options, target_options
@@ -24,14 +24,19 @@ DOCUMENT_CACHE_BYTES = 8 * 10**9  # disk for saved document caches, least recent
 
 
 def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = print,
-                registry: Registry | None = None, download_progress: ProgressCallback | None = None) -> Engine:
+                registry: Registry | None = None, download_progress: ProgressCallback | None = None,
+                context: int | None = None) -> Engine:
     """Load a pair id from the registry, or a local directory with a config.json.
 
     A Hub pair is downloaded first if it is not in the cache (offline, a missing file is an error
     that names it); its draft must share the target's tokenizer. The first load on a machine
-    calibrates the target's step times (step_calibration.py).
+    calibrates the target's step times (step_calibration.py). A pair is planned, and then reads,
+    at `context` tokens (default: its full context): a shorter one may fit where the full does not.
     """
     registry = registry or load_registry()
+    if context is not None and model_id not in registry.pairs:
+        raise InputError(f"--context applies to a pair of `specchat models list` (it sets the context its plan "
+                         f"is made for); the model directory {model_id!r} reads its own full context")
     if model_id not in registry.pairs:
         path = Path(model_id)
         if (path / "config.json").is_file():
@@ -43,7 +48,9 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
                                    f"{', '.join(sorted(registry.pairs))})")
         raise UnknownPair(f"{registry.unknown_message(model_id)}, or give a local model directory")
     pair = registry.get(model_id)
-    plan = _plan(pair, registry)
+    if context is not None and context > pair.context_length:
+        raise InputError(f"--context {context:,}: {pair.id} reads at most {pair.context_length:,} tokens")
+    plan = _plan(pair, registry, context or pair.context_length)
     options = target_options(plan, pair.target)
     if pair.source == "embedded":
         path, name = embedded.ensure_converted(progress), embedded.EMBEDDED_ID
@@ -66,15 +73,14 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
                   plan=plan, calibration_key=key, target_loader=TargetLoader(str(paths["target"]), options))
 
 
-def _plan(pair, registry: Registry):
-    """The plan for this machine at the pair's full context. A pair that fits nowhere is refused
-    here, before any download, with the plan's reason and the nearest requests that fit
-    (`PlanRefused`, an input error: exit code 2), never loaded in whatever precision happens to
-    work."""
+def _plan(pair, registry: Registry, context: int):
+    """The plan for this machine at `context` tokens. A pair that does not fit is refused here,
+    before any download, with the plan's reason and the nearest requests that fit (`PlanRefused`,
+    an input error: exit code 2), never loaded in whatever precision happens to work."""
     from .hardware import load_or_probe
     from .plan import make_plan
 
-    return make_plan(load_or_probe(), pair, pair.context_length, registry=registry)
+    return make_plan(load_or_probe(), pair, context, registry=registry)
 
 
 def _load(path: Path, name: str, weights_key: str, progress: Callable[[str], None]) -> Engine:

@@ -76,6 +76,18 @@ def test_prompt_longer_than_the_context(tiny_model_dir):
     assert_bad_input(completed, "reads at most 256", "shorten")
 
 
+def test_context_plans_and_reads_a_pair_at_fewer_tokens(embedded_dir, tiny_model_dir):
+    """--context N loads a pair planned for N tokens (one that does not fit whole may at a shorter
+    context), and the engine then reads at most N; more than the pair reads, a bad value, or a
+    model directory (no plan to size): exit 2 before anything loads."""
+    completed = specchat("generate", "--context", "1K", "--prompt", "Summarize.", "--document", DATA / "apache-2.0.txt")
+    assert_bad_input(completed, "reads at most 1024", "shorten")
+    assert_bad_input(specchat("generate", "--context", "16K", "--prompt", "hi"), "embedded reads at most 8,192")
+    assert_bad_input(specchat("--context", "lots", "generate", "--prompt", "hi"), "--context 'lots'")
+    assert_bad_input(specchat("generate", "--model", tiny_model_dir, "--context", "1K", "--prompt", "hi"),
+                     "--context applies to a pair")
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_json_contract(tiny_model_dir, mode):
     completed = specchat("generate", "--model", tiny_model_dir, "--prompt", "Hello there", "--json",
