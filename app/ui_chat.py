@@ -205,7 +205,8 @@ class ChatLogic:
         finally:
             if self._waits.get(session) is stopped:
                 del self._waits[session]
-        self._save_after_error(dataclasses.replace(asked, messages=conversation.messages if conversation else []))
+        # The disk as it was: the conversation itself, or no file for a new one.
+        self._save_after_error(conversation if conversation else dataclasses.replace(asked, messages=[]))
         back = View(conversation=conversation, clear_conversation=conversation is None, message=question)
         if stopped.is_set():
             yield dataclasses.replace(back, status="Stopped while the model loaded: your question is back in the box.")

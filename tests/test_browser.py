@@ -397,15 +397,16 @@ def test_at_800_px_the_chat_keeps_the_width_and_tables_break_between_words(page)
         page.set_viewport_size({"width": 1200, "height": 1100})
 
 
-# In the page: when #stop is clicked, and when the page first shows that the answer stopped (a
-# MutationObserver sees each change as it lands, before the next frame).
-WATCH_THE_STOP = """() => {
+# In the page: when #stop is clicked, and when the page first shows the stop after it (a
+# MutationObserver sees each change as it lands, before the next frame). Stopped: the last bubble
+# no longer shows `started`, or, without it, the page says the answer stopped.
+WATCH_THE_STOP = """started => {
     const text = selector => (document.querySelector(selector) || {}).innerText || "";
-    const stopped = () => {
-        const bots = document.querySelectorAll('[data-testid="bot"]');
-        return text('#stats').includes('stopped') || text('#status').includes('Stopped') || bots.length === 0
-            || bots[bots.length - 1].innerText.includes('(stopped)');
-    };
+    const bots = () => document.querySelectorAll('[data-testid="bot"]');
+    const last = () => { const all = bots(); return all.length ? all[all.length - 1].innerText : ""; };
+    const stopped = () => started ? !last().includes(started)
+        : text('#stats').includes('stopped') || text('#status').includes('Stopped') || bots().length === 0
+          || last().includes('(stopped)');
     const watch = window.stopWatch = {clicked: null, stopped: null};
     document.querySelector('#stop').addEventListener('click', () => {
         watch.clicked = performance.now();
@@ -422,6 +423,20 @@ WATCH_THE_STOP = """() => {
 }"""
 
 
+def stop_and_time(page, started: str | None = None) -> tuple[float, float]:
+    """Click Stop: (seconds from the click event to the page showing the stop, as the page timed
+    them, the user's wait; seconds Playwright took to click, for a failure's message). Playwright's
+    wait before it clicks and this test's polling are left out: under load on 2 cores they took
+    up to seconds."""
+    page.evaluate(WATCH_THE_STOP, started)
+    clicked = time.monotonic()
+    page.locator("#stop").click()
+    dispatched = time.monotonic() - clicked
+    watch = wait_for(lambda: page.evaluate("() => window.stopWatch.stopped !== null && window.stopWatch"),
+                     timeout=30, what="the stop")
+    return (watch["stopped"] - watch["clicked"]) / 1000, dispatched
+
+
 def test_stop_during_a_long_read_takes_effect_within_a_second(page):
     new_conversation(page)
     paste_document(page, (DATA / "documents" / "lgpl-2.1.txt").read_text())
@@ -429,17 +444,9 @@ def test_stop_during_a_long_read_takes_effect_within_a_second(page):
     wait_for(lambda: "Reading the prompt" in last_answer(page) and "left" in last_answer(page),
              what="the read's progress bar with the time left")
     shot(page, "reading-progress")
-    page.evaluate(WATCH_THE_STOP)
-    clicked = time.monotonic()
-    page.locator("#stop").click()
-    dispatched = time.monotonic() - clicked
-    watch = wait_for(lambda: page.evaluate("() => window.stopWatch.stopped !== null && window.stopWatch"),
-                     timeout=30, what="the stop")
-    # Timed by the page, from the click event to the page showing the stop, as the user sees it:
-    # Playwright's own wait before it clicks and this test's polling are left out (under load on
-    # 2 cores they took up to seconds). The issue's bound: the engine stops between two layers
-    # (measured 0.3-0.5 s here, on a machine also running a busy loop).
-    took = (watch["stopped"] - watch["clicked"]) / 1000
+    took, dispatched = stop_and_time(page)
+    # The issue's bound: the engine stops between two layers (0.14-0.15 s here, also with two busy
+    # loops beside it; 2.6 s when forwards cannot stop between layers).
     assert took < 1.0, f"Stop took {took:.2f} s in the page (Playwright took {dispatched:.2f} s to click)"
     shot(page, "stopped-during-read")
 
@@ -453,9 +460,8 @@ def test_a_19k_token_document_gets_every_choice_and_each_one_starts_and_stops(pa
     choose_preset(page, PRESETS["free"])
     huge = "\n\n".join((DATA / name).read_text() for name in ("gpl-3.0.txt", "documents/numpy-LICENSE.txt"))
     paste_document(page, huge)
-    # Summarizing in parts goes first: in the page, Stop's latency creeps up over this loop's big
-    # pastes (in-parts: 0.6 s first, 1.8-2.1 s fourth; the cuts 0.4 -> 0.9 s), though the engine
-    # side stays under 0.05 s; a person does not paste 19K tokens four times a minute.
+    # Summarizing in parts goes first. Stop is timed by the page: timed from here it seemed to
+    # creep up over this loop's big pastes (to 2.1 s), though the engine side stayed under 0.05 s.
     choices = {"in-parts": "Summarizing part 1 of 3", "cut-start": "Reading the prompt",
                "cut-middle": "Reading the prompt", "cut-end": "Reading the prompt"}
     for button, started in choices.items():
@@ -468,10 +474,8 @@ def test_a_19k_token_document_gets_every_choice_and_each_one_starts_and_stops(pa
             shot(page, "19k-choices")
         choice.click()
         wait_for(lambda: started in last_answer(page), what=f"{button} to start")
-        clicked = time.monotonic()
-        page.locator("#stop").click()
-        wait_for(lambda: started not in last_answer(page), timeout=30, what=f"{button} to stop")
-        assert time.monotonic() - clicked < 2.0, button
+        took, dispatched = stop_and_time(page, started)
+        assert took < 2.0, f"{button}: Stop took {took:.2f} s in the page (Playwright took {dispatched:.2f} s to click)"
         new_conversation(page)
         paste_document(page, huge)
 

@@ -235,14 +235,16 @@ def test_stop_while_the_model_loads_puts_the_question_back_and_keeps_the_convers
     earlier.messages = [{"role": "user", "content": "Earlier", "document": None},
                         {"role": "assistant", "content": "Earlier answer", "partial": False}]
     logic.store.save(earlier)
-    for conversation, left in ((None, []), (earlier, earlier.messages)):
-        views = logic.send("Second thoughts", None, "", conversation, SETTINGS, "tab")
+    changed = dataclasses.replace(SETTINGS, system="Be brief.", max_new_tokens=99)  # on the page, never sent
+    for conversation in (None, earlier):
+        views = logic.send("Second thoughts", None, "", conversation, changed, "tab")
         next(views)
         logic.stop("tab")
         back = run(views)[-1]
         assert back.message == "Second thoughts" and "back in the box" in back.status
         assert back.clear_conversation == (conversation is None)
-        assert [logic.store.load(summary.id).messages for summary in logic.store.list()] == [earlier.messages]
+        kept = [logic.store.load(summary.id) for summary in logic.store.list()]
+        assert [(c.messages, c.system, c.settings) for c in kept] == [(earlier.messages, "", earlier.settings)]
 
 
 def test_a_deleted_conversation_comes_back_with_undo_and_repeated_titles_get_their_time(logic):
