@@ -6,7 +6,8 @@ draft token waits a share of that, and each draft token is right with the cell's
 rate, independently (the paper's geometric model). Plain decoding and SI (a chain, at the
 lookahead that is best for each cell, as the paper lets SI pick) run in this thread; DSI runs its
 drafting thread and a real thread pool of target instances, so the orchestrator's and the
-threads' overheads count. Every run must produce the target's text (token 0 everywhere).
+threads' overheads count. Each cell times plain, SI and DSI side by side. Every run must produce
+the target's text (token 0 everywhere).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ INSTANCES = (2, 7)  # two cards, and the paper's node (8 GPUs: 7 target instance
 # generates enough tokens for about this many (few where every draft fails: no variance).
 REJECTIONS = 100
 RUN_SECONDS = 4.0  # ... within about this long a run (slow drafters at high acceptance stop sooner)
-PLAIN_TOKENS = 100
+PLAIN_TOKENS = 100  # plain decoding's time per token is measured over this many (it draws no coins)
 
 
 class _Length:
@@ -115,40 +116,39 @@ def best_si_lookahead(draft_seconds: float, acceptance: float) -> int:
 def cell_tokens(acceptance: float, si_seconds: float, rejections: int) -> int:
     """Tokens for about `rejections` rejections, or RUN_SECONDS of SI (expected `si_seconds` a token)."""
     if acceptance == 0:
-        return 20  # every draft fails: the same time every run
+        return PLAIN_TOKENS  # every draft fails: the same every run, once DSI has learnt it (its first tokens)
     return max(20, min(round(rejections / (1 - acceptance)), int(RUN_SECONDS / si_seconds)))
 
 
-def simulate_cell(draft_share: float, acceptance: float, pool, seed: int, plain_per_token: float,
-                  rejections: int = REJECTIONS) -> dict:
-    """Plain decoding's time is its measured time per token (it draws no coins); SI runs at its
-    best lookahead in expectation (si_seconds_per_token), as the paper lets SI pick its own."""
+def simulate_cell(draft_share: float, acceptance: float, pool, seed: int, rejections: int = REJECTIONS) -> dict:
+    """Plain decoding's time is its time per token measured just before (it draws no coins); SI
+    runs at its best lookahead in expectation (si_seconds_per_token), as the paper lets SI pick."""
     target = WaitingTarget(TARGET_SECONDS)
     draft_seconds = draft_share * TARGET_SECONDS
     si_lookahead = best_si_lookahead(draft_seconds, acceptance)
     expected = si_seconds_per_token(TARGET_SECONDS, draft_seconds, acceptance, si_lookahead)
     tokens = cell_tokens(acceptance, expected, rejections)
-    plain = plain_per_token * tokens
+    plain_tokens = min(tokens, PLAIN_TOKENS)
+    plain = timed_run(PlainDecoder(), target, plain_tokens) / plain_tokens * tokens
     si = timed_run(ChainDecoder(CoinDrafter(draft_seconds, acceptance, seed), FixedLookahead(si_lookahead)), target,
                    tokens)
     dsi_decoder = DsiDecoder(CoinDrafter(draft_seconds, acceptance, seed), pool)
     dsi = timed_run(dsi_decoder, target, tokens)
     return {"draft_share": draft_share, "acceptance": acceptance, "tokens": tokens, "plain_s": plain, "si_s": si,
             "si_lookahead": si_lookahead, "dsi_s": dsi, "dsi_lookahead": dsi_decoder.latencies.lookahead(),
+            "dsi_plain_steps": dsi_decoder.counts["plain_steps"],
             "dsi_over_plain": plain / dsi, "dsi_over_si": si / dsi, "si_over_plain": plain / si}
 
 
 def run_dsi_simulation(out_dir: Path, instances: tuple[int, ...] = INSTANCES, draft_shares=DRAFT_SHARES,
                        acceptances=ACCEPTANCES, rejections: int = REJECTIONS, progress=print) -> list[Path]:
     grids = {}
-    target = WaitingTarget(TARGET_SECONDS)
-    plain_per_token = timed_run(PlainDecoder(), target, PLAIN_TOKENS) / PLAIN_TOKENS
     for count in instances:
         pool = thread_pool([WaitingTarget(TARGET_SECONDS) for _ in range(count)])
         cells = []
         for share in draft_shares:
             for acceptance in acceptances:
-                cells.append(simulate_cell(share, acceptance, pool, len(cells), plain_per_token, rejections))
+                cells.append(simulate_cell(share, acceptance, pool, len(cells), rejections))
                 progress(f"{count} instances, draft {share:.0%} of the target, acceptance {acceptance:.0%}: "
                          f"DSI {cells[-1]['dsi_over_plain']:.2f}x plain, {cells[-1]['dsi_over_si']:.2f}x SI")
         pool.close()
@@ -157,11 +157,10 @@ def run_dsi_simulation(out_dir: Path, instances: tuple[int, ...] = INSTANCES, dr
             "dsi_over_plain_min": min(c["dsi_over_plain"] for c in cells),
             "dsi_over_si_min": min(c["dsi_over_si"] for c in cells),
         }
-    report = {"date": date.today().isoformat(), "target_seconds": TARGET_SECONDS,
-              "plain_seconds_per_token": plain_per_token, "rejections_per_cell": rejections,
-              "method": "waits through specchat's PlainDecoder (measured per token), ChainDecoder (SI at its best "
-                        "lookahead in expectation) and DsiDecoder (its drafting thread and a real thread pool of "
-                        "target instances)",
+    report = {"date": date.today().isoformat(), "target_seconds": TARGET_SECONDS, "rejections_per_cell": rejections,
+              "method": "waits through specchat's PlainDecoder (its time per token, measured in each cell), "
+                        "ChainDecoder (SI at its best lookahead in expectation) and DsiDecoder (its drafting thread "
+                        "and a real thread pool of target instances), side by side in each cell",
               "instances": grids}
     return write_report(report, out_dir, "dsi-simulation", draw_dsi)
 

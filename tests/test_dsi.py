@@ -17,7 +17,7 @@ from specchat.core.decoding import DecodeState, decode, prefill_all, triforce_dr
 from specchat.core.dsi_pool import thread_pool, wait_unless_cancelled
 from specchat.core.sampling import SamplingParams, make_generator
 from specchat.core.spec.drafters import PromptLookupDrafter
-from specchat.core.spec.dsi import DsiDecoder, resolve
+from specchat.core.spec.dsi import DsiDecoder, Latencies, resolve
 from specchat.core.spec.hierarchy import ModelDrafter
 
 
@@ -41,6 +41,17 @@ class Slow:
 
 def instances(model, count, seconds=0.01, jitter=0.0):
     return thread_pool([Slow(copy.deepcopy(model), seconds, jitter, seed) for seed in range(count)])
+
+
+def alternating(decoder: DsiDecoder, period: int) -> DsiDecoder:
+    """The instances for `period` positions, then plain steps on the engine's own target for as
+    many, and so on, whatever the cost model would say: exactness must not depend on which."""
+    def pays():
+        state = decoder._state
+        return state is None or (state.ids.shape[0] // period) % 2 == 0
+
+    decoder.latencies.pays = pays
+    return decoder
 
 
 def run_dsi(model, prompt, params, max_new_tokens, decoder):
@@ -84,25 +95,73 @@ def test_greedy_dsi_equals_greedy_plain(drafter, workers, jitter):
     assert cancelled > 0 or workers == 1  # rejections cancelled tasks built on the rejected drafts
 
 
+def test_greedy_dsi_equals_greedy_plain_through_plain_steps_and_back():
+    """Plain steps on the engine's own target every other three positions: the drafts kept past
+    a plain step whose token equals the next draft are verified by the instances after it."""
+    plain_steps = tasks = 0
+    for seed in range(2):
+        target = tiny_llama(seed, weight_scale=8.0)
+        pool = instances(target, 2, jitter=0.005)
+        for name, prompt in prompts(seed).items():
+            plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
+            for source in (PromptLookupDrafter(target.vocab_size, min_ngram=1),
+                           ModelDrafter(noisy_copy(seed, 0.3, weight_scale=8.0), 2, 16, False, "pair")):
+                decoder = alternating(DsiDecoder(source, pool), 3)
+                parallel, _ = run_dsi(target, prompt, SamplingParams(), 40, decoder)
+                assert parallel == plain, (seed, name, type(source).__name__)
+                counts = decoder.stage_counts()["dsi"]
+                plain_steps, tasks = plain_steps + counts["plain_steps"], tasks + counts["accepted"]
+        pool.close()
+    assert plain_steps > 50 and tasks > 50
+
+
+def test_the_instances_pay_by_the_cost_model_against_a_plain_step():
+    latencies = Latencies(instances=2)
+    assert latencies.pays()  # nothing measured yet: the instances, as DSI was asked for
+    latencies.observe_task(0.020, wall=0.0205)  # each task also waits 0.5 ms for its handoff
+    latencies.observe_draft(0.0004, 1)
+    assert latencies.pays()  # the prior acceptance (70%) with a drafter at 2% of the target
+    for _ in range(40):
+        latencies.observe_verdict(1, 0)
+    assert not latencies.pays()  # every draft fails: a task is a plain step plus its handoff
+    for _ in range(40):
+        latencies.observe_verdict(4, 4)
+    assert latencies.pays() and latencies.lookahead() > 1
+    latencies.observe_draft(0.020, 1)  # a drafter as slow as the target: nothing to hide it behind
+    for _ in range(40):
+        latencies.observe_draft(0.020, 1)
+    assert not latencies.pays()
+    latencies.observe_local(0.040)  # ... unless a plain step here is slower than an instance's
+    assert latencies.pays()
+
+
 @pytest.mark.slow
-def test_sampled_dsi_over_the_hierarchy_samples_from_the_target(params=SamplingParams(temperature=0.7, top_p=0.9)):
+@pytest.mark.parametrize("period", [None, 1])
+def test_sampled_dsi_over_the_hierarchy_samples_from_the_target(period, params=SamplingParams(temperature=0.7,
+                                                                                               top_p=0.9)):
     """TriForce's hierarchy below (a noisy draft over a streaming cache, verified by the target over
     a retrieval cache) drafts for DSI over two instances that answer in random order: the first
-    four tokens follow the target's exact sequence distribution."""
+    four tokens follow the target's exact sequence distribution. With `period` 1, every other
+    position is a plain step on the engine's own target, whose token keeps the drafts after it
+    when it equals the next draft."""
     target, draft, prompt, settings = sampled_hierarchy()
     exact = exact_sequence_probs(target, prompt, params, 4)
     counts = torch.zeros_like(exact)
     pool = instances(target, 2, seconds=0.004, jitter=0.002)
-    drafted = accepted = 0
+    drafted = accepted = plain_steps = 0
     for sample in range(1200):
         run_params = SamplingParams(params.temperature, params.top_k, params.top_p, seed=sample)
         decoder = DsiDecoder(triforce_drafter(target, settings, draft), pool)
+        if period is not None:
+            alternating(decoder, period)
         tokens, steps = run_dsi(target, prompt, run_params, 4, decoder)
         counts[tuple(tokens)] += 1
         drafted += sum(s.drafted for s in steps)
         accepted += sum(s.accepted for s in steps)
+        plain_steps += decoder.counts["plain_steps"]
     pool.close()
     assert drafted > 500 and 0.1 * drafted < accepted < 0.95 * drafted, (drafted, accepted)
+    assert (plain_steps > 300) == (period is not None), plain_steps
     assert chi_square_p_value(counts, exact) > 1e-3
 
 

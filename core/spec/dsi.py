@@ -15,6 +15,15 @@ residual and cancels every task built on the rejected draft. A task whose drafts
 checks the next draft too with its last row; if there is none yet, that row gives the bonus token.
 Which task resolves which position depends on timing, never on a draft's value, so exactness
 holds whatever the instances' speeds.
+
+Every task costs a handoff to an instance and back, and every cancelled one a message. Where
+the cost model, pricing a task at its measured latency with that handoff, says the instances
+cannot beat plain steps (drafts that keep failing, a drafter as slow as the target), the
+orchestrator runs plain steps on the engine's own target instead, measuring the drafter's next
+draft against each (min(1, P/Q) at its token: no verification, no pass over the vocabulary),
+and goes back to the instances once the acceptance so measured says they pay. A plain step
+samples the target's P at the frontier itself, and whether to take one depends on past
+verdicts only: exactness holds there too.
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ class Task:
     id: int
     first: int  # the first position its rows predict (the frontier when it was sent)
     end: int  # tokens it ran; its last row predicts position `end`
+    sent: float  # time.perf_counter() when it was sent
 
 
 def resolve(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
@@ -98,26 +108,37 @@ def resolve(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
 
 
 class Latencies:
-    """Measured seconds of a verification task and of drafting one token (moving averages), and
-    the drafts' acceptance, which choose the lookahead: the one with the lowest expected time per
-    token in DSI's cost model (dsi_cost.py). Where drafts are nearly always accepted that is the
-    paper's choice, the smallest that keeps an instance free; where they often fail, shorter
-    blocks, whose tasks end sooner and waste less."""
+    """Measured seconds of a verification task, of the handoff around it (sending the task and
+    receiving its result), of drafting one token and of a plain step on the engine's own target
+    (moving averages), and the drafts' acceptance. They choose the lookahead, the one with the
+    lowest expected time per token in DSI's cost model (dsi_cost.py), a task priced at its
+    latency plus the handoff: where drafts are nearly always accepted that is the paper's
+    choice, the smallest that keeps an instance free; where they often fail, shorter blocks,
+    whose tasks end sooner and waste less. And whether the instances pay at all: the cost
+    model's time per token at that lookahead against a plain step's."""
 
     def __init__(self, instances: int, cap: int = MAX_DRAFT, start: int = 4):
         self.instances, self.cap, self.start = instances, cap, start
         self.target: float | None = None
+        self.handoff: float | None = None
         self.draft: float | None = None
+        self.local: float | None = None  # a plain step's forward (None: not run yet, as a task's)
         self.drafted, self.accepted = PRIOR_DRAFTS, PRIOR_DRAFTS * PRIOR_ACCEPTANCE  # decayed counts
-        self._chosen: int | None = None  # the lookahead for the figures above (None: to compute)
+        self._chosen: tuple[int, bool] | None = None  # (lookahead, pays) for the figures above
 
-    def observe_task(self, seconds: float) -> None:
-        self.target = seconds if self.target is None else (1 - EWMA) * self.target + EWMA * seconds
+    def observe_task(self, seconds: float, wall: float | None) -> None:
+        """A task ran `seconds`; `wall`: from sending it to receiving its result (None: unknown)."""
+        self.target = _average(self.target, seconds)
+        if wall is not None:
+            self.handoff = _average(self.handoff, max(0.0, wall - seconds))
         self._chosen = None
 
     def observe_draft(self, seconds: float, tokens: int) -> None:
-        per_token = seconds / tokens
-        self.draft = per_token if self.draft is None else (1 - EWMA) * self.draft + EWMA * per_token
+        self.draft = _average(self.draft, seconds / tokens)
+        self._chosen = None
+
+    def observe_local(self, seconds: float) -> None:
+        self.local = _average(self.local, seconds)
         self._chosen = None
 
     def observe_verdict(self, drafted: int, accepted: int) -> None:
@@ -126,13 +147,27 @@ class Latencies:
         self._chosen = None
 
     def lookahead(self) -> int:
+        return self._choose()[0]
+
+    def pays(self) -> bool:
+        """Whether the instances are expected to beat plain steps (before any measurement: yes)."""
+        return self._choose()[1]
+
+    def _choose(self) -> tuple[int, bool]:
         if self.target is None or self.draft is None:
-            return min(self.start, self.cap)
+            return min(self.start, self.cap), True
         if self._chosen is None:  # asked several times per step, changed once per result
             acceptance = self.accepted / self.drafted
-            self._chosen = min(range(1, self.cap + 1), key=lambda k: dsi_seconds_per_token(
-                self.target, self.draft, acceptance, k, self.instances))
+            latency = self.target + (self.handoff or 0.0)
+            costs = {k: dsi_seconds_per_token(latency, self.draft, acceptance, k, self.instances)
+                     for k in range(1, self.cap + 1)}
+            best = min(costs, key=costs.get)
+            self._chosen = best, costs[best] < (self.target if self.local is None else self.local)
         return self._chosen
+
+
+def _average(mean: float | None, sample: float) -> float:
+    return sample if mean is None else (1 - EWMA) * mean + EWMA * sample
 
 
 _drafting: weakref.WeakSet[DsiDecoder] = weakref.WeakSet()  # decoders whose drafting thread started
@@ -148,7 +183,8 @@ class DsiDecoder:
     resolves, covers the new frontier at once and sends each lookahead of drafts to an idle
     instance. So a finished task is resolved at once, never after a draft forward, and only the
     caller's thread gives out instances: an instance that just answered always goes to the
-    frontier first. The engine's own cache is not advanced: the instances hold the text's KV.
+    frontier first. The engine's own cache advances only with plain steps, where the instances
+    do not pay (`Latencies.pays`): it then reads whatever the instances committed since.
     `close` stops the drafting thread (decoding.decode calls it after each answer).
     """
 
@@ -163,7 +199,8 @@ class DsiDecoder:
         self.exhausted = False  # the drafter found nothing to add to the current chain
         self.closed = False
         self.error: Exception | None = None  # the drafting thread's, raised in the caller's
-        self.counts = {"instances": pool.size, "dispatched": 0, "cancelled": 0, "accepted": 0, "hidden_ms": 0}
+        self.counts = {"instances": pool.size, "dispatched": 0, "cancelled": 0, "accepted": 0, "hidden_ms": 0,
+                       "plain_steps": 0}  # plain steps: on the engine's own target, where the instances did not pay
         self._task_seconds = 0.0  # run time of the tasks whose results were used
         self._waited = 0.0  # time the caller spent waiting for a result
         self._changed = threading.Condition()  # guards all of the above; wakes the drafting thread
@@ -222,25 +259,62 @@ class DsiDecoder:
                 if self.error is not None:
                     raise self.error
                 step = self._resolve(state, budget)
-                if self._covering(state.ids.shape[0], finished_only=False) is None and self.pool.idle():
-                    self._submit(state)  # nothing covers the frontier: a task for it now
-                self._dispatch_block(state)
+                pays = self.latencies.pays()
+                if step is None and not pays and not self.live:  # a live task would cover the frontier
+                    break
+                if pays:
+                    if self._covering(state.ids.shape[0], finished_only=False) is None and self.pool.idle():
+                        self._submit(state)  # nothing covers the frontier: a task for it now
+                    self._dispatch_block(state)
                 if step is not None:
                     self._changed.notify_all()
                     return step
             started = time.perf_counter()
             finished = self.pool.results(None)
+            received = time.perf_counter()
             with self._changed:
-                self._waited += time.perf_counter() - started
+                self._waited += received - started
                 for task_id, logits, seconds in finished:
-                    self.latencies.observe_task(seconds)
-                    if task_id in self.live:
+                    task = self.live.get(task_id)
+                    self.latencies.observe_task(seconds, None if task is None else received - task.sent)
+                    if task is not None:
                         self.done[task_id] = (logits, seconds)
+        return self._plain_step(state, budget)
+
+    def _plain_step(self, state: DecodeState, budget: int) -> Step:
+        """One forward of the engine's own target over what its cache lacks (the tokens the
+        instances committed since its last step, and the newest), and its token. The next draft
+        is not verified, only measured: min(1, P/Q) at its token, whose expectation over the
+        draft is the acceptance rate, costs no pass over the vocabulary. Where the target's token
+        equals that draft the drafts after it still continue the text (`_extend`'s argument)."""
+        from ..decoding import Step
+
+        start = state.cache.length
+        started = time.perf_counter()
+        logits = state.model.forward(state.ids[start:], torch.arange(start, state.ids.shape[0]), state.cache)
+        seconds = time.perf_counter() - started
+        p = warp(logits[-1], state.params)
+        token = sample(p, state.generator)
+        with self._changed:
+            if start == state.ids.shape[0] - 1:  # a catch-up over more tokens is no plain step's time
+                self.latencies.observe_local(seconds)
+            self.counts["plain_steps"] += 1
+            if self.drafts:
+                draft = self.drafts[0]
+                self.latencies.observe_verdict(1, min(1.0, float(p[draft] / self.q[0][draft])))
+            if self.drafts and self.drafts[0] == token:
+                del self.drafts[:1], self.q[:1]
+            else:
+                self.drafts, self.q = [], []
+            state.commit([token])
+            self.exhausted = False
+            self._changed.notify_all()
+        return Step([token])
 
     def _submit(self, state: DecodeState) -> None:
         tokens = torch.cat([state.ids, torch.tensor(self.drafts, dtype=torch.long)])
         task_id = self.pool.submit(tokens, len(self.drafts) + 1)
-        self.live[task_id] = Task(task_id, state.ids.shape[0], tokens.shape[0])
+        self.live[task_id] = Task(task_id, state.ids.shape[0], tokens.shape[0], time.perf_counter())
         self.counts["dispatched"] += 1
 
     def _covering(self, frontier: int, finished_only: bool) -> Task | None:
@@ -250,8 +324,7 @@ class DsiDecoder:
         return max(tasks, key=lambda t: t.end, default=None)
 
     def _resolve(self, state: DecodeState, budget: int) -> Step | None:
-        from ..decoding import Step
-
+        """The frontier resolved by the finished task that covers it, if there is one."""
         frontier = state.ids.shape[0]
         task = self._covering(frontier, finished_only=True)
         if task is None:
@@ -260,7 +333,13 @@ class DsiDecoder:
         del self.live[task.id]
         self.counts["accepted"] += 1  # a task whose verdict was used
         self._task_seconds += seconds
-        p = warp(logits[frontier - task.first:], state.params)  # positions frontier..task.end
+        return self._verdict(state, warp(logits[frontier - task.first:], state.params), budget)
+
+    def _verdict(self, state: DecodeState, p: torch.Tensor, budget: int) -> Step:
+        """Commit what the target's P at the frontier and the positions after it (p [m, vocab])
+        says of the drafts there, and drop what that invalidates."""
+        from ..decoding import Step
+
         g = min(len(self.drafts), p.shape[0])
         drafts = torch.tensor(self.drafts[:g], dtype=torch.long)
         q = torch.stack(self.q[:g]) if g else p[:0]
@@ -315,7 +394,7 @@ class DsiDecoder:
                 else:
                     self.latencies.observe_draft(seconds, len(proposal))
                     self._extend(chain, proposal)
-                if self._block_ready(state) and self.pool.idle():
+                if self.latencies.pays() and self._block_ready(state) and self.pool.idle():
                     self.pool.wake()  # the caller's thread sends it
 
     def _current(self) -> torch.Tensor:
@@ -339,8 +418,9 @@ class DsiDecoder:
 
     def _room(self) -> int:
         """Drafts worth holding: a lookahead for each instance, and the next one being drafted
-        while they all verify (so an instance that frees finds a block ready)."""
-        return self.latencies.lookahead() * (self.pool.size + 1)
+        while they all verify (so an instance that frees finds a block ready). During plain
+        steps one: the draft each is measured against."""
+        return self.latencies.lookahead() * (self.pool.size + 1) if self.latencies.pays() else 1
 
     def _unsent(self, state: DecodeState) -> int:
         """Drafts no live task holds yet."""
