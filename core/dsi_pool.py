@@ -88,8 +88,12 @@ class TargetLoader:
         transformers.utils.logging.disable_progress_bar()
 
         options = self.options
-        if device != "cpu":
-            options = replace(options, device_map=device)
+        if options is not None:
+            # A "cpu" instance stands in for a GPU beside a target on one (a single-card plan):
+            # it runs on the CPU in the plan's dtype, without the GPU-only options.
+            gpu_only = {} if device != "cpu" else dict(quantization=None, quantize_head=False,
+                                                        offload_capacity=None, embedding_on_cpu=False)
+            options = replace(options, device_map=device, **gpu_only)
         return TransformersLM.from_pretrained(self.path, options)
 
 
@@ -129,6 +133,7 @@ class InstancePool:
         self._inboxes = [make_queue() for _ in range(size)]
         self._cancels = [make_event() for _ in range(size)]
         self._running: dict[int, int] = {}  # instance -> the task it runs
+        self.finished = [0] * size  # tasks each instance ran to the end, over the pool's life
         self._ids = itertools.count()
         self._workers = [start(index, self._inboxes[index], self._outbox, self._cancels[index])
                          for index in range(size)]  # threads or processes
@@ -172,6 +177,7 @@ class InstancePool:
             self._idle.append(index)
             if isinstance(result, str):
                 raise SpecchatError(f"a DSI target instance failed: {result}")
+            self.finished[index] += result is not None
         return [(task_id, torch.from_numpy(logits), seconds) for task_id, _, logits, seconds in finished
                 if logits is not None]
 

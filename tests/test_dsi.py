@@ -204,3 +204,86 @@ def test_a_cancelled_forward_leaves_the_instance_as_if_it_never_ran():
         again = instance.run(tokens[:-1], 5)
     fresh = dsi_pool.CacheInstance(tiny_llama(3)).run(tokens[:-1], 5)
     assert torch.equal(again, fresh)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@CUDA
+def test_greedy_dsi_over_cuda_processes_through_plain_steps_on_the_shared_target(tmp_path):
+    """The GPU worker path on one card, through plain steps: the engine's own target serves
+    instance 0 from a thread while the decoder's plain steps run on it too (each thread with its
+    own cache and cancel flag), and a spawned process holds the second copy."""
+    from specchat.core.dsi_pool import TargetLoader, process_pool
+    from specchat.core.placement import LoadOptions
+
+    tiny_llama(0, weight_scale=8.0).hf.save_pretrained(tmp_path)
+    loader = TargetLoader(str(tmp_path), LoadOptions("float64", "cuda:0", None, None))
+    target = loader("cuda:0")
+    pool = process_pool(loader, ["cuda:0", "cuda:0"], local=target)
+    plain_steps = tasks = 0
+    for name, prompt in prompts(0).items():
+        plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
+        for source in (PromptLookupDrafter(target.vocab_size, min_ngram=1),
+                       ModelDrafter(noisy_copy(0, 0.3, weight_scale=8.0), 2, 16, False, "pair")):
+            decoder = alternating(DsiDecoder(source, pool), 3)
+            parallel, _ = run_dsi(target, prompt, SamplingParams(), 40, decoder)
+            assert parallel == plain, (name, type(source).__name__)
+            counts = decoder.stage_counts()["dsi"]
+            plain_steps, tasks = plain_steps + counts["plain_steps"], tasks + counts["accepted"]
+    assert plain_steps > 20 and tasks > 20
+    assert all(count > 0 for count in pool.finished), pool.finished
+    pool.close()
+
+
+@pytest.mark.slow
+@CUDA
+def test_greedy_dsi_over_cuda_instances_equals_plain_on_a_document(embedded_dir):
+    """The GPU worker path on one card (issue 17): the engine's own target is instance 0, served
+    from a thread; a spawned process loads the second copy onto the same card, as it would onto
+    a second one. The embedded model in fp32 on a 3K-token document: identical to plain, again
+    once the instances hold the prompt, after a stopped answer, and sampling runs through.
+    (bf16 rounds near-ties differently in single and batched forwards, plain decoding included.)"""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from conftest import DATA
+    from specchat.app.documents import user_turn
+    from specchat.core.dsi_pool import TargetLoader
+    from specchat.core.engine import Engine, Finished, TextDelta
+    from specchat.core.placement import LoadOptions
+    from specchat.core.runtime import EngineSettings
+
+    loader = TargetLoader(str(embedded_dir), LoadOptions("float32", "cuda:0", None, None))
+    engine = Engine(loader("cuda:0"), AutoTokenizer.from_pretrained(embedded_dir), "embedded",
+                    settings=EngineSettings(dsi_devices=("cuda:0", "cuda:0")), target_loader=loader)
+    text = (DATA / "gpl-3.0.txt").read_text()
+    turn = user_turn("Summarize this document.", text[:text.rfind("\n\n", 0, 14000)])
+    prompt = engine.chat_ids([{"role": "user", "content": turn}])
+    assert 2800 <= len(prompt) <= 3300
+
+    def answer(mode, sampling=SamplingParams(), stop_after=None):
+        cancel, produced = threading.Event(), 0
+        for event in engine.generate(prompt, 96, sampling, mode, cancel=cancel):
+            if isinstance(event, TextDelta):
+                produced += len(event.token_ids)
+                if stop_after is not None and produced >= stop_after:
+                    cancel.set()
+            elif isinstance(event, Finished):
+                return event.result
+
+    plain = answer("plain")
+    first, again = answer("dsi"), answer("dsi")  # the second: the instances already hold the prompt
+    stopped = answer("dsi", stop_after=8)
+    after_stop = answer("dsi")
+    sampled = answer("dsi", SamplingParams(temperature=0.7, top_p=0.9, seed=1))
+    for name, result in (("first", first), ("again", again), ("after a stop", after_stop)):
+        assert result.token_ids == plain.token_ids, name
+        counts = result.stats.stages["dsi"]
+        assert counts["instances"] == 2 and counts["accepted"] > 0, (name, counts)
+    assert stopped.finish_reason == "cancelled" and stopped.token_ids == plain.token_ids[:len(stopped.token_ids)]
+    assert sampled.finish_reason in ("stop", "length") and sampled.new_tokens > 0
+    pool = engine._dsi_pool[1]
+    assert all(count > 0 for count in pool.finished), pool.finished  # the spawned process verified too
+    pool.close()
