@@ -118,7 +118,8 @@ def test_greedy_dsi_equals_greedy_plain_through_plain_steps_and_back():
 def test_the_instances_pay_by_the_cost_model_against_a_plain_step():
     latencies = Latencies(instances=2)
     assert latencies.pays()  # nothing measured yet: the instances, as DSI was asked for
-    latencies.observe_task(0.020, wall=0.0205)  # each task also waits 0.5 ms for its handoff
+    latencies.observe_task(0.020)
+    latencies.observe_handoff(0.0005)  # each task also waits 0.5 ms for its handoff and verdict
     latencies.observe_draft(0.0004, 1)
     assert latencies.pays()  # the prior acceptance (70%) with a drafter at 2% of the target
     for _ in range(40):

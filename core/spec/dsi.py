@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 EWMA = 0.3  # weight of the newest latency measurement
 DECAY = 0.9  # of the acceptance counts, per verdict
-PRIOR_DRAFTS, PRIOR_ACCEPTANCE = 4.0, 0.7  # before any verdict: as if 4 drafts, 70% accepted
+PRIOR_DRAFTS, PRIOR_ACCEPTANCE = 1.0, 0.7  # before any verdict: as if 1 draft, 70% accepted
 
 
 class TargetPool(Protocol):
@@ -108,29 +108,32 @@ def resolve(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
 
 
 class Latencies:
-    """Measured seconds of a verification task, of the handoff around it (sending the task and
-    receiving its result), of drafting one token and of a plain step on the engine's own target
-    (moving averages), and the drafts' acceptance. They choose the lookahead, the one with the
-    lowest expected time per token in DSI's cost model (dsi_cost.py), a task priced at its
-    latency plus the handoff: where drafts are nearly always accepted that is the paper's
-    choice, the smallest that keeps an instance free; where they often fail, shorter blocks,
-    whose tasks end sooner and waste less. And whether the instances pay at all: the cost
-    model's time per token at that lookahead against a plain step's."""
+    """Measured seconds of a verification task, of the handoff around it (from sending a task
+    that covers the frontier to its verdict committed, less its run: the queues, the threads'
+    wake-ups and the verification), of drafting one token (the drafting thread's whole turn)
+    and of a whole plain step on the engine's own target (moving averages), and the drafts'
+    acceptance. They choose the lookahead, the one with the lowest expected time per token in
+    DSI's cost model (dsi_cost.py), a task priced at its latency plus the handoff: where drafts
+    are nearly always accepted that is the paper's choice, the smallest that keeps an instance
+    free; where they often fail, shorter blocks, whose tasks end sooner and waste less. And
+    whether the instances pay at all: the cost model's time per token at that lookahead
+    against a plain step's."""
 
     def __init__(self, instances: int, cap: int = MAX_DRAFT, start: int = 4):
         self.instances, self.cap, self.start = instances, cap, start
         self.target: float | None = None
         self.handoff: float | None = None
         self.draft: float | None = None
-        self.local: float | None = None  # a plain step's forward (None: not run yet, as a task's)
+        self.local: float | None = None  # a whole plain step (None: not run yet, as a task's)
         self.drafted, self.accepted = PRIOR_DRAFTS, PRIOR_DRAFTS * PRIOR_ACCEPTANCE  # decayed counts
         self._chosen: tuple[int, bool] | None = None  # (lookahead, pays) for the figures above
 
-    def observe_task(self, seconds: float, wall: float | None) -> None:
-        """A task ran `seconds`; `wall`: from sending it to receiving its result (None: unknown)."""
+    def observe_task(self, seconds: float) -> None:
         self.target = _average(self.target, seconds)
-        if wall is not None:
-            self.handoff = _average(self.handoff, max(0.0, wall - seconds))
+        self._chosen = None
+
+    def observe_handoff(self, seconds: float) -> None:
+        self.handoff = _average(self.handoff, max(0.0, seconds))
         self._chosen = None
 
     def observe_draft(self, seconds: float, tokens: int) -> None:
@@ -206,6 +209,8 @@ class DsiDecoder:
         self._changed = threading.Condition()  # guards all of the above; wakes the drafting thread
         self._drafting: threading.Thread | None = None
         self._state: DecodeState | None = None  # the answer's, for the drafting thread's view of the chain
+        self._returned: float | None = None  # time.perf_counter() when the last step ended
+        self._frontier_task: tuple[float, float] | None = None  # (sent, seconds) of a resolving frontier task
 
     @property
     def drafter_wants_queries(self) -> bool:
@@ -268,6 +273,12 @@ class DsiDecoder:
                     self._dispatch_block(state)
                 if step is not None:
                     self._changed.notify_all()
+                    previous, self._returned = self._returned, time.perf_counter()
+                    # A task sent for the frontier had its whole handoff on the critical path
+                    # (the first step's may have waited for the engine's prompt read instead).
+                    if self._frontier_task is not None and previous is not None:
+                        sent, seconds = self._frontier_task
+                        self.latencies.observe_handoff(self._returned - sent - seconds)
                     return step
             started = time.perf_counter()
             finished = self.pool.results(None)
@@ -276,7 +287,7 @@ class DsiDecoder:
                 self._waited += received - started
                 for task_id, logits, seconds in finished:
                     task = self.live.get(task_id)
-                    self.latencies.observe_task(seconds, None if task is None else received - task.sent)
+                    self.latencies.observe_task(seconds)
                     if task is not None:
                         self.done[task_id] = (logits, seconds)
         return self._plain_step(state, budget)
@@ -290,14 +301,16 @@ class DsiDecoder:
         from ..decoding import Step
 
         start = state.cache.length
-        started = time.perf_counter()
         logits = state.model.forward(state.ids[start:], torch.arange(start, state.ids.shape[0]), state.cache)
-        seconds = time.perf_counter() - started
         p = warp(logits[-1], state.params)
         token = sample(p, state.generator)
         with self._changed:
-            if start == state.ids.shape[0] - 1:  # a catch-up over more tokens is no plain step's time
-                self.latencies.observe_local(seconds)
+            previous, self._returned = self._returned, time.perf_counter()
+            # From the last step's end, as a frontier task's handoff is from its sending (in the
+            # last step): the caller's time between steps counts in both. A catch-up over more
+            # tokens is no plain step's time.
+            if start == state.ids.shape[0] - 1 and previous is not None:
+                self.latencies.observe_local(self._returned - previous)
             self.counts["plain_steps"] += 1
             if self.drafts:
                 draft = self.drafts[0]
@@ -331,6 +344,7 @@ class DsiDecoder:
             return None
         logits, seconds = self.done.pop(task.id)
         del self.live[task.id]
+        self._frontier_task = (task.sent, seconds) if task.first == frontier else None
         self.counts["accepted"] += 1  # a task whose verdict was used
         self._task_seconds += seconds
         return self._verdict(state, warp(logits[frontier - task.first:], state.params), budget)
@@ -377,22 +391,22 @@ class DsiDecoder:
                     self._changed.wait()
                 if self.closed:
                     return
-                want = max(1, self.latencies.lookahead() - self._unsent(state))
+                started = time.perf_counter()  # a draft's time: this loop's whole turn, its locks included
+                # Read under the lock: a step may change the room (plain steps or not) meanwhile.
+                count = min(max(1, self.latencies.lookahead() - self._unsent(state)), self._room() - len(self.drafts))
                 chain = torch.cat([state.ids, torch.tensor(self.drafts, dtype=torch.long)])
                 drafting = replace(state, ids=state.ids, generator=generator)
-            started = time.perf_counter()
             try:
-                proposal = self.drafter.draft(drafting, chain, min(want, self._room() - len(self.drafts)))
+                proposal = self.drafter.draft(drafting, chain, count)
             except Exception as error:  # the caller raises it: the answer ends with the reason
                 with self._changed:
                     self.error = error
                 return
-            seconds = time.perf_counter() - started
             with self._changed:
                 if proposal is None or len(proposal) == 0:
                     self.exhausted = self._current().shape[0] == chain.shape[0]  # else: try the new text
                 else:
-                    self.latencies.observe_draft(seconds, len(proposal))
+                    self.latencies.observe_draft(time.perf_counter() - started, len(proposal))
                     self._extend(chain, proposal)
                 if self.latencies.pays() and self._block_ready(state) and self.pool.idle():
                     self.pool.wake()  # the caller's thread sends it
