@@ -173,6 +173,10 @@ def _add_generation_options(parser: argparse.ArgumentParser, mode: bool = True) 
         parser.add_argument("--dsi-workers", type=int, metavar="N",
                             help="with --mode dsi, target instances as CPU processes standing in for GPUs "
                                  "(default: the plan's GPUs, else 2)")
+        parser.add_argument("--dsi-always", action="store_true",
+                            help="with --mode dsi, every token from the target instances, even where the cost "
+                                 "model expects plain steps on the engine's own target to be faster (to measure "
+                                 "DSI itself)")
         parser.add_argument("--triforce-verify", choices=("chain", "tree"),
                             help="with --mode triforce, the final verification against the full cache: a chain "
                                  "or the optimizer's Sequoia tree, grown by the retrieval stage (default: the "
@@ -318,6 +322,8 @@ def _generate(args) -> int:
         raise InputError("--dsi-workers goes with --mode dsi")
     if args.dsi_workers is not None and not 1 <= args.dsi_workers <= MAX_DSI_WORKERS:
         raise InputError(f"--dsi-workers must be between 1 and {MAX_DSI_WORKERS}, got {args.dsi_workers}")
+    if args.dsi_always and args.mode != "dsi":
+        raise InputError("--dsi-always goes with --mode dsi")
     triforce = triforce_settings(args)
     if args.cache_document and not (document and document.strip()):
         raise InputError("--cache-document needs a non-empty --document FILE")
@@ -333,7 +339,7 @@ def _generate(args) -> int:
     result = None
     for event in engine.generate(prompt_ids, args.max_new_tokens, params, args.mode, document_tokens=saved_tokens,
                                  triforce=triforce, tree_draft=plan.tree_draft if plan else None,
-                                 dsi_workers=args.dsi_workers):
+                                 dsi_workers=args.dsi_workers, dsi_plain_steps=not args.dsi_always):
         if isinstance(event, Notice):
             print(f"specchat: note: {event.text}", file=sys.stderr)
         elif isinstance(event, TextDelta) and not args.json:

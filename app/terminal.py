@@ -62,7 +62,8 @@ def _answer(engine, messages, args, params, stdout, saved_tokens: int = 0) -> st
     events = None
     try:
         events = engine.generate(engine.chat_ids(messages), args.max_new_tokens, params, args.mode,
-                                 document_tokens=saved_tokens, dsi_workers=args.dsi_workers)
+                                 document_tokens=saved_tokens, dsi_workers=args.dsi_workers,
+                                 dsi_plain_steps=not args.dsi_always)
         for event in events:
             if isinstance(event, TextDelta):
                 if reading:  # clear the progress note

@@ -174,20 +174,22 @@ class Engine:
                  sampling: SamplingParams = SamplingParams(), mode: str = "auto",
                  cancel: threading.Event | None = None, document_tokens: int = 0,
                  triforce: TriforceSettings | None = None,
-                 tree_draft: tuple[CausalLM, Tree] | None = None, dsi_workers: int | None = None) -> Iterator[Event]:
+                 tree_draft: tuple[CausalLM, Tree] | None = None, dsi_workers: int | None = None,
+                 dsi_plain_steps: bool = True) -> Iterator[Event]:
         """Stream events for one answer. Raises `InputError` before any work for a bad request.
 
         `document_tokens`: the prompt's first tokens hold a document whose KV should be saved to
         disk for later runs (needs a document store). `triforce`: this answer's TriForce stages
         (default: the engine's settings); `tree_draft`: a draft model and tree template for tree
         mode (default: prompt-lookup branches). `dsi_workers`: CPU processes standing in for GPUs
-        in dsi mode, where the plan names no GPUs for it (default 2).
+        in dsi mode, where the plan names no GPUs for it (default 2); `dsi_plain_steps=False`:
+        every token from the instances, even where plain steps would be faster (to measure DSI).
         """
         mode = resolve_mode(mode, self.auto_mode)
         max_new_tokens = self._check_request(prompt_ids, max_new_tokens)
         triforce = triforce or self.settings.triforce
         devices = self._dsi_devices(dsi_workers) if mode == "dsi" else ()
-        decoder = self._decoder(mode, triforce, tree_draft, devices)
+        decoder = self._decoder(mode, triforce, tree_draft, devices, dsi_plain_steps)
         # DSI's instances run in parallel: t(n) of one forward after another does not price it.
         prediction = _Prediction(None if mode == "dsi" else self.settings.step_times, self.model, triforce)
         events = self._generate(prompt_ids, max_new_tokens, sampling, mode, decoder, prediction, cancel,
@@ -221,12 +223,13 @@ class Engine:
                 f"{1 - room} tokens")
         return min(max_new_tokens, room)
 
-    def _decoder(self, mode: str, triforce: TriforceSettings, tree_draft, dsi_devices: tuple[str, ...]):
+    def _decoder(self, mode: str, triforce: TriforceSettings, tree_draft, dsi_devices: tuple[str, ...],
+                 dsi_plain_steps: bool):
         settings = self.settings
         relative = settings.step_times.relative if settings.step_times else default_relative
         return make_decoder(mode, self.model.vocab_size, relative, settings.chain_drafts, tree_draft,
                             settings.tree_depth, lambda: triforce_decoder(self.model, triforce, self.draft),
-                            lambda: self._dsi_decoder(dsi_devices))
+                            lambda: self._dsi_decoder(dsi_devices, dsi_plain_steps))
 
     def _dsi_devices(self, workers: int | None) -> tuple[str, ...]:
         """Where DSI's target instances run: the plan's GPUs, else CPU processes."""
@@ -239,7 +242,7 @@ class Engine:
             raise InputError(f"dsi mode runs 1 to {MAX_DSI_WORKERS} worker processes, not {workers}")
         return ("cpu",) * workers
 
-    def _dsi_decoder(self, devices: tuple[str, ...]) -> DsiDecoder:
+    def _dsi_decoder(self, devices: tuple[str, ...], plain_steps: bool) -> DsiDecoder:
         """Instances are started once (each loads the target) and kept for later answers on
         the same devices. The drafter: the pair's draft model, else prompt lookup."""
         with self._lock:
@@ -259,7 +262,8 @@ class Engine:
         triforce = self.settings.triforce
         drafter = (ModelDrafter(self.draft, triforce.sinks, triforce.window, False, "pair") if self.draft is not None
                    else PromptLookupDrafter(self.model.vocab_size, min_ngram=1))
-        return DsiDecoder(drafter, self._dsi_pool[1], start=self.settings.dsi_lookahead or DSI_START)
+        return DsiDecoder(drafter, self._dsi_pool[1], start=self.settings.dsi_lookahead or DSI_START,
+                          plain_steps=plain_steps)
 
     def _generate(self, prompt_ids, max_new_tokens, sampling, mode, decoder, prediction, cancel,
                   document_tokens) -> Iterator[Event]:

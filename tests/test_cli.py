@@ -56,6 +56,7 @@ def test_bad_options():
     assert_bad_input(specchat("frobnicate"), "invalid choice")
     assert_bad_input(specchat("generate", "--prompt", "hi", "--dsi-workers", "2"), "--dsi-workers goes with --mode dsi")
     assert_bad_input(specchat("generate", "--prompt", "hi", "--mode", "dsi", "--dsi-workers", "0"), "between 1 and 8")
+    assert_bad_input(specchat("generate", "--prompt", "hi", "--dsi-always"), "--dsi-always goes with --mode dsi")
     assert_bad_input(specchat("bench", "--suite", "longctx", "--repeats", "0"), "--repeats")
     assert_bad_input(specchat("--no-browser", "--allow-host", "http://chat.example/"), "--allow-host", "host name")
 
@@ -135,15 +136,17 @@ def test_greedy_speculation_matches_plain_on_a_summary_of_3k_tokens(tmp_path):
     assert runs["plain"]["stats"]["mean_accepted_per_forward"] == 1.0
     assert runs["chain"]["stats"]["mean_accepted_per_forward"] > 1.0
     # DSI with 2 and 3 CPU worker processes standing in for GPUs (issue 17), on fewer tokens:
-    # each worker reads the whole document on this machine's two cores.
+    # each worker reads the whole document on this machine's two cores. Every token comes from
+    # the workers: on two cores, the cost model would rightly take plain steps instead.
     for workers in (2, 3):
         completed = specchat("generate", "--document", document, "--prompt", "Summarize this document.",
-                             "--mode", "dsi", "--dsi-workers", workers, "--max-new-tokens", "48", "--json")
+                             "--mode", "dsi", "--dsi-workers", workers, "--dsi-always", "--max-new-tokens", "48",
+                             "--json")
         assert completed.returncode == 0, completed.stderr
         dsi = json.loads(completed.stdout)
         assert dsi["token_ids"] == runs["plain"]["token_ids"][:48], workers
         counts = dsi["stats"]["stages"]["dsi"]
-        assert counts["instances"] == workers and counts["accepted"] > 0
+        assert counts["instances"] == workers and counts["accepted"] > 0 and counts["plain_steps"] == 0
         assert dsi["stats"]["accepted_draft_tokens"] > 0
 
 

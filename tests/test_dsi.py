@@ -134,6 +134,12 @@ def test_the_instances_pay_by_the_cost_model_against_a_plain_step():
     assert not latencies.pays()
     latencies.observe_local(0.040)  # ... unless a plain step here is slower than an instance's
     assert latencies.pays()
+    always = Latencies(instances=2, plain_steps=False)  # asked for every token from the instances
+    always.observe_task(0.020)
+    always.observe_draft(0.020, 1)
+    for _ in range(40):
+        always.observe_verdict(1, 0)
+    assert always.pays() and always.lookahead() == 1
 
 
 @pytest.mark.slow

@@ -249,7 +249,7 @@ def test_temporaries_left_by_a_killed_save_are_removed_once_stale(tiny_engine_pa
 def test_terminal_chat_about_a_document_reuses_the_conversation(tiny_engine_parts, tmp_path):
     engine = engine_with(tiny_engine_parts, documents=DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED))
     args = SimpleNamespace(system=None, max_new_tokens=6, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                           mode="plain", dsi_workers=None, document="doc.txt", cache_document=True)
+                           mode="plain", dsi_workers=None, dsi_always=False, document="doc.txt", cache_document=True)
     stdout = io.StringIO()
     assert run_chat(engine, args, DOCUMENT, stdin=io.StringIO("What is it?\nAnd then?\n/exit\n"), stdout=stdout) == 0
     answers = [line for line in stdout.getvalue().splitlines() if line.startswith("[")]

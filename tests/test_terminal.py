@@ -7,7 +7,7 @@ from specchat.core.loading import load_engine
 
 def chat_args(**overrides):
     args = dict(system=None, max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None, mode="auto",
-                dsi_workers=None)
+                dsi_workers=None, dsi_always=False)
     return SimpleNamespace(**{**args, **overrides})
 
 

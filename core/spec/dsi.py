@@ -117,10 +117,10 @@ class Latencies:
     are nearly always accepted that is the paper's choice, the smallest that keeps an instance
     free; where they often fail, shorter blocks, whose tasks end sooner and waste less. And
     whether the instances pay at all: the cost model's time per token at that lookahead
-    against a plain step's."""
+    against a plain step's (`plain_steps=False`: always, to measure DSI itself)."""
 
-    def __init__(self, instances: int, cap: int = MAX_DRAFT, start: int = 4):
-        self.instances, self.cap, self.start = instances, cap, start
+    def __init__(self, instances: int, cap: int = MAX_DRAFT, start: int = 4, plain_steps: bool = True):
+        self.instances, self.cap, self.start, self.plain_steps = instances, cap, start, plain_steps
         self.target: float | None = None
         self.handoff: float | None = None
         self.draft: float | None = None
@@ -165,7 +165,8 @@ class Latencies:
             costs = {k: dsi_seconds_per_token(latency, self.draft, acceptance, k, self.instances)
                      for k in range(1, self.cap + 1)}
             best = min(costs, key=costs.get)
-            self._chosen = best, costs[best] < (self.target if self.local is None else self.local)
+            plain = self.target if self.local is None else self.local
+            self._chosen = best, not self.plain_steps or costs[best] < plain
         return self._chosen
 
 
@@ -189,12 +190,14 @@ class DsiDecoder:
     frontier first. The engine's own cache advances only with plain steps, where the instances
     do not pay (`Latencies.pays`): it then reads whatever the instances committed since.
     `close` stops the drafting thread (decoding.decode calls it after each answer).
+    `plain_steps=False`: every token from the instances, whatever the cost model says.
     """
 
-    def __init__(self, drafter: Drafter, pool: TargetPool, cap: int = MAX_DRAFT, start: int = 4):
+    def __init__(self, drafter: Drafter, pool: TargetPool, cap: int = MAX_DRAFT, start: int = 4,
+                 plain_steps: bool = True):
         self.drafter = drafter
         self.pool = pool
-        self.latencies = Latencies(pool.size, cap, start)
+        self.latencies = Latencies(pool.size, cap, start, plain_steps)
         self.drafts: list[int] = []  # the speculative chain beyond the committed text
         self.q: list[torch.Tensor] = []  # the distribution each draft was drawn from
         self.live: dict[int, Task] = {}  # tasks whose results may still be used
