@@ -82,7 +82,7 @@ def test_greedy_dsi_equals_greedy_plain(drafter, workers, jitter):
             plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
             source = (PromptLookupDrafter(target.vocab_size, min_ngram=1) if drafter == "lookup"
                       else ModelDrafter(noisy_copy(seed, 0.3, weight_scale=8.0), 2, 16, False, "pair"))
-            decoder = DsiDecoder(source, pool)
+            decoder = DsiDecoder(source, pool, plain_steps=False)
             parallel, steps = run_dsi(target, prompt, SamplingParams(), 40, decoder)
             assert parallel == plain, (seed, name)
             counts = decoder.stage_counts()["dsi"]
@@ -148,9 +148,9 @@ def test_sampled_dsi_over_the_hierarchy_samples_from_the_target(period, params=S
                                                                                                top_p=0.9)):
     """TriForce's hierarchy below (a noisy draft over a streaming cache, verified by the target over
     a retrieval cache) drafts for DSI over two instances that answer in random order: the first
-    four tokens follow the target's exact sequence distribution. With `period` 1, every other
-    position is a plain step on the engine's own target, whose token keeps the drafts after it
-    when it equals the next draft."""
+    four tokens follow the target's exact sequence distribution, every token from the instances.
+    With `period` 1, every other position is a plain step on the engine's own target, whose
+    token keeps the drafts after it when it equals the next draft."""
     target, draft, prompt, settings = sampled_hierarchy()
     exact = exact_sequence_probs(target, prompt, params, 4)
     counts = torch.zeros_like(exact)
@@ -158,7 +158,7 @@ def test_sampled_dsi_over_the_hierarchy_samples_from_the_target(period, params=S
     drafted = accepted = plain_steps = 0
     for sample in range(1200):
         run_params = SamplingParams(params.temperature, params.top_k, params.top_p, seed=sample)
-        decoder = DsiDecoder(triforce_drafter(target, settings, draft), pool)
+        decoder = DsiDecoder(triforce_drafter(target, settings, draft), pool, plain_steps=False)
         if period is not None:
             alternating(decoder, period)
         tokens, steps = run_dsi(target, prompt, run_params, 4, decoder)
