@@ -121,22 +121,26 @@ def cell_tokens(acceptance: float, si_seconds: float, rejections: int) -> int:
 
 
 def simulate_cell(draft_share: float, acceptance: float, pool, seed: int, rejections: int = REJECTIONS) -> dict:
-    """Plain decoding's time is its time per token measured just before (it draws no coins); SI
-    runs at its best lookahead in expectation (si_seconds_per_token), as the paper lets SI pick."""
+    """Plain decoding's time is its time per token measured before SI and after DSI (it draws no
+    coins), their mean; how far the two differ is the cell's noise. SI runs at its best lookahead
+    in expectation (si_seconds_per_token), as the paper lets SI pick."""
     target = WaitingTarget(TARGET_SECONDS)
     draft_seconds = draft_share * TARGET_SECONDS
     si_lookahead = best_si_lookahead(draft_seconds, acceptance)
     expected = si_seconds_per_token(TARGET_SECONDS, draft_seconds, acceptance, si_lookahead)
     tokens = cell_tokens(acceptance, expected, rejections)
     plain_tokens = min(tokens, PLAIN_TOKENS)
-    plain = timed_run(PlainDecoder(), target, plain_tokens) / plain_tokens * tokens
+    before = timed_run(PlainDecoder(), target, plain_tokens) / plain_tokens * tokens
     si = timed_run(ChainDecoder(CoinDrafter(draft_seconds, acceptance, seed), FixedLookahead(si_lookahead)), target,
                    tokens)
     dsi_decoder = DsiDecoder(CoinDrafter(draft_seconds, acceptance, seed), pool)
     dsi = timed_run(dsi_decoder, target, tokens)
-    return {"draft_share": draft_share, "acceptance": acceptance, "tokens": tokens, "plain_s": plain, "si_s": si,
+    after = timed_run(PlainDecoder(), target, plain_tokens) / plain_tokens * tokens
+    plain = (before + after) / 2
+    return {"draft_share": draft_share, "acceptance": acceptance, "tokens": tokens, "plain_s": plain,
+            "plain_noise": abs(before - after) / plain, "si_s": si,
             "si_lookahead": si_lookahead, "dsi_s": dsi, "dsi_lookahead": dsi_decoder.latencies.lookahead(),
-            "dsi_plain_steps": dsi_decoder.counts["plain_steps"],
+            "dsi_plain_task": dsi_decoder.latencies.plain_task(), "dsi_plain_steps": dsi_decoder.counts["plain_steps"],
             "dsi_over_plain": plain / dsi, "dsi_over_si": si / dsi, "si_over_plain": plain / si}
 
 
@@ -156,9 +160,11 @@ def run_dsi_simulation(out_dir: Path, instances: tuple[int, ...] = INSTANCES, dr
             "cells": cells,
             "dsi_over_plain_min": min(c["dsi_over_plain"] for c in cells),
             "dsi_over_si_min": min(c["dsi_over_si"] for c in cells),
+            "plain_noise_max": max(c["plain_noise"] for c in cells),
         }
     report = {"date": date.today().isoformat(), "target_seconds": TARGET_SECONDS, "rejections_per_cell": rejections,
-              "method": "waits through specchat's PlainDecoder (its time per token, measured in each cell), "
+              "method": "waits through specchat's PlainDecoder (its time per token, measured in each cell before "
+                        "SI and after DSI: plain_s is their mean, plain_noise how far they differ), "
                         "ChainDecoder (SI at its best lookahead in expectation) and DsiDecoder (its drafting thread "
                         "and a real thread pool of target instances), side by side in each cell",
               "instances": grids}

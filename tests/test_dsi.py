@@ -4,6 +4,7 @@ distribution when sampling, whatever order its target instances answer in."""
 import copy
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from specchat.core.decoding import DecodeState, decode, prefill_all, triforce_dr
 from specchat.core.dsi_pool import thread_pool, wait_unless_cancelled
 from specchat.core.sampling import SamplingParams, make_generator
 from specchat.core.spec.drafters import PromptLookupDrafter
-from specchat.core.spec.dsi import DsiDecoder, Latencies, resolve
+from specchat.core.spec.dsi import DECAY, DsiDecoder, Latencies, resolve
 from specchat.core.spec.hierarchy import ModelDrafter
 
 
@@ -54,6 +55,13 @@ def alternating(decoder: DsiDecoder, period: int) -> DsiDecoder:
     return decoder
 
 
+def plain_tasks_at_even_positions(decoder: DsiDecoder) -> DsiDecoder:
+    """A new frontier gets a plain task at once at even positions, and waits for a lookahead of
+    drafts at odd ones, whatever the cost model would say: exactness must not depend on which."""
+    decoder.latencies.plain_task = lambda: decoder._state is None or decoder._state.ids.shape[0] % 2 == 0
+    return decoder
+
+
 def run_dsi(model, prompt, params, max_new_tokens, decoder):
     """Like test_decoding.run, but the engine's cache only holds the prompt: the instances hold the rest."""
     ids = torch.tensor(prompt)
@@ -83,6 +91,8 @@ def test_greedy_dsi_equals_greedy_plain(drafter, workers, jitter):
             source = (PromptLookupDrafter(target.vocab_size, min_ngram=1) if drafter == "lookup"
                       else ModelDrafter(noisy_copy(seed, 0.3, weight_scale=8.0), 2, 16, False, "pair"))
             decoder = DsiDecoder(source, pool, plain_steps=False)
+            if seed == 1:
+                plain_tasks_at_even_positions(decoder)
             parallel, steps = run_dsi(target, prompt, SamplingParams(), 40, decoder)
             assert parallel == plain, (seed, name)
             counts = decoder.stage_counts()["dsi"]
@@ -134,6 +144,17 @@ def test_the_instances_pay_by_the_cost_model_against_a_plain_step():
     assert not latencies.pays()
     latencies.observe_local(0.040)  # ... unless a plain step here is slower than an instance's
     assert latencies.pays()
+    for _ in range(40):
+        latencies.observe_local(0.021)
+        latencies.observe_verdict(10, 9)  # 90% of the drafts accepted: DSI looks a little faster ...
+    assert latencies.pays()
+    for _ in range(40):
+        latencies.observe_restart(0.010)  # ... until the drafter, after each rejection, first ends
+    assert not latencies.pays()           # a draft on the rejected text (half of one, on average)
+    assert not latencies.hopeless()  # at full acceptance the drafter's 20 ms would still beat 21
+    for _ in range(40):
+        latencies.observe_local(0.0195)
+    assert latencies.hopeless()  # not even then: plain steps need the drafter only to watch its latency
     always = Latencies(instances=2, plain_steps=False)  # asked for every token from the instances
     always.observe_task(0.020)
     always.observe_draft(0.020, 1)
@@ -142,13 +163,52 @@ def test_the_instances_pay_by_the_cost_model_against_a_plain_step():
     assert always.pays() and always.lookahead() == 1
 
 
+def test_without_a_plain_task_where_blocks_would_wait_for_an_instance():
+    latencies = Latencies(instances=2)
+    latencies.observe_task(0.020)
+    latencies.observe_handoff(0.0005)
+    latencies.observe_draft(0.0004, 1)  # 2% of the target: 2 x 16 drafts (the cap) take 13 ms < 20 ms
+    for _ in range(40):
+        latencies.observe_verdict(8, 8)
+    assert latencies.pays() and not latencies.plain_task()
+    for _ in range(40):
+        latencies.observe_verdict(2, 1)  # half the drafts fail: the plain task covers a rejection at once
+    assert latencies.pays() and latencies.plain_task()
+    for _ in range(40):
+        latencies.observe_verdict(1, 0)
+    assert not latencies.pays() and not latencies.hopeless()  # drafts that were accepted would pay
+    seven = Latencies(instances=7)  # enough instances for one always to be free: the paper's DSI
+    seven.observe_task(0.020)
+    seven.observe_draft(0.0004, 1)
+    for _ in range(40):
+        seven.observe_verdict(8, 8)
+    assert seven.plain_task() and seven.lookahead() < 16
+
+
+def test_a_verdict_counts_only_the_drafts_it_judged():
+    """Drafts after the first rejection were never judged: counting them as failed would make a
+    90% drafter look like a 60% one (and the cost model choose as if it were)."""
+    model = tiny_llama(0)
+    decoder = DsiDecoder(PromptLookupDrafter(model.vocab_size), SimpleNamespace(size=2, cancel=lambda tasks: None))
+    state = DecodeState(model, model.new_cache(), torch.tensor([1, 2]), SamplingParams(), make_generator(0))
+    decoder.drafts = [5, 6, 7, 8, 9, 10, 11, 12]
+    decoder.q = list(torch.eye(model.vocab_size)[decoder.drafts])
+    p = torch.eye(model.vocab_size)[[5, 3, 7, 8, 9, 10, 11, 12, 13]]  # the second draft is rejected
+    before = decoder.latencies.drafted, decoder.latencies.accepted
+    step = decoder._verdict(state, p, budget=16)
+    assert step.tokens == [5, 3] and step.accepted == 1
+    assert decoder.latencies.drafted == pytest.approx(DECAY * before[0] + 2)  # judged: the first two
+    assert decoder.latencies.accepted == pytest.approx(DECAY * before[1] + 1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("period", [None, 1])
 def test_sampled_dsi_over_the_hierarchy_samples_from_the_target(period, params=SamplingParams(temperature=0.7,
                                                                                                top_p=0.9)):
     """TriForce's hierarchy below (a noisy draft over a streaming cache, verified by the target over
     a retrieval cache) drafts for DSI over two instances that answer in random order: the first
-    four tokens follow the target's exact sequence distribution, every token from the instances.
+    four tokens follow the target's exact sequence distribution, every token from the instances
+    (a new frontier gets a plain task at once at even positions, and waits for drafts at odd ones).
     With `period` 1, every other position is a plain step on the engine's own target, whose
     token keeps the drafts after it when it equals the next draft."""
     target, draft, prompt, settings = sampled_hierarchy()
@@ -159,7 +219,9 @@ def test_sampled_dsi_over_the_hierarchy_samples_from_the_target(period, params=S
     for sample in range(1200):
         run_params = SamplingParams(params.temperature, params.top_k, params.top_p, seed=sample)
         decoder = DsiDecoder(triforce_drafter(target, settings, draft), pool, plain_steps=False)
-        if period is not None:
+        if period is None:
+            plain_tasks_at_even_positions(decoder)
+        else:
             alternating(decoder, period)
         tokens, steps = run_dsi(target, prompt, run_params, 4, decoder)
         counts[tuple(tokens)] += 1

@@ -1,7 +1,10 @@
 """DSI's cost model (core/spec/dsi_cost.py) against the paper's claims: never slower than plain
-decoding, never slower than SI where an instance is always free, and its lookahead example."""
+decoding, never slower than SI where an instance is always free, and its lookahead example; and
+its closed form against the event model it stands for, summed run by run."""
 
+import heapq
 import itertools
+import math
 
 import pytest
 
@@ -28,9 +31,73 @@ def test_dsi_at_its_lookahead_is_never_slower_than_plain():
 
 
 def test_dsi_is_never_slower_than_si_at_the_same_lookahead():
-    for draft, a, w, k in itertools.product(DRAFT_COSTS, ACCEPTANCES, INSTANCES, range(1, CAP + 1)):
-        dsi = dsi_seconds_per_token(TARGET, draft, a, k, w)
-        assert dsi <= si_seconds_per_token(TARGET, draft, a, k) * (1 + 1e-12), (draft, a, w, k)
+    for draft, a, w, k, plain_task in itertools.product(DRAFT_COSTS, ACCEPTANCES, INSTANCES, range(1, CAP + 1),
+                                                        (True, False)):
+        dsi = dsi_seconds_per_token(TARGET, draft, a, k, w, plain_task=plain_task)
+        assert dsi <= si_seconds_per_token(TARGET, draft, a, k) * (1 + 1e-12), (draft, a, w, k, plain_task)
+
+
+def task_sends(target, draft, k, w, restart, plain_task, tasks):
+    """When each of the first `tasks` tasks of a run is sent: a plain task at once (if any), then
+    blocks of k drafts, drafted one per `draft` seconds from `restart` on, each to the instance
+    that frees first, as soon as both it and the block are ready."""
+    free = [0.0] * w  # when each instance frees
+    sends = []
+    for index in range(tasks):
+        block = index if plain_task else index + 1  # blocks of drafts before this task's end
+        ready = 0.0 if plain_task and index == 0 else restart + block * k * draft
+        send = max(ready, heapq.heappop(free))
+        heapq.heappush(free, send + target)
+        sends.append(send)
+    return sends
+
+
+def event_seconds_per_token(target, draft, a, k, w, restart, plain_task):
+    """E[run time] / E[tokens a run commits], the run that accepts L drafts ending with the task
+    that resolves draft L + 1: block ceil(L/k) with a plain task (0: the plain task), else block
+    max(0, ceil(L/k) - 1). Summed over L until the rest weighs < 1e-13."""
+    longest = 0 if a == 0 else math.ceil(math.log(1e-13) / math.log(a))
+    sends = task_sends(target, draft, k, w, restart, plain_task, math.ceil(longest / k) + 1)
+    run = 0.0
+    for accepted in range(longest + 1):
+        task = math.ceil(accepted / k) if plain_task else max(0, math.ceil(accepted / k) - 1)
+        run += (1 - a) * a**accepted * (sends[task] + target)
+    return run * (1 - a)
+
+
+@pytest.mark.parametrize("plain_task", [True, False])
+def test_the_closed_form_is_the_event_model(plain_task):
+    """Exact where nothing delays blocks but instances or where the drafter restarts at once; an
+    upper bound where both delay them (the waits absorb part of the restart)."""
+    for draft, a, k, w, restart in itertools.product((0.01, 0.05, 0.3, 1.0), (0.0, 0.3, 0.8, 0.95), (1, 3, 8),
+                                                     (1, 2, 3), (0.0, 0.2)):
+        exact = event_seconds_per_token(TARGET, draft, a, k, w, restart, plain_task)
+        closed = dsi_seconds_per_token(TARGET, draft, a, k, w, restart, plain_task)
+        case = (draft, a, k, w, restart)
+        if restart == 0 or w * k * draft >= TARGET:
+            assert closed == pytest.approx(exact, rel=1e-9), case
+        else:
+            assert exact <= closed * (1 + 1e-9), case
+
+
+def test_without_a_plain_task_where_blocks_wait_for_instances():
+    """Two instances and a fast drafter: blocks wait (W k t1 < t2), and sparing the instance a
+    plain task pays at high acceptance; where an instance is always free, or drafts often fail,
+    the plain task wins."""
+    best = {plain_task: min(dsi_seconds_per_token(TARGET, 0.02, 0.9, k, 2, plain_task=plain_task)
+                            for k in range(1, CAP + 1)) for plain_task in (True, False)}
+    assert best[False] < 0.97 * best[True]
+    assert dsi_seconds_per_token(TARGET, 0.3, 0.9, 2, 2) < dsi_seconds_per_token(TARGET, 0.3, 0.9, 2, 2,
+                                                                                  plain_task=False)
+    assert dsi_seconds_per_token(TARGET, 0.02, 0.3, 4, 2) < dsi_seconds_per_token(TARGET, 0.02, 0.3, 4, 2,
+                                                                                   plain_task=False)
+
+
+def test_a_restart_costs_at_each_rejection_after_an_accepted_draft():
+    """A drafter that needs 0.5 t2 to start on the new text after a rejection, a draft as dear as
+    the target and 90% acceptance: without the restart DSI looks faster than plain; with it, not."""
+    assert dsi_seconds_per_token(TARGET, 0.98, 0.9, 1, 2) < TARGET
+    assert dsi_seconds_per_token(TARGET, 0.98, 0.9, 1, 2, restart_s=0.5) > TARGET
 
 
 def test_the_papers_lookahead_example():

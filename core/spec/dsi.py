@@ -5,8 +5,10 @@ committed text; every `lookahead` draft tokens, a verification task (the committ
 draft so far) goes to a free target instance while drafting goes on. The frontier (the next
 position to commit) is always covered by a task: after each resolution the instance that just
 answered is free, and if no task still covers the new frontier it gets one at once, with whatever
-drafts exist (none: a plain step). So a rejection costs one target latency, exactly what plain
-decoding pays per token, and every accepted draft costs only drafting time.
+drafts exist (none: a plain task). So a rejection costs one target latency, exactly what plain
+decoding pays per token, and every accepted draft costs only drafting time. Where blocks would
+wait for instances anyway (few instances, a fast drafter), the cost model may instead let the new
+frontier wait for a lookahead of drafts: no instance then verifies a lone token.
 
 Resolution uses the chain rule of verify.py position by position, so the text is distributed
 exactly as the target's (greedy: identical): a task's rows are the target's P at consecutive
@@ -33,7 +35,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -49,6 +51,15 @@ if TYPE_CHECKING:
 EWMA = 0.3  # weight of the newest latency measurement
 DECAY = 0.9  # of the acceptance counts, per verdict
 PRIOR_DRAFTS, PRIOR_ACCEPTANCE = 1.0, 0.7  # before any verdict: as if 1 draft, 70% accepted
+# The instances must be expected this much faster than a plain step: the cost model leaves out
+# about that much (threads contending where a task and a draft end together, the probes below).
+MARGIN = 0.98
+# During plain steps the drafter drafts for every PROBE_EVERY-th only: the acceptance is still
+# measured, and the steps between run with no draft beside them, as plain decoding would (their
+# time is what a plain step costs: one with a draft beside it is slower by the drafter's share).
+# Where even drafts that are all accepted could not pay (a drafter as slow as the target), only
+# the drafter's latency is worth watching: every PROBE_RARELY-th.
+PROBE_EVERY, PROBE_RARELY = 2, 16
 
 
 class TargetPool(Protocol):
@@ -110,14 +121,17 @@ def resolve(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
 class Latencies:
     """Measured seconds of a verification task, of the handoff around it (from sending a task
     that covers the frontier to its verdict committed, less its run: the queues, the threads'
-    wake-ups and the verification), of drafting one token (the drafting thread's whole turn)
-    and of a whole plain step on the engine's own target (moving averages), and the drafts'
-    acceptance. They choose the lookahead, the one with the lowest expected time per token in
-    DSI's cost model (dsi_cost.py), a task priced at its latency plus the handoff: where drafts
-    are nearly always accepted that is the paper's choice, the smallest that keeps an instance
-    free; where they often fail, shorter blocks, whose tasks end sooner and waste less. And
-    whether the instances pay at all: the cost model's time per token at that lookahead
-    against a plain step's (`plain_steps=False`: always, to measure DSI itself)."""
+    wake-ups and the verification), of drafting one token (the drafting thread's whole turn),
+    of the drafter's restart after a rejection (until it drafts from the new text) and of a
+    whole plain step on the engine's own target (moving averages), and the drafts' acceptance.
+    They choose the lookahead and whether a rejection's new frontier gets a plain task at once
+    or waits for a lookahead of drafts, those with the lowest expected time per token in DSI's
+    cost model (dsi_cost.py), a task priced at its latency plus the handoff: where drafts are
+    nearly always accepted that is the paper's choice, the smallest lookahead that keeps an
+    instance free; where they often fail, shorter blocks, whose tasks end sooner and waste less;
+    where blocks wait for instances anyway, no plain task. And whether the instances pay at
+    all: the cost model's time per token so chosen against a plain step's, less `MARGIN`
+    (`plain_steps=False`: always, to measure DSI itself)."""
 
     def __init__(self, instances: int, cap: int = MAX_DRAFT, start: int = 4, plain_steps: bool = True):
         self.instances, self.cap, self.start, self.plain_steps = instances, cap, start, plain_steps
@@ -125,8 +139,9 @@ class Latencies:
         self.handoff: float | None = None
         self.draft: float | None = None
         self.local: float | None = None  # a whole plain step (None: not run yet, as a task's)
+        self.restart: float | None = None  # the drafter's, after a rejection
         self.drafted, self.accepted = PRIOR_DRAFTS, PRIOR_DRAFTS * PRIOR_ACCEPTANCE  # decayed counts
-        self._chosen: tuple[int, bool] | None = None  # (lookahead, pays) for the figures above
+        self._chosen: Choice | None = None  # for the figures above
 
     def observe_task(self, seconds: float) -> None:
         self.target = _average(self.target, seconds)
@@ -140,8 +155,14 @@ class Latencies:
         self.draft = _average(self.draft, seconds / tokens)
         self._chosen = None
 
+    def observe_restart(self, seconds: float) -> None:
+        self.restart = _average(self.restart, max(0.0, seconds))
+        self._chosen = None
+
     def observe_local(self, seconds: float) -> None:
-        self.local = _average(self.local, seconds)
+        # A stall (the process paused, a page fault) moves it by at most EWMA: it is measured
+        # only while plain steps run, so a bad figure would otherwise keep the instances on.
+        self.local = _average(self.local, seconds if self.local is None else min(seconds, 2 * self.local))
         self._chosen = None
 
     def observe_verdict(self, drafted: int, accepted: int) -> None:
@@ -150,24 +171,44 @@ class Latencies:
         self._chosen = None
 
     def lookahead(self) -> int:
-        return self._choose()[0]
+        return self._choose().lookahead
+
+    def plain_task(self) -> bool:
+        """Whether a new frontier gets a task at once, before any draft exists."""
+        return self._choose().plain_task
 
     def pays(self) -> bool:
         """Whether the instances are expected to beat plain steps (before any measurement: yes)."""
-        return self._choose()[1]
+        return self._choose().pays
 
-    def _choose(self) -> tuple[int, bool]:
+    def hopeless(self) -> bool:
+        """Whether even drafts that are all accepted would not pay."""
+        return self._choose().hopeless
+
+    def _choose(self) -> Choice:
         if self.target is None or self.draft is None:
-            return min(self.start, self.cap), True
+            return Choice(min(self.start, self.cap), True, True, False)
         if self._chosen is None:  # asked several times per step, changed once per result
-            acceptance = self.accepted / self.drafted
+            plain = (self.target if self.local is None else self.local) * MARGIN
             latency = self.target + (self.handoff or 0.0)
-            costs = {k: dsi_seconds_per_token(latency, self.draft, acceptance, k, self.instances)
-                     for k in range(1, self.cap + 1)}
-            best = min(costs, key=costs.get)
-            plain = self.target if self.local is None else self.local
-            self._chosen = best, not self.plain_steps or costs[best] < plain
+            # Without a plain task DSI can only win where blocks wait for instances (W k t1 < t2).
+            costs = {(k, plain_task): dsi_seconds_per_token(latency, self.draft, self.accepted / self.drafted, k,
+                                                            self.instances, self.restart or 0.0, plain_task)
+                     for k in range(1, self.cap + 1)
+                     for plain_task in ((True, False) if self.instances * k * self.draft < latency else (True,))}
+            lookahead, plain_task = min(costs, key=costs.get)
+            pays = not self.plain_steps or costs[lookahead, plain_task] < plain
+            # With every draft accepted the most drafts a task may hold are best.
+            full = dsi_seconds_per_token(latency, self.draft, 1.0, self.cap, self.instances)
+            self._chosen = Choice(lookahead, plain_task, pays, not pays and full >= plain)
         return self._chosen
+
+
+class Choice(NamedTuple):
+    lookahead: int
+    plain_task: bool  # a new frontier's task at once, before any draft exists
+    pays: bool  # the instances, not plain steps on the engine's own target
+    hopeless: bool  # not even drafts that are all accepted would pay
 
 
 def _average(mean: float | None, sample: float) -> float:
@@ -214,6 +255,10 @@ class DsiDecoder:
         self._state: DecodeState | None = None  # the answer's, for the drafting thread's view of the chain
         self._returned: float | None = None  # time.perf_counter() when the last step ended
         self._frontier_task: tuple[float, float] | None = None  # (sent, seconds) of a resolving frontier task
+        self._rejected: float | None = None  # time.perf_counter() of a rejection the drafter has not seen yet
+        self._probe = True  # during plain steps: whether the drafter drafts for the next
+        self._turns, self._in_turn = 0, False  # the drafting thread's turns so far, and whether one runs
+        self._quiet_since: int | None = None  # _turns when the last step ended, if no turn ran then
 
     @property
     def drafter_wants_queries(self) -> bool:
@@ -271,12 +316,16 @@ class DsiDecoder:
                 if step is None and not pays and not self.live:  # a live task would cover the frontier
                     break
                 if pays:
-                    if self._covering(state.ids.shape[0], finished_only=False) is None and self.pool.idle():
-                        self._submit(state)  # nothing covers the frontier: a task for it now
+                    # Nothing covers the frontier: a task for it now, or (no plain task) once a
+                    # lookahead of drafts is ready, unless the drafter has nothing to add.
+                    if (self._covering(state.ids.shape[0], finished_only=False) is None and self.pool.idle()
+                            and (self.latencies.plain_task() or self.exhausted)):
+                        self._submit(state)
                     self._dispatch_block(state)
                 if step is not None:
                     self._changed.notify_all()
                     previous, self._returned = self._returned, time.perf_counter()
+                    self._quiet_since = None
                     # A task sent for the frontier had its whole handoff on the critical path
                     # (the first step's may have waited for the engine's prompt read instead).
                     if self._frontier_task is not None and previous is not None:
@@ -311,10 +360,13 @@ class DsiDecoder:
             previous, self._returned = self._returned, time.perf_counter()
             # From the last step's end, as a frontier task's handoff is from its sending (in the
             # last step): the caller's time between steps counts in both. A catch-up over more
-            # tokens is no plain step's time.
-            if start == state.ids.shape[0] - 1 and previous is not None:
+            # tokens is no plain step's time, nor is a step with a draft beside it.
+            quiet = self._quiet_since == self._turns and not self._in_turn
+            if start == state.ids.shape[0] - 1 and previous is not None and quiet:
                 self.latencies.observe_local(self._returned - previous)
             self.counts["plain_steps"] += 1
+            every = PROBE_RARELY if self.latencies.hopeless() else PROBE_EVERY
+            self._probe = self.counts["plain_steps"] % every == 0
             if self.drafts:
                 draft = self.drafts[0]
                 self.latencies.observe_verdict(1, min(1.0, float(p[draft] / self.q[0][draft])))
@@ -324,7 +376,9 @@ class DsiDecoder:
                 self.drafts, self.q = [], []
             state.commit([token])
             self.exhausted = False
-            self._changed.notify_all()
+            self._quiet_since = None if self._in_turn else self._turns
+            if self._probe or self.latencies.pays():  # else the drafting thread has nothing to do
+                self._changed.notify_all()
         return Step([token])
 
     def _submit(self, state: DecodeState) -> None:
@@ -361,8 +415,8 @@ class DsiDecoder:
         drafts = torch.tensor(self.drafts[:g], dtype=torch.long)
         q = torch.stack(self.q[:g]) if g else p[:0]
         accepted, next_token = resolve(p, drafts, q, state.generator)
-        if g:
-            self.latencies.observe_verdict(g, accepted)
+        if g:  # the drafts after the first rejection were never judged
+            self.latencies.observe_verdict(min(g, accepted + 1), accepted)
         tokens = self.drafts[:accepted] + ([] if next_token is None else [next_token])
         state.commit(tokens[:budget])
         if next_token is None:
@@ -372,6 +426,8 @@ class DsiDecoder:
         else:
             # A recovered token invalidates every task built on the rejected draft; after a bonus
             # no draft existed past this task, so nothing live reaches further either.
+            if len(self.drafts) > accepted:
+                self._rejected = time.perf_counter()  # the drafter starts again from here
             self.drafts, self.q = [], []
             self._cancel(lambda t: True)
             last = "bonus" if accepted == g and g else "recovered" if g else "plain"
@@ -395,24 +451,30 @@ class DsiDecoder:
                 if self.closed:
                     return
                 started = time.perf_counter()  # a draft's time: this loop's whole turn, its locks included
-                # Read under the lock: a step may change the room (plain steps or not) meanwhile.
+                self._turns, self._in_turn = self._turns + 1, True
+                # Read under the lock, before any observation here: a step or a new figure may
+                # change the room (plain steps or not) after the check above.
                 count = min(max(1, self.latencies.lookahead() - self._unsent(state)), self._room() - len(self.drafts))
+                if self._rejected is not None:  # the rest of a draft on the rejected text, or a wake-up
+                    self.latencies.observe_restart(started - self._rejected)
+                    self._rejected = None
                 chain = torch.cat([state.ids, torch.tensor(self.drafts, dtype=torch.long)])
                 drafting = replace(state, ids=state.ids, generator=generator)
             try:
                 proposal = self.drafter.draft(drafting, chain, count)
             except Exception as error:  # the caller raises it: the answer ends with the reason
                 with self._changed:
-                    self.error = error
+                    self.error, self._in_turn = error, False
                 return
             with self._changed:
+                self._in_turn = False
                 if proposal is None or len(proposal) == 0:
                     self.exhausted = self._current().shape[0] == chain.shape[0]  # else: try the new text
                 else:
                     self.latencies.observe_draft(time.perf_counter() - started, len(proposal))
                     self._extend(chain, proposal)
-                if self.latencies.pays() and self._block_ready(state) and self.pool.idle():
-                    self.pool.wake()  # the caller's thread sends it
+                if self.latencies.pays() and (self._block_ready(state) or self.exhausted) and self.pool.idle():
+                    self.pool.wake()  # the caller's thread sends it (or a task for an uncovered frontier)
 
     def _current(self) -> torch.Tensor:
         return torch.cat([self._state.ids, torch.tensor(self.drafts, dtype=torch.long)])
@@ -436,8 +498,10 @@ class DsiDecoder:
     def _room(self) -> int:
         """Drafts worth holding: a lookahead for each instance, and the next one being drafted
         while they all verify (so an instance that frees finds a block ready). During plain
-        steps one: the draft each is measured against."""
-        return self.latencies.lookahead() * (self.pool.size + 1) if self.latencies.pays() else 1
+        steps one, for a step that measures the draft (`PROBE_EVERY`), else none."""
+        if self.latencies.pays():
+            return self.latencies.lookahead() * (self.pool.size + 1)
+        return 1 if self._probe else 0
 
     def _unsent(self, state: DecodeState) -> int:
         """Drafts no live task holds yet."""

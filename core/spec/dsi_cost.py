@@ -26,24 +26,36 @@ def si_seconds_per_token(target_s: float, draft_s: float, acceptance: float, loo
 
 
 def dsi_seconds_per_token(target_s: float, draft_s: float, acceptance: float, lookahead: int,
-                          instances: int) -> float:
+                          instances: int, restart_s: float = 0.0, plain_task: bool = True) -> float:
     """DSI over `instances` target instances, verification tasks of `lookahead` drafts.
 
-    Between two rejections a run commits L + 1 tokens, P(L = l) = (1 - a) a^l: a plain task
-    covers the frontier at once (t2), and block j of k drafts is sent at j k t1 or, when every
-    instance is busy, once the task W blocks before it ends. The run ends when the task holding
-    draft L ends: block N = ceil(L/k) (N = 0: the plain task), sent at
-    N k t1 + floor(N/W) max(0, t2 - W k t1), so with E[N] = a / (1 - a^k) and
+    Between two rejections a run commits L + 1 tokens, P(L = l) = (1 - a) a^l. With a plain task
+    (the paper's DSI), a task with no drafts covers the frontier at once (t2), and block j of k
+    drafts is sent at j k t1 or, when every instance is busy, once the task W blocks before it
+    ends. The run ends when the task holding draft L ends: block N = ceil(L/k) (N = 0: the plain
+    task), sent at N k t1 + floor(N/W) max(0, t2 - W k t1), so with E[N] = a / (1 - a^k) and
     E[floor(N/W)] = a^((W-1)k+1) / (1 - a^(Wk)) the run takes on average
         t2 + k t1 E[N] + max(0, t2 - W k t1) E[floor(N/W)],
     for 1 / (1 - a) tokens. a = 0 is plain decoding (t2 a token); as a -> 1 it tends to
     max(k t1, t2 / W) / k: drafting, or W instances verifying side by side, whichever is slower.
     Where an instance is always free (W k t1 >= t2, what `dsi_lookahead` picks) the last term is 0.
+
+    Without a plain task (`plain_task=False`) the frontier waits for a lookahead of drafts: block
+    0 holds drafts 1..k, and the run ends with block M = max(0, N - 1), sent at (M + 1) k t1 plus
+    its waits. A first draft that fails then costs k t1 more, but no instance verifies a lone
+    token: where blocks wait for instances (W k t1 < t2) that can be worth it.
+
+    `restart_s`: how long the drafter takes, after a rejection, to start drafting from the new
+    text (the rest of a draft it had begun on the old one). It delays every block of the run; where
+    blocks wait for instances the waits absorb part of it, so there it is an upper bound.
     """
     a, k, w = acceptance, lookahead, instances
     waiting = max(0.0, target_s - w * k * draft_s)  # what each W-th block waits for an instance
-    return ((1 - a) * target_s + k * draft_s * a * _share(a, k)
-            + waiting * a ** ((w - 1) * k + 1) * _share(a, w * k))
+    if plain_task:
+        return ((1 - a) * target_s + k * draft_s * a * _share(a, k) + restart_s * a * (1 - a)
+                + waiting * a ** ((w - 1) * k + 1) * _share(a, w * k))
+    return ((1 - a) * (target_s + restart_s) + k * draft_s * (a * _share(a, k) + (1 - a) ** 2)
+            + waiting * a ** (w * k + 1) * _share(a, w * k))
 
 
 def dsi_lookahead(target_s: float, draft_s: float, instances: int, cap: int) -> int:
