@@ -155,6 +155,8 @@ def test_the_instances_pay_by_the_cost_model_against_a_plain_step():
     for _ in range(40):
         latencies.observe_local(0.0195)
     assert latencies.hopeless()  # not even then: plain steps need the drafter only to watch its latency
+    latencies.observe_local(0.200)  # a stall (measured only during plain steps: it must not move them)
+    assert latencies.local == 0.0195 and not latencies.pays()
     always = Latencies(instances=2, plain_steps=False)  # asked for every token from the instances
     always.observe_task(0.020)
     always.observe_draft(0.020, 1)

@@ -31,9 +31,11 @@ verdicts only: exactness holds there too.
 from __future__ import annotations
 
 import atexit
+import statistics
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from .hierarchy import Drafter
 
 EWMA = 0.3  # weight of the newest latency measurement
+LOCAL_WINDOW = 5  # plain steps whose median is a plain step's time
 DECAY = 0.9  # of the acceptance counts, per verdict
 PRIOR_DRAFTS, PRIOR_ACCEPTANCE = 1.0, 0.7  # before any verdict: as if 1 draft, 70% accepted
 # The instances must be expected this much faster than a plain step: the cost model leaves out
@@ -139,6 +142,7 @@ class Latencies:
         self.handoff: float | None = None
         self.draft: float | None = None
         self.local: float | None = None  # a whole plain step (None: not run yet, as a task's)
+        self._locals: deque[float] = deque(maxlen=LOCAL_WINDOW)
         self.restart: float | None = None  # the drafter's, after a rejection
         self.drafted, self.accepted = PRIOR_DRAFTS, PRIOR_DRAFTS * PRIOR_ACCEPTANCE  # decayed counts
         self._chosen: Choice | None = None  # for the figures above
@@ -160,9 +164,11 @@ class Latencies:
         self._chosen = None
 
     def observe_local(self, seconds: float) -> None:
-        # A stall (the process paused, a page fault) moves it by at most EWMA: it is measured
-        # only while plain steps run, so a bad figure would otherwise keep the instances on.
-        self.local = _average(self.local, seconds if self.local is None else min(seconds, 2 * self.local))
+        # The median of the last few, not a moving average: it is measured only while plain steps
+        # run, so one stall (the process paused, a page fault) could move the instances on, and
+        # there nothing would measure it again.
+        self._locals.append(seconds)
+        self.local = statistics.median(self._locals)
         self._chosen = None
 
     def observe_verdict(self, drafted: int, accepted: int) -> None:
