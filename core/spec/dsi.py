@@ -141,8 +141,7 @@ class Latencies:
         self.target: float | None = None
         self.handoff: float | None = None
         self.draft: float | None = None
-        self.local: float | None = None  # a whole plain step (None: not run yet, as a task's)
-        self._locals: deque[float] = deque(maxlen=LOCAL_WINDOW)
+        self._locals: deque[float] = deque(maxlen=LOCAL_WINDOW)  # the last plain steps' seconds
         self.restart: float | None = None  # the drafter's, after a rejection
         self.drafted, self.accepted = PRIOR_DRAFTS, PRIOR_DRAFTS * PRIOR_ACCEPTANCE  # decayed counts
         self._chosen: Choice | None = None  # for the figures above
@@ -168,8 +167,12 @@ class Latencies:
         # run, so one stall (the process paused, a page fault) could move the instances on, and
         # there nothing would measure it again.
         self._locals.append(seconds)
-        self.local = statistics.median(self._locals)
         self._chosen = None
+
+    @property
+    def local(self) -> float | None:
+        """A whole plain step (None: not run yet, as a task's)."""
+        return statistics.median(self._locals) if self._locals else None
 
     def observe_verdict(self, drafted: int, accepted: int) -> None:
         self.drafted = DECAY * self.drafted + drafted
@@ -195,7 +198,8 @@ class Latencies:
         if self.target is None or self.draft is None:
             return Choice(min(self.start, self.cap), True, True, False)
         if self._chosen is None:  # asked several times per step, changed once per result
-            plain = (self.target if self.local is None else self.local) * MARGIN
+            local = self.local
+            plain = (self.target if local is None else local) * MARGIN
             latency = self.target + (self.handoff or 0.0)
             # Without a plain task DSI can only win where blocks wait for instances (W k t1 < t2).
             costs = {(k, plain_task): dsi_seconds_per_token(latency, self.draft, self.accepted / self.drafted, k,
