@@ -165,6 +165,51 @@ def test_the_instances_pay_by_the_cost_model_against_a_plain_step():
     assert always.pays() and always.lookahead() == 1
 
 
+def test_a_few_failed_verdicts_show_the_instances_do_not_pay():
+    """The prior is weak: where every draft fails, four verdicts (four tokens at a task's
+    handoff over a plain step) move the orchestrator to plain steps."""
+    latencies = Latencies(instances=2)
+    latencies.observe_task(0.0203)
+    latencies.observe_handoff(0.0007)
+    latencies.observe_draft(0.0004, 1)
+    latencies.observe_local(0.0206)
+    verdicts = 0
+    while latencies.pays():
+        latencies.observe_verdict(1, 0)
+        verdicts += 1
+    assert verdicts <= 4
+
+
+def test_a_plain_step_measures_a_greedy_draft_as_the_general_rule_would():
+    """min(1, P/Q) at the draft's token, P one-hot at the target's token (greedy): 1 where the
+    draft is that token, 0 elsewhere, whatever Q. The plain step takes it without a tensor
+    operation."""
+    decoder = DsiDecoder(PromptLookupDrafter(8), SimpleNamespace(size=2, cancel=lambda tasks: None))
+    q = torch.tensor([0.1, 0.6, 0.3, 0, 0, 0, 0, 0])
+    p = torch.nn.functional.one_hot(torch.tensor(2), 8).float()
+    for draft in (1, 2):
+        decoder.drafts, decoder.q = [draft], [q]
+        assert decoder._acceptance(p, 2, greedy=True) == decoder._acceptance(p, 2, greedy=False) == float(draft == 2)
+
+
+def test_the_first_draft_is_one_token():
+    """Until the drafter's latency is measured it drafts one token at a time: a drafter as slow as
+    the target shows in one draft, not in a lookahead of them."""
+    asked = []
+
+    class Recording(PromptLookupDrafter):
+        def draft(self, state, seq, max_tokens):
+            asked.append(max_tokens)
+            return super().draft(state, seq, max_tokens)
+
+    target = tiny_llama(0, weight_scale=8.0)
+    pool = instances(target, 2)
+    prompt = prompts(0)["n-gram hits"]
+    run_dsi(target, prompt, SamplingParams(), 24, DsiDecoder(Recording(target.vocab_size, min_ngram=1), pool))
+    pool.close()
+    assert asked[0] == 1 and max(asked) > 1, asked
+
+
 def test_without_a_plain_task_where_blocks_would_wait_for_an_instance():
     latencies = Latencies(instances=2)
     latencies.observe_task(0.020)

@@ -31,7 +31,6 @@ verdicts only: exactness holds there too.
 from __future__ import annotations
 
 import atexit
-import statistics
 import threading
 import time
 import weakref
@@ -41,19 +40,22 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
+from ..decoding import Step
 from ..sampling import make_generator, sample, warp
 from .dsi_cost import dsi_seconds_per_token
 from .lookahead import MAX_DRAFT
 from .verify import acceptance_probability, residual, verify_chain
 
 if TYPE_CHECKING:
-    from ..decoding import DecodeState, Step
+    from ..decoding import DecodeState
     from .hierarchy import Drafter
 
 EWMA = 0.3  # weight of the newest latency measurement
 LOCAL_WINDOW = 5  # plain steps whose median is a plain step's time
 DECAY = 0.9  # of the acceptance counts, per verdict
-PRIOR_DRAFTS, PRIOR_ACCEPTANCE = 1.0, 0.7  # before any verdict: as if 1 draft, 70% accepted
+# Before any verdict: as if a quarter of a draft, 70% accepted. Weak, so that where every draft
+# fails a few verdicts (4 with a fast drafter) show the instances do not pay.
+PRIOR_DRAFTS, PRIOR_ACCEPTANCE = 0.25, 0.7
 # The instances must be expected this much faster than a plain step: the cost model leaves out
 # about that much (threads contending where a task and a draft end together, the probes below).
 MARGIN = 0.98
@@ -142,6 +144,7 @@ class Latencies:
         self.handoff: float | None = None
         self.draft: float | None = None
         self._locals: deque[float] = deque(maxlen=LOCAL_WINDOW)  # the last plain steps' seconds
+        self._local: float | None = None  # their median
         self.restart: float | None = None  # the drafter's, after a rejection
         self.drafted, self.accepted = PRIOR_DRAFTS, PRIOR_DRAFTS * PRIOR_ACCEPTANCE  # decayed counts
         self._chosen: Choice | None = None  # for the figures above
@@ -165,14 +168,16 @@ class Latencies:
     def observe_local(self, seconds: float) -> None:
         # The median of the last few, not a moving average: it is measured only while plain steps
         # run, so one stall (the process paused, a page fault) could move the instances on, and
-        # there nothing would measure it again.
+        # there nothing would measure it again. It leaves the cost model's choice alone: only
+        # `pays` reads it, so a plain step recomputes nothing (code that runs after a forward's
+        # wait runs cold, several times slower than in a loop).
         self._locals.append(seconds)
-        self._chosen = None
+        self._local = sorted(self._locals)[len(self._locals) // 2]
 
     @property
     def local(self) -> float | None:
         """A whole plain step (None: not run yet, as a task's)."""
-        return statistics.median(self._locals) if self._locals else None
+        return self._local
 
     def observe_verdict(self, drafted: int, accepted: int) -> None:
         self.drafted = DECAY * self.drafted + drafted
@@ -188,18 +193,23 @@ class Latencies:
 
     def pays(self) -> bool:
         """Whether the instances are expected to beat plain steps (before any measurement: yes)."""
-        return self._choose().pays
+        chosen = self._choose()
+        return not self.plain_steps or chosen.seconds < self._plain()
 
     def hopeless(self) -> bool:
         """Whether even drafts that are all accepted would not pay."""
-        return self._choose().hopeless
+        return not self.pays() and self._choose().full >= self._plain()
+
+    def _plain(self) -> float:
+        """A plain step's time, less the margin the instances must win by."""
+        if self.target is None:
+            return float("inf")
+        return (self.target if self._local is None else self._local) * MARGIN
 
     def _choose(self) -> Choice:
         if self.target is None or self.draft is None:
-            return Choice(min(self.start, self.cap), True, True, False)
+            return Choice(min(self.start, self.cap), True, 0.0, 0.0)
         if self._chosen is None:  # asked several times per step, changed once per result
-            local = self.local
-            plain = (self.target if local is None else local) * MARGIN
             latency = self.target + (self.handoff or 0.0)
             # Without a plain task DSI can only win where blocks wait for instances (W k t1 < t2).
             costs = {(k, plain_task): dsi_seconds_per_token(latency, self.draft, self.accepted / self.drafted, k,
@@ -207,18 +217,17 @@ class Latencies:
                      for k in range(1, self.cap + 1)
                      for plain_task in ((True, False) if self.instances * k * self.draft < latency else (True,))}
             lookahead, plain_task = min(costs, key=costs.get)
-            pays = not self.plain_steps or costs[lookahead, plain_task] < plain
             # With every draft accepted the most drafts a task may hold are best.
             full = dsi_seconds_per_token(latency, self.draft, 1.0, self.cap, self.instances)
-            self._chosen = Choice(lookahead, plain_task, pays, not pays and full >= plain)
+            self._chosen = Choice(lookahead, plain_task, costs[lookahead, plain_task], full)
         return self._chosen
 
 
 class Choice(NamedTuple):
     lookahead: int
     plain_task: bool  # a new frontier's task at once, before any draft exists
-    pays: bool  # the instances, not plain steps on the engine's own target
-    hopeless: bool  # not even drafts that are all accepted would pay
+    seconds: float  # expected per token on the instances, so chosen
+    full: float  # ... were every draft accepted
 
 
 def _average(mean: float | None, sample: float) -> float:
@@ -360,8 +369,6 @@ class DsiDecoder:
         is not verified, only measured: min(1, P/Q) at its token, whose expectation over the
         draft is the acceptance rate, costs no pass over the vocabulary. Where the target's token
         equals that draft the drafts after it still continue the text (`_extend`'s argument)."""
-        from ..decoding import Step
-
         start = state.cache.length
         logits = state.model.forward(state.ids[start:], torch.arange(start, state.ids.shape[0]), state.cache)
         p = warp(logits[-1], state.params)
@@ -378,8 +385,7 @@ class DsiDecoder:
             every = PROBE_RARELY if self.latencies.hopeless() else PROBE_EVERY
             self._probe = self.counts["plain_steps"] % every == 0
             if self.drafts:
-                draft = self.drafts[0]
-                self.latencies.observe_verdict(1, min(1.0, float(p[draft] / self.q[0][draft])))
+                self.latencies.observe_verdict(1, self._acceptance(p, token, state.params.greedy))
             if self.drafts and self.drafts[0] == token:
                 del self.drafts[:1], self.q[:1]
             else:
@@ -390,6 +396,15 @@ class DsiDecoder:
             if self._probe or self.latencies.pays():  # else the drafting thread has nothing to do
                 self._changed.notify_all()
         return Step([token])
+
+    def _acceptance(self, p: torch.Tensor, token: int, greedy: bool) -> float:
+        """min(1, P/Q) at the next draft's token. Greedy P is one-hot at `token`: then 1 if the
+        draft is it, else 0, without a tensor operation (each costs tens of microseconds on the
+        critical path, after a forward's wait)."""
+        draft = self.drafts[0]
+        if greedy:
+            return float(draft == token)
+        return min(1.0, float(p[draft] / self.q[0][draft]))
 
     def _submit(self, state: DecodeState) -> None:
         tokens = torch.cat([state.ids, torch.tensor(self.drafts, dtype=torch.long)])
@@ -419,8 +434,6 @@ class DsiDecoder:
     def _verdict(self, state: DecodeState, p: torch.Tensor, budget: int) -> Step:
         """Commit what the target's P at the frontier and the positions after it (p [m, vocab])
         says of the drafts there, and drop what that invalidates."""
-        from ..decoding import Step
-
         g = min(len(self.drafts), p.shape[0])
         drafts = torch.tensor(self.drafts[:g], dtype=torch.long)
         q = torch.stack(self.q[:g]) if g else p[:0]
@@ -465,6 +478,11 @@ class DsiDecoder:
                 # Read under the lock, before any observation here: a step or a new figure may
                 # change the room (plain steps or not) after the check above.
                 count = min(max(1, self.latencies.lookahead() - self._unsent(state)), self._room() - len(self.drafts))
+                # One a turn until the cost model has its figures: a drafter as slow as the target
+                # shows in one token, and a long draft begun on a guess is not the restart a
+                # rejection then measures.
+                if self.latencies.draft is None or self.latencies.target is None:
+                    count = 1
                 if self._rejected is not None:  # the rest of a draft on the rejected text, or a wake-up
                     self.latencies.observe_restart(started - self._rejected)
                     self._rejected = None
