@@ -193,8 +193,8 @@ def test_a_plain_step_measures_a_greedy_draft_as_the_general_rule_would():
 
 
 def test_the_first_draft_is_one_token():
-    """Until the drafter's latency is measured it drafts one token at a time: a drafter as slow as
-    the target shows in one draft, not in a lookahead of them."""
+    """Until the drafter's latency and a task's are measured it drafts one token at a time: a
+    drafter as slow as the target shows in one draft, not in a lookahead of them."""
     asked = []
 
     class Recording(PromptLookupDrafter):

@@ -144,7 +144,7 @@ class Latencies:
         self.handoff: float | None = None
         self.draft: float | None = None
         self._locals: deque[float] = deque(maxlen=LOCAL_WINDOW)  # the last plain steps' seconds
-        self._local: float | None = None  # their median
+        self.local: float | None = None  # their median: a whole plain step (None: not run yet, as a task's)
         self.restart: float | None = None  # the drafter's, after a rejection
         self.drafted, self.accepted = PRIOR_DRAFTS, PRIOR_DRAFTS * PRIOR_ACCEPTANCE  # decayed counts
         self._chosen: Choice | None = None  # for the figures above
@@ -172,12 +172,7 @@ class Latencies:
         # `pays` reads it, so a plain step recomputes nothing (code that runs after a forward's
         # wait runs cold, several times slower than in a loop).
         self._locals.append(seconds)
-        self._local = sorted(self._locals)[len(self._locals) // 2]
-
-    @property
-    def local(self) -> float | None:
-        """A whole plain step (None: not run yet, as a task's)."""
-        return self._local
+        self.local = sorted(self._locals)[len(self._locals) // 2]
 
     def observe_verdict(self, drafted: int, accepted: int) -> None:
         self.drafted = DECAY * self.drafted + drafted
@@ -204,10 +199,10 @@ class Latencies:
         """A plain step's time, less the margin the instances must win by."""
         if self.target is None:
             return float("inf")
-        return (self.target if self._local is None else self._local) * MARGIN
+        return (self.target if self.local is None else self.local) * MARGIN
 
     def _choose(self) -> Choice:
-        if self.target is None or self.draft is None:
+        if self.target is None or self.draft is None:  # the instances, as DSI was asked for
             return Choice(min(self.start, self.cap), True, 0.0, 0.0)
         if self._chosen is None:  # asked several times per step, changed once per result
             latency = self.target + (self.handoff or 0.0)
