@@ -217,8 +217,7 @@ def test_upload_a_pdf_and_summarize_it(page, tmp_path):
     page.locator("#message input[type=file]").set_input_files(str(pdf))  # the 📎 at the message box
     wait_for(lambda: "launch-report.pdf" in page.locator("#attachment").inner_text(), what="the attachment")
     assert "tokens" in page.locator("#attachment").inner_text()
-    page.locator("#preset input").click()
-    page.get_by_role("option", name="Summarize the document").click()
+    choose_preset(page, PRESETS["summarize"])
     wait_for(lambda: page.locator("#message textarea").input_value() == "Summarize this document.",
              what="the preset's question")
     page.locator("#send").click()
@@ -283,8 +282,21 @@ def test_dark_mode_and_the_models_tab(page):
 
 
 def choose_preset(page, preset):
-    page.locator("#preset input").click()
-    page.get_by_role("option", name=preset.label).click()
+    """Open the list and click the preset until the box shows it. An update that lands while the
+    list is open redraws it and detaches the option under the click (official CI waited 30 s on a
+    detached option): the list is closed and opened again."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    box = page.locator("#preset input")
+
+    def chosen():
+        if box.input_value() != preset.label:
+            box.click()
+            try:
+                page.get_by_role("option", name=preset.label).click(timeout=5_000)
+            except PlaywrightTimeout:
+                page.keyboard.press("Escape")
+        return box.input_value() == preset.label
+    wait_for(chosen, timeout=90, what=f"the preset {preset.label!r} to be chosen")
 
 
 def test_a_kill_in_mid_answer_loses_no_earlier_message(embedded_dir, playwright_browser, tmp_path):
@@ -493,8 +505,7 @@ def test_the_main_job_a_long_document_summarized_then_a_follow_up(page):
     document stays) and starts from the document's KV instead of reading it again."""
     new_conversation(page)
     set_max_new_tokens(page, 512)
-    page.locator("#preset input").click()
-    page.get_by_role("option", name=PRESETS["summarize"].label).click()
+    choose_preset(page, PRESETS["summarize"])
     paste_document(page, (DATA / "gpl-3.0.txt").read_text())
     wait_for(lambda: "over the limit" in page.locator("#meter").inner_text(), what="the meter to count the answer limit")
     page.locator("#send").click()
