@@ -4,6 +4,7 @@ distribution when sampling, whatever order its target instances answer in."""
 import copy
 import json
 import random
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +19,7 @@ from specchat.core.decoding import DecodeState, decode, prefill_all, triforce_dr
 from specchat.core.dsi_pool import thread_pool, wait_unless_cancelled
 from specchat.core.sampling import SamplingParams, make_generator
 from specchat.core.spec.drafters import PromptLookupDrafter
-from specchat.core.spec.dsi import DECAY, DsiDecoder, Latencies, resolve
+from specchat.core.spec.dsi import DECAY, PROBE_EVERY, PROBE_NEAR, PROBE_RARELY, DsiDecoder, Latencies, resolve
 from specchat.core.spec.hierarchy import ModelDrafter
 
 
@@ -47,7 +48,7 @@ def instances(model, count, seconds=0.01, jitter=0.0):
 def alternating(decoder: DsiDecoder, period: int) -> DsiDecoder:
     """The instances for `period` positions, then plain steps on the engine's own target for as
     many, and so on, whatever the cost model would say: exactness must not depend on which."""
-    def pays():
+    def pays(fresh=True):
         state = decoder._state
         return state is None or (state.ids.shape[0] // period) % 2 == 0
 
@@ -151,10 +152,10 @@ def test_the_instances_pay_by_the_cost_model_against_a_plain_step():
     for _ in range(40):
         latencies.observe_restart(0.010)  # ... until the drafter, after each rejection, first ends
     assert not latencies.pays()           # a draft on the rejected text (half of one, on average)
-    assert not latencies.hopeless()  # at full acceptance the drafter's 20 ms would still beat 21
+    assert latencies.probe_every() < PROBE_RARELY  # at full acceptance the drafter's 20 ms would still beat 21
     for _ in range(40):
         latencies.observe_local(0.0195)
-    assert latencies.hopeless()  # not even then: plain steps need the drafter only to watch its latency
+    assert latencies.probe_every() == PROBE_RARELY  # not even then: plain steps need the drafter only to watch its latency
     latencies.observe_local(0.200)  # a stall (measured only during plain steps: it must not move them)
     assert latencies.local == 0.0195 and not latencies.pays()
     always = Latencies(instances=2, plain_steps=False)  # asked for every token from the instances
@@ -210,6 +211,44 @@ def test_the_first_draft_is_one_token():
     assert asked[0] == 1 and max(asked) > 1, asked
 
 
+def test_most_plain_steps_are_plain_decoding_with_no_lock_and_the_probes_measure_them():
+    """Where the instances do not pay, the steps between probes take no lock and have no draft
+    beside them (the orchestrator's bookkeeping, cold after a forward's wait, cost 0.7% of every
+    step); a plain step's time is measured over them, and the text is plain decoding's."""
+
+    class Counting(threading.Condition):
+        taken = 0  # by the caller's thread
+
+        def __enter__(self):
+            if threading.current_thread() is threading.main_thread():
+                self.taken += 1
+            return super().__enter__()
+
+    target = tiny_llama(0, weight_scale=8.0)
+    pool = instances(target, 2)
+    prompt = prompts(0)["n-gram hits"]
+    plain, _ = run(target, prompt, "plain", SamplingParams(), 64)
+    decoder = DsiDecoder(PromptLookupDrafter(target.vocab_size, min_ngram=1), pool)
+    decoder.latencies.pays = lambda fresh=True: False
+    decoder._changed = lock = Counting()
+    took_the_lock = []
+    step = decoder.step
+
+    def counted(state, budget):
+        before = lock.taken
+        result = step(state, budget)
+        took_the_lock.append(lock.taken > before)
+        return result
+
+    decoder.step = counted
+    parallel, _ = run_dsi(target, prompt, SamplingParams(), 64, decoder)
+    pool.close()
+    assert parallel == plain
+    lean = took_the_lock.count(False)
+    assert lean >= len(took_the_lock) // 2, took_the_lock  # at least every other one (was none)
+    assert decoder.latencies.local is not None  # measured over the lean steps
+
+
 def test_without_a_plain_task_where_blocks_would_wait_for_an_instance():
     latencies = Latencies(instances=2)
     latencies.observe_task(0.020)
@@ -223,13 +262,30 @@ def test_without_a_plain_task_where_blocks_would_wait_for_an_instance():
     assert latencies.pays() and latencies.plain_task()
     for _ in range(40):
         latencies.observe_verdict(1, 0)
-    assert not latencies.pays() and not latencies.hopeless()  # drafts that were accepted would pay
+    assert not latencies.pays()
+    assert latencies.probe_every() == PROBE_NEAR  # so fast a drafter pays with one draft in ten accepted
     seven = Latencies(instances=7)  # enough instances for one always to be free: the paper's DSI
     seven.observe_task(0.020)
     seven.observe_draft(0.0004, 1)
     for _ in range(40):
         seven.observe_verdict(8, 8)
     assert seven.plain_task() and seven.lookahead() < 16
+
+
+def test_plain_steps_measure_a_draft_more_often_a_verdict_away_from_the_break_even():
+    latencies = Latencies(instances=2)
+    latencies.observe_task(0.020)
+    latencies.observe_local(0.020)
+    latencies.observe_draft(0.014, 1)  # 70% of the target, and half a draft to restart after a rejection
+    latencies.observe_restart(0.007)
+    for _ in range(40):
+        latencies.observe_verdict(1, 0)
+    probes = []
+    while not latencies.pays():  # drafts accepted one at a time, up to the break-even
+        probes.append(latencies.probe_every())
+        latencies.observe_verdict(1, 1)
+    assert probes[0] == PROBE_EVERY and probes[-1] == PROBE_NEAR, probes  # a verdict away: every other step
+    assert probes.count(PROBE_NEAR) == 1, probes
 
 
 def test_a_verdict_counts_only_the_drafts_it_judged():
