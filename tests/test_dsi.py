@@ -155,7 +155,8 @@ def test_the_instances_pay_by_the_cost_model_against_a_plain_step():
     assert latencies.probe_every() < PROBE_RARELY  # at full acceptance the drafter's 20 ms would still beat 21
     for _ in range(40):
         latencies.observe_local(0.0195)
-    assert latencies.probe_every() == PROBE_RARELY  # not even then: plain steps need the drafter only to watch its latency
+    # Not even then: plain steps need the drafter only to watch its latency.
+    assert latencies.probe_every() == PROBE_RARELY
     latencies.observe_local(0.200)  # a stall (measured only during plain steps: it must not move them)
     assert latencies.local == 0.0195 and not latencies.pays()
     always = Latencies(instances=2, plain_steps=False)  # asked for every token from the instances

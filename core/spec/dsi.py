@@ -390,12 +390,12 @@ class DsiDecoder:
         instances committed since its last step, and the newest), and its token.
 
         Most plain steps are lean: nothing beside them (the drafting thread waits) and nothing
-        to decide after them, plain decoding's own work. The orchestrator's bookkeeping runs cold
-        after a forward's wait (0.14 ms of a 20 ms step, were it on every step). Every `probe_every()`-th
-        step has a draft beside it, which it measures at its end, not verifies: min(1, P/Q) at
-        its token, whose expectation over the draft is the acceptance rate, costs no pass over
-        the vocabulary. Where the target's token equals that draft the drafts after it still continue
-        the text (`_extend`'s argument)."""
+        to decide after them, plain decoding's own work. The orchestrator's bookkeeping runs
+        cold after a forward's wait (0.14 ms of a 20 ms step, were it on every step). Every
+        `probe_every()`-th step has a draft beside it, which it measures at its end, not
+        verifies: min(1, P/Q) at its token, whose expectation over the draft is the acceptance
+        rate, costs no pass over the vocabulary. Where the target's token equals that draft the
+        drafts after it still continue the text (`_extend`'s argument)."""
         if not self._lean and self._run is not None:
             self._probe_beside()
         start = state.cache.length
@@ -569,7 +569,7 @@ class DsiDecoder:
     def _room(self) -> int:
         """Drafts worth holding: a lookahead for each instance, and the next one being drafted
         while they all verify (so an instance that frees finds a block ready). During plain
-        steps one, for a step that measures the draft (`PROBE_EVERY`), else none; none during
+        steps one, for a step that measures the draft (`probe_every`), else none; none during
         lean steps, whatever the figures say, for they commit without the lock."""
         if self._lean:
             return 0
