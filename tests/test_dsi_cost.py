@@ -25,9 +25,11 @@ def test_with_nothing_accepted_both_are_plain_decoding():
 
 
 def test_dsi_at_its_lookahead_is_never_slower_than_plain():
+    """Also where the drafter, after each rejection, first ends a draft it began on the old text."""
     for draft, a, w in itertools.product(DRAFT_COSTS, ACCEPTANCES, INSTANCES):
         k = dsi_lookahead(TARGET, draft, w, CAP)
-        assert dsi_seconds_per_token(TARGET, draft, a, k, w) <= TARGET * (1 + 1e-12)
+        for restart in (0.0, draft):
+            assert dsi_seconds_per_token(TARGET, draft, a, k, w, restart) <= TARGET * (1 + 1e-12), (draft, a, w)
 
 
 def test_dsi_is_never_slower_than_si_at_the_same_lookahead():
@@ -71,10 +73,13 @@ def test_the_closed_form_is_the_event_model(plain_task):
     upper bound where both delay them (the waits absorb part of the restart)."""
     for draft, a, k, w, restart in itertools.product((0.01, 0.05, 0.3, 1.0), (0.0, 0.3, 0.8, 0.95), (1, 3, 8),
                                                      (1, 2, 3), (0.0, 0.2)):
-        exact = event_seconds_per_token(TARGET, draft, a, k, w, restart, plain_task)
+        # The event model has no plain task after the first: it stands for the closed form with
+        # the restart bounded as that form bounds it, by what a plain task leaves the drafter.
+        bounded = min(restart, max(0.0, TARGET - draft)) if plain_task else restart
+        exact = event_seconds_per_token(TARGET, draft, a, k, w, bounded, plain_task)
         closed = dsi_seconds_per_token(TARGET, draft, a, k, w, restart, plain_task)
         case = (draft, a, k, w, restart)
-        if restart == 0 or w * k * draft >= TARGET:
+        if bounded == 0 or w * k * draft >= TARGET:
             assert closed == pytest.approx(exact, rel=1e-9), case
         else:
             assert exact <= closed * (1 + 1e-9), case
@@ -94,10 +99,23 @@ def test_without_a_plain_task_where_blocks_wait_for_instances():
 
 
 def test_a_restart_costs_at_each_rejection_after_an_accepted_draft():
-    """A drafter that needs 0.5 t2 to start on the new text after a rejection, a draft as dear as
-    the target and 90% acceptance: without the restart DSI looks faster than plain; with it, not."""
-    assert dsi_seconds_per_token(TARGET, 0.98, 0.9, 1, 2) < TARGET
-    assert dsi_seconds_per_token(TARGET, 0.98, 0.9, 1, 2, restart_s=0.5) > TARGET
+    """A drafter at 70% of the target that needs half a draft to start on the new text after a
+    rejection: each rejection after an accepted draft (a (1 - a) a token) delays the run by it."""
+    without = dsi_seconds_per_token(TARGET, 0.7, 0.6, 1, 2)
+    assert dsi_seconds_per_token(TARGET, 0.7, 0.6, 1, 2, restart_s=0.2) == pytest.approx(without + 0.2 * 0.6 * 0.4)
+    # No plain task: each rejection waits for it.
+    without = dsi_seconds_per_token(TARGET, 0.7, 0.6, 1, 2, plain_task=False)
+    assert dsi_seconds_per_token(TARGET, 0.7, 0.6, 1, 2, 0.2, plain_task=False) == pytest.approx(without + 0.2 * 0.4)
+
+
+def test_a_restart_costs_no_more_than_a_plain_task_leaves_the_drafter():
+    """With a plain task, a drafter that restarts later than t2 - t1 finds the frontier covered by
+    plain tasks until it catches up: a restart of any length delays a run by t2 - t1 at most, and
+    one draft per task is never slower than plain decoding."""
+    assert dsi_seconds_per_token(TARGET, 0.7, 0.6, 1, 2, restart_s=5.0) == pytest.approx(
+        dsi_seconds_per_token(TARGET, 0.7, 0.6, 1, 2, restart_s=0.3))
+    for draft, a, restart in itertools.product(DRAFT_COSTS, ACCEPTANCES, (0.1, 0.5, 1.0, 5.0)):
+        assert dsi_seconds_per_token(TARGET, draft, a, 1, 2, restart) <= TARGET * (1 + 1e-12), (draft, a, restart)
 
 
 def test_the_papers_lookahead_example():

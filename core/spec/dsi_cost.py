@@ -47,11 +47,16 @@ def dsi_seconds_per_token(target_s: float, draft_s: float, acceptance: float, lo
 
     `restart_s`: how long the drafter takes, after a rejection, to start drafting from the new
     text (the rest of a draft it had begun on the old one). It delays every block of the run; where
-    blocks wait for instances the waits absorb part of it, so there it is an upper bound.
+    blocks wait for instances the waits absorb part of it, so there it is an upper bound. With a
+    plain task it costs at most t2 - t1: a drafter that restarts later than that finds the plain
+    task's token committed and a new plain task covering the frontier, so the run goes on at a
+    plain task's pace until the drafts catch up. So bounded, DSI at k = 1 is never slower than
+    plain decoding: t2 - a^2 (t2 - t1) a token at most.
     """
     a, k, w = acceptance, lookahead, instances
     waiting = max(0.0, target_s - w * k * draft_s)  # what each W-th block waits for an instance
     if plain_task:
+        restart_s = min(restart_s, max(0.0, target_s - draft_s))
         return ((1 - a) * target_s + k * draft_s * a * _share(a, k) + restart_s * a * (1 - a)
                 + waiting * a ** ((w - 1) * k + 1) * _share(a, w * k))
     return ((1 - a) * (target_s + restart_s) + k * draft_s * (a * _share(a, k) + (1 - a) ** 2)
