@@ -258,6 +258,9 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
         meter_inputs = [conversation, attachment, pasted, message, *settings_inputs]
         quiet = {"show_progress": "hidden"}  # the status line and the streaming text show progress
         light = {"show_progress": "hidden", "concurrency_id": "light", "concurrency_limit": 4}  # never behind an answer
+        # One count at a time, in the order asked: a slow count of an earlier text (a long document
+        # just replaced) finishing after the newer one would leave the meter showing what is gone.
+        metering = {"show_progress": "hidden", "concurrency_id": "meter", "concurrency_limit": 1}
         answering = [trigger(send_message, send_inputs, outputs, **quiet) for trigger in (message.submit, send.click)]
         answering.append(chatbot.retry(regenerate, [conversation, *settings_inputs], outputs, **quiet))
         answering.append(chatbot.edit(edit, [conversation, *settings_inputs], outputs, **quiet))
@@ -276,19 +279,19 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
 
         answering.append(in_parts.click(summarize_in_parts, send_inputs, outputs, **quiet))
         for event in answering:
-            event.then(update_meter, meter_inputs, meter, **light)
+            event.then(update_meter, meter_inputs, meter, **metering)
         # Stop ends the answer gracefully (saved, with its figures); it skips the queue, which an answer holds.
         stop.click(stop_answer, None, None, queue=False)
 
         for box in (pasted, max_new_tokens, system):
-            box.change(update_meter, meter_inputs, meter, trigger_mode="always_last", **light)
+            box.change(update_meter, meter_inputs, meter, trigger_mode="always_last", **metering)
         # Typing recounts the meter; a file put in the box is attached first, then counted.
         message.change(once(attach_dropped), message, outputs, trigger_mode="always_last", **light).then(
-            update_meter, meter_inputs, meter, **light)
+            update_meter, meter_inputs, meter, **metering)
         pasted.change(lambda attached, text: gr.update() if attached else logic.pasted_chip(text), [attachment, pasted],
                       attachment_line, trigger_mode="always_last", **light)
         detach.click(lambda: (None, "", ""), None, [attachment, attachment_line, pasted]).then(
-            update_meter, meter_inputs, meter, **light)
+            update_meter, meter_inputs, meter, **metering)
         switch.click(once(logic.switch_pair), longer_pairs, outputs)
         color.change(lambda on: gr.update(visible=on), color, tokens)
         preset.change(_preset_chosen, [preset, message, conversation], [system, message, temperature, top_p])
@@ -298,13 +301,13 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
                                     stages="", tokens="", over_limit="", message="", clear_attachment=True,
                                     pasted="")), None, outputs, cancels=answering,
                   **light).then(
-                update_meter, meter_inputs, meter, **light)
+                update_meter, meter_inputs, meter, **metering)
         conversations.input(once(logic.open), conversations, outputs, cancels=answering, **light).then(
-            update_meter, meter_inputs, meter, **light)
+            update_meter, meter_inputs, meter, **metering)
         rename.click(once(logic.rename), [conversation, title], outputs, **light)
         delete.click(once(logic.delete), conversation, outputs, cancels=answering, **light).then(
-            update_meter, meter_inputs, meter, **light)
-        undo.click(once(logic.undelete), deleted, outputs, **light).then(update_meter, meter_inputs, meter, **light)
+            update_meter, meter_inputs, meter, **metering)
+        undo.click(once(logic.undelete), deleted, outputs, **light).then(update_meter, meter_inputs, meter, **metering)
         export.click(_exporter(logic), conversation, [exported, status])
         # Leaving a running answer (new, open, delete) cancels its Gradio event, which abandons the
         # answer without closing it: cancel its ticket too, so the engine moves on at once instead of
@@ -322,7 +325,7 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
         get_pair.click(lambda: model_status.get_recommended() or "", None, status, **light).then(
             model_state, None, [model_line, get_pair], **light)
         dark.click(None, js=DARK_MODE_JS)
-        demo.load(once(logic.newest), None, outputs).then(update_meter, meter_inputs, meter, **light)
+        demo.load(once(logic.newest), None, outputs).then(update_meter, meter_inputs, meter, **metering)
         demo.load(None, js=RESTORE_DARK_MODE_JS)
     return demo
 

@@ -12,6 +12,7 @@ the target's text (token 0 everywhere).
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from datetime import date
@@ -33,9 +34,11 @@ DRAFT_SHARES = (0.02, 0.05, 0.1, 0.2, 0.4, 0.7, 1.0)  # a draft token's wait, ov
 ACCEPTANCES = (0.0, 0.3, 0.6, 0.8, 0.9, 0.95)
 INSTANCES = (2, 7)  # two cards, and the paper's node (8 GPUs: 7 target instances and the drafter)
 # Run lengths are geometric: a run's time varies with its number of rejections, so each cell
-# generates enough tokens for about this many (few where every draft fails: no variance). With
-# 100, DSI/SI varied by 2.6% from seed to seed where the paper's model puts DSI only 1-2% ahead
-# (two instances, a fast drafter, 30-60% acceptance); 300 makes that about 1.5%.
+# generates enough tokens for about this many. With 100, DSI/SI varied by 2.6% from seed to seed
+# where the paper's model puts DSI only 1-2% ahead (two instances, a fast drafter, 30-60%
+# acceptance); 300 makes that about 1.5%. Where every draft fails, 300 tokens too, an answer's
+# length: DSI's few tokens that learn it (a handoff each, 2-3 ms in all) weighed over 100
+# tokens read as 0.1-0.15% slower than plain, where an answer of a few hundred pays a third.
 REJECTIONS = 300
 RUN_SECONDS = 6.0  # ... within about this long a run (slow drafters at high acceptance stop sooner)
 PLAIN_TOKENS = 100  # plain decoding's time per token is measured over this many (it draws no coins)
@@ -117,8 +120,6 @@ def best_si_lookahead(draft_seconds: float, acceptance: float) -> int:
 
 def cell_tokens(acceptance: float, si_seconds: float, rejections: int) -> int:
     """Tokens for about `rejections` rejections, or RUN_SECONDS of SI (expected `si_seconds` a token)."""
-    if acceptance == 0:
-        return PLAIN_TOKENS  # every draft fails: the same every run, once DSI has learnt it (its first tokens)
     return max(20, min(round(rejections / (1 - acceptance)), int(RUN_SECONDS / si_seconds)))
 
 
@@ -146,6 +147,22 @@ def simulate_cell(draft_share: float, acceptance: float, pool, seed: int, reject
             "dsi_over_plain": plain / dsi, "dsi_over_si": si / dsi, "si_over_plain": plain / si}
 
 
+def ratio_noise(cells: list[dict]) -> float:
+    """The standard deviation of a cell's DSI/plain from timing noise alone, were DSI exactly
+    plain decoding: plain is timed twice in each cell (before SI, after DSI), and the spread of
+    those pairs over the grid gives one run's sigma (a pair's difference has twice its variance);
+    DSI's run has that much, plain's mean half of it. A cell under 1 - 3 sigma is slower beyond
+    the noise."""
+    sigma = math.sqrt(sum(c["plain_noise"] ** 2 for c in cells) / len(cells) / 2)
+    return sigma * math.sqrt(1.5)
+
+
+def slower_beyond_noise(cells: list[dict]) -> list[list[float]]:
+    """(draft share, acceptance) of the cells whose DSI/plain is under 1 - 3 sigma (ratio_noise)."""
+    floor = 1 - 3 * ratio_noise(cells)
+    return [[c["draft_share"], c["acceptance"]] for c in cells if c["dsi_over_plain"] < floor]
+
+
 def run_dsi_simulation(out_dir: Path, instances: tuple[int, ...] = INSTANCES, draft_shares=DRAFT_SHARES,
                        acceptances=ACCEPTANCES, rejections: int = REJECTIONS, progress=print) -> list[Path]:
     grids = {}
@@ -163,12 +180,16 @@ def run_dsi_simulation(out_dir: Path, instances: tuple[int, ...] = INSTANCES, dr
             "dsi_over_plain_min": min(c["dsi_over_plain"] for c in cells),
             "dsi_over_si_min": min(c["dsi_over_si"] for c in cells),
             "plain_noise_max": max(c["plain_noise"] for c in cells),
+            "ratio_noise": ratio_noise(cells),
+            "dsi_slower_than_plain_beyond_noise": slower_beyond_noise(cells),
         }
     report = {"date": date.today().isoformat(), "target_seconds": TARGET_SECONDS, "rejections_per_cell": rejections,
               "method": "waits through specchat's PlainDecoder (its time per token, measured in each cell before "
                         "SI and after DSI: plain_s is their mean, plain_noise how far they differ), "
                         "ChainDecoder (SI at its best lookahead in expectation) and DsiDecoder (its drafting thread "
-                        "and a real thread pool of target instances), side by side in each cell",
+                        "and a real thread pool of target instances), side by side in each cell; ratio_noise "
+                        "is one cell's DSI/plain sigma from timing noise alone (plain_noise pooled over the grid), "
+                        "and dsi_slower_than_plain_beyond_noise lists the cells under 1 - 3 sigma",
               "instances": grids}
     return write_report(report, out_dir, "dsi-simulation", draw_dsi)
 

@@ -19,7 +19,9 @@ from specchat.core.decoding import DecodeState, decode, prefill_all, triforce_dr
 from specchat.core.dsi_pool import thread_pool, wait_unless_cancelled
 from specchat.core.sampling import SamplingParams, make_generator
 from specchat.core.spec.drafters import PromptLookupDrafter
-from specchat.core.spec.dsi import DECAY, PROBE_EVERY, PROBE_NEAR, PROBE_RARELY, DsiDecoder, Latencies, resolve
+from specchat.core.bench_dsi import CoinDrafter, WaitingTarget, timed_run
+from specchat.core.spec.dsi import (DECAY, PROBE_BACKOFF, PROBE_EVERY, PROBE_NEAR, PROBE_RARELY, DsiDecoder, Latencies,
+                                    resolve)
 from specchat.core.spec.hierarchy import ModelDrafter
 
 
@@ -293,6 +295,30 @@ def test_plain_steps_measure_a_draft_more_often_a_verdict_away_from_the_break_ev
     assert probes.count(PROBE_NEAR) == 1, probes
 
 
+def test_probes_back_off_while_the_instances_stay_far_from_paying():
+    """Where every draft fails, a probe every 4th step cost DSI 0.3-0.4% against plain decoding:
+    while the probes find the instances more than one accepted draft from paying, each lean run
+    is twice as long as the last, up to PROBE_BACKOFF times its tier's; a probe near the
+    break-even starts over."""
+    pool = thread_pool([WaitingTarget(0.002) for _ in range(2)])
+    decoder = DsiDecoder(CoinDrafter(0.0, 0.0, seed=0), pool)
+    decoder.latencies.pays = lambda fresh=True: False
+    tiers = iter([PROBE_EVERY] * 5 + [PROBE_NEAR] + [PROBE_EVERY] * 2 + [PROBE_RARELY] * 9)
+    decoder.latencies.probe_every = lambda fresh=True: next(tiers)
+    intervals = []
+    probe_beside = decoder._probe_beside
+
+    def recorded():
+        intervals.append(decoder._run[1] + 1)
+        probe_beside()
+
+    decoder._probe_beside = recorded
+    timed_run(decoder, WaitingTarget(0.002), 200)  # the target's text, as every decoder here
+    pool.close()
+    assert PROBE_BACKOFF == 8
+    assert intervals == [4, 8, 16, 32, 32, 2, 4, 8, 64], intervals
+
+
 def test_a_verdict_counts_only_the_drafts_it_judged():
     """Drafts after the first rejection were never judged: counting them as failed would make a
     90% drafter look like a 60% one (and the cost model choose as if it were)."""
@@ -353,6 +379,19 @@ def test_the_simulation_runs_every_decoder_to_the_target_text(tmp_path):
     cells = report["instances"]["2"]["cells"]
     assert [(c["draft_share"], c["acceptance"]) for c in cells] == [(0.1, 0.0), (0.1, 0.9)]
     assert all(c["plain_s"] > 0 and c["si_s"] > 0 and c["dsi_s"] > 0 for c in cells)
+    assert report["instances"]["2"]["ratio_noise"] >= 0
+    assert isinstance(report["instances"]["2"]["dsi_slower_than_plain_beyond_noise"], list)
+
+
+def test_the_simulation_flags_a_cell_slower_than_plain_beyond_the_timing_noise():
+    """Plain is timed twice a cell; their differences over the grid give one run's sigma, and a
+    DSI/plain ratio more than three of its sigmas under 1 is slower than plain, not noise."""
+    from specchat.core.bench_dsi import ratio_noise, slower_beyond_noise
+
+    cells = [{"draft_share": 0.1, "acceptance": acceptance, "dsi_over_plain": ratio, "plain_noise": noise}
+             for acceptance, ratio, noise in [(0.0, 0.996, 0.001), (0.3, 0.994, 0.003), (0.6, 1.3, 0.0)]]
+    assert ratio_noise(cells) == pytest.approx(0.001581, abs=1e-6)  # sqrt((1 + 9) 1e-6 / 3 / 2) sqrt(1.5)
+    assert slower_beyond_noise(cells) == [[0.1, 0.3]]  # under 1 - 3 sigma = 0.9953
 
 
 def test_a_cancelled_forward_leaves_the_instance_as_if_it_never_ran():

@@ -69,6 +69,13 @@ MARGIN = 0.98
 # 1.01x). Where even drafts that are all accepted could not pay (a drafter as slow as the
 # target), only the drafter's latency is worth watching: every PROBE_RARELY-th.
 PROBE_NEAR, PROBE_EVERY, PROBE_RARELY = 2, 4, 16
+# Where a probe still leaves the instances short by more than one accepted draft, the next comes
+# twice as late, up to PROBE_BACKOFF times its tier's interval: where every draft fails, a probe
+# every 4th step cost DSI 0.3-0.4% against plain decoding (about 0.25 ms each, the drafter's
+# wake-up and the bookkeeping after the forward, and the cold steps after them); backing off,
+# 5 probes in 100 steps, not 24. A verdict near the break-even, or the instances paying, starts
+# over: there the probes are what brings DSI back.
+PROBE_BACKOFF = 8
 
 
 class TargetPool(Protocol):
@@ -294,6 +301,7 @@ class DsiDecoder:
         self._probe = True  # during plain steps: whether the drafter drafts for the next
         self._plain_next = False  # the last plain step found the instances still do not pay
         self._lean = 0  # plain steps to come with no draft beside them and no bookkeeping after
+        self._backoff = 1  # the next lean run's length, in intervals of its probe tier (PROBE_BACKOFF)
         self._run: tuple[float, int] | None = None  # when the lean steps began, and how many
         self._in_turn = False  # whether the drafting thread drafts now
 
@@ -392,7 +400,8 @@ class DsiDecoder:
         Most plain steps are lean: nothing beside them (the drafting thread waits) and nothing
         to decide after them, plain decoding's own work. The orchestrator's bookkeeping runs
         cold after a forward's wait (0.14 ms of a 20 ms step, were it on every step). Every
-        `probe_every()`-th step has a draft beside it, which it measures at its end, not
+        `probe_every()`-th step (later while the probes keep finding the instances far from
+        paying: PROBE_BACKOFF) has a draft beside it, which it measures at its end, not
         verifies: min(1, P/Q) at its token, whose expectation over the draft is the acceptance
         rate, costs no pass over the vocabulary. Where the target's token equals that draft the
         drafts after it still continue the text (`_extend`'s argument)."""
@@ -422,9 +431,13 @@ class DsiDecoder:
             self._plain_next = not pays and not self.live
             self._probe = False
             if pays:
+                self._backoff = 1
                 self._changed.notify_all()
             elif self._plain_next and not self._in_turn:  # else a draft runs beside: the next step waits for it
-                self._lean = self.latencies.probe_every(fresh=False) - 1
+                every = self.latencies.probe_every(fresh=False)
+                near = every == PROBE_NEAR
+                self._lean = every * (1 if near else self._backoff) - 1
+                self._backoff = 1 if near else min(PROBE_BACKOFF, 2 * self._backoff)
                 self._run = (self._returned, self._lean)
         return Step([token])
 
