@@ -296,8 +296,8 @@ def test_plain_steps_measure_a_draft_more_often_a_verdict_away_from_the_break_ev
 
 
 def test_probes_back_off_while_the_instances_stay_far_from_paying():
-    """Where every draft fails, a probe every 4th step cost DSI 0.3-0.4% against plain decoding:
-    while the probes find the instances more than one accepted draft from paying, each lean run
+    """Each probe costs the drafter's wake-up and bookkeeping after a forward: while the probes
+    find the instances more than one accepted draft from paying, each lean run
     is twice as long as the last, up to PROBE_BACKOFF times its tier's; a probe near the
     break-even starts over."""
     pool = thread_pool([WaitingTarget(0.002) for _ in range(2)])

@@ -70,11 +70,11 @@ MARGIN = 0.98
 # target), only the drafter's latency is worth watching: every PROBE_RARELY-th.
 PROBE_NEAR, PROBE_EVERY, PROBE_RARELY = 2, 4, 16
 # Where a probe still leaves the instances short by more than one accepted draft, the next comes
-# twice as late, up to PROBE_BACKOFF times its tier's interval: where every draft fails, a probe
-# every 4th step cost DSI 0.3-0.4% against plain decoding (about 0.25 ms each, the drafter's
-# wake-up and the bookkeeping after the forward, and the cold steps after them); backing off,
-# 5 probes in 100 steps, not 24. A verdict near the break-even, or the instances paying, starts
-# over: there the probes are what brings DSI back.
+# twice as late, up to PROBE_BACKOFF times its tier's interval: each probe costs the drafter's
+# wake-up and the bookkeeping after a forward (a drafter as slow as the target, 90% accepted:
+# 0.997x plain decoding without the backoff, 1.000x with it). A verdict near the break-even, or
+# the instances paying, starts over: there the probes are what brings DSI back. (With a fast
+# drafter whose every draft fails, one accepted draft would still pay: there it is PROBE_NEAR.)
 PROBE_BACKOFF = 8
 
 
