@@ -20,8 +20,8 @@ from specchat.core.dsi_pool import thread_pool, wait_unless_cancelled
 from specchat.core.sampling import SamplingParams, make_generator
 from specchat.core.spec.drafters import PromptLookupDrafter
 from specchat.core.bench_dsi import CoinDrafter, WaitingTarget, timed_run
-from specchat.core.spec.dsi import (DECAY, PROBE_BACKOFF, PROBE_EVERY, PROBE_NEAR, PROBE_RARELY, DsiDecoder, Latencies,
-                                    resolve)
+from specchat.core.spec.dsi import (DECAY, NEAR_PATIENCE, PROBE_BACKOFF, PROBE_EVERY, PROBE_NEAR, PROBE_RARELY,
+                                    DsiDecoder, Latencies, resolve)
 from specchat.core.spec.hierarchy import ModelDrafter
 
 
@@ -295,15 +295,14 @@ def test_plain_steps_measure_a_draft_more_often_a_verdict_away_from_the_break_ev
     assert probes.count(PROBE_NEAR) == 1, probes
 
 
-def test_probes_back_off_while_the_instances_stay_far_from_paying():
-    """Each probe costs the drafter's wake-up and bookkeeping after a forward: while the probes
-    find the instances more than one accepted draft from paying, each lean run
-    is twice as long as the last, up to PROBE_BACKOFF times its tier's; a probe near the
-    break-even starts over."""
+def probe_intervals(acceptance: float, tiers: list[int], tokens: int) -> list[int]:
+    """The lean runs' lengths (each ends in a probe) over `tokens` plain steps, a zero-latency
+    drafter right with probability `acceptance`, the instances never paying and each probe's tier
+    taken from `tiers`."""
     pool = thread_pool([WaitingTarget(0.002) for _ in range(2)])
-    decoder = DsiDecoder(CoinDrafter(0.0, 0.0, seed=0), pool)
+    decoder = DsiDecoder(CoinDrafter(0.0, acceptance, seed=0), pool)
     decoder.latencies.pays = lambda fresh=True: False
-    tiers = iter([PROBE_EVERY] * 5 + [PROBE_NEAR] + [PROBE_EVERY] * 2 + [PROBE_RARELY] * 9)
+    tiers = iter(tiers)
     decoder.latencies.probe_every = lambda fresh=True: next(tiers)
     intervals = []
     probe_beside = decoder._probe_beside
@@ -313,10 +312,21 @@ def test_probes_back_off_while_the_instances_stay_far_from_paying():
         probe_beside()
 
     decoder._probe_beside = recorded
-    timed_run(decoder, WaitingTarget(0.002), 200)  # the target's text, as every decoder here
+    timed_run(decoder, WaitingTarget(0.002), tokens)  # the target's text, as every decoder here
     pool.close()
-    assert PROBE_BACKOFF == 8
-    assert intervals == [4, 8, 16, 32, 32, 2, 4, 8, 64], intervals
+    return intervals
+
+
+def test_probes_back_off_while_they_find_the_instances_no_nearer_to_paying():
+    """Each probe costs the drafter's wake-up and bookkeeping after a forward. Far from paying,
+    each lean run is twice as long as the last, up to PROBE_BACKOFF times its tier's; near the
+    break-even (one accepted draft from paying), so only after more than NEAR_PATIENCE drafts in
+    a row that the target did not take, and a draft taken starts over."""
+    assert (PROBE_BACKOFF, NEAR_PATIENCE) == (8, 3)
+    failing = probe_intervals(0.0, [PROBE_EVERY] * 5 + [PROBE_NEAR] * 7 + [PROBE_RARELY] * 9, 320)
+    assert failing == [4, 8, 16, 32, 32, 2, 2, 2, 4, 8, 16, 16, 16, 32, 64], failing
+    taken = probe_intervals(1.0, [PROBE_NEAR] * 5 + [PROBE_EVERY] * 3 + [PROBE_NEAR] * 2 + [PROBE_EVERY] * 9, 120)
+    assert taken == [2, 2, 2, 2, 2, 4, 8, 16, 2, 2, 4, 8, 16, 32], taken
 
 
 def test_a_verdict_counts_only_the_drafts_it_judged():

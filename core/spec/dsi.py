@@ -69,13 +69,17 @@ MARGIN = 0.98
 # 1.01x). Where even drafts that are all accepted could not pay (a drafter as slow as the
 # target), only the drafter's latency is worth watching: every PROBE_RARELY-th.
 PROBE_NEAR, PROBE_EVERY, PROBE_RARELY = 2, 4, 16
-# Where a probe still leaves the instances short by more than one accepted draft, the next comes
-# twice as late, up to PROBE_BACKOFF times its tier's interval: each probe costs the drafter's
-# wake-up and the bookkeeping after a forward (a drafter as slow as the target, 90% accepted:
-# 0.997x plain decoding without the backoff, 1.000x with it). A verdict near the break-even, or
-# the instances paying, starts over: there the probes are what brings DSI back. (With a fast
-# drafter whose every draft fails, one accepted draft would still pay: there it is PROBE_NEAR.)
+# Each probe costs the drafter's wake-up and the bookkeeping after a forward. Where the instances
+# are further than one accepted draft from paying, each gap is twice the last, up to PROBE_BACKOFF
+# times its tier's interval (a drafter as slow as the target, 90% accepted: 0.997x plain decoding
+# without the backoff, 1.000x with it). Near the break-even a draft the target takes is what
+# brings DSI back: there the gaps grow only after more than NEAR_PATIENCE drafts in a row were
+# not taken (a draft right 60% of the time misses four in a row one time in 40; a fast drafter
+# whose every draft fails is always near, one accepted draft from paying: 0.995x with a probe
+# every second step, 0.998x with the backoff, means of 12 interleaved runs). The instances
+# paying starts over.
 PROBE_BACKOFF = 8
+NEAR_PATIENCE = 3
 
 
 class TargetPool(Protocol):
@@ -302,6 +306,7 @@ class DsiDecoder:
         self._plain_next = False  # the last plain step found the instances still do not pay
         self._lean = 0  # plain steps to come with no draft beside them and no bookkeeping after
         self._backoff = 1  # the next lean run's length, in intervals of its probe tier (PROBE_BACKOFF)
+        self._missed = 0  # probes near the break-even in a row whose draft the target did not take
         self._run: tuple[float, int] | None = None  # when the lean steps began, and how many
         self._in_turn = False  # whether the drafting thread drafts now
 
@@ -400,10 +405,10 @@ class DsiDecoder:
         Most plain steps are lean: nothing beside them (the drafting thread waits) and nothing
         to decide after them, plain decoding's own work. The orchestrator's bookkeeping runs
         cold after a forward's wait (0.14 ms of a 20 ms step, were it on every step). Every
-        `probe_every()`-th step (later while the probes keep finding the instances far from
-        paying: PROBE_BACKOFF) has a draft beside it, which it measures at its end, not
-        verifies: min(1, P/Q) at its token, whose expectation over the draft is the acceptance
-        rate, costs no pass over the vocabulary. Where the target's token equals that draft the
+        `probe_every()`-th step (later while the probes find the instances no nearer to
+        paying: PROBE_BACKOFF, NEAR_PATIENCE) has a draft beside it, which it measures at its
+        end, not verifies: min(1, P/Q) at its token, whose expectation over the draft is the
+        acceptance rate, costs no pass over the vocabulary. Where the target's token equals that draft the
         drafts after it still continue the text (`_extend`'s argument)."""
         if not self._lean and self._run is not None:
             self._probe_beside()
@@ -421,7 +426,8 @@ class DsiDecoder:
             self.counts["plain_steps"] += 1
             if self.drafts:
                 self.latencies.observe_verdict(1, self._acceptance(p, token, state.params.greedy))
-            if self.drafts and self.drafts[0] == token:
+            matched = bool(self.drafts) and self.drafts[0] == token
+            if matched:
                 del self.drafts[:1], self.q[:1]
             else:
                 self.drafts, self.q = [], []
@@ -431,13 +437,17 @@ class DsiDecoder:
             self._plain_next = not pays and not self.live
             self._probe = False
             if pays:
-                self._backoff = 1
+                self._backoff, self._missed = 1, 0
                 self._changed.notify_all()
             elif self._plain_next and not self._in_turn:  # else a draft runs beside: the next step waits for it
                 every = self.latencies.probe_every(fresh=False)
-                near = every == PROBE_NEAR
-                self._lean = every * (1 if near else self._backoff) - 1
-                self._backoff = 1 if near else min(PROBE_BACKOFF, 2 * self._backoff)
+                if every == PROBE_NEAR:
+                    self._missed = 0 if matched else self._missed + 1
+                    self._backoff = 1  # far from paying again: a new series of gaps
+                    self._lean = every * min(PROBE_BACKOFF, 2 ** max(0, self._missed - NEAR_PATIENCE)) - 1
+                else:
+                    self._lean = every * self._backoff - 1
+                    self._backoff = min(PROBE_BACKOFF, 2 * self._backoff)
                 self._run = (self._returned, self._lean)
         return Step([token])
 
