@@ -19,7 +19,7 @@ from specchat.core.decoding import DecodeState, decode, prefill_all, triforce_dr
 from specchat.core.dsi_pool import thread_pool, wait_unless_cancelled
 from specchat.core.sampling import SamplingParams, make_generator
 from specchat.core.spec.drafters import PromptLookupDrafter
-from specchat.core.bench_dsi import CoinDrafter, WaitingTarget, timed_run
+from specchat.core.bench_dsi import CoinDrafter, WaitingTarget, ratio_noise, slower_beyond_noise, timed_run
 from specchat.core.spec.dsi import (DECAY, NEAR_PATIENCE, PROBE_BACKOFF, PROBE_EVERY, PROBE_NEAR, PROBE_RARELY,
                                     DsiDecoder, Latencies, resolve)
 from specchat.core.spec.hierarchy import ModelDrafter
@@ -396,8 +396,6 @@ def test_the_simulation_runs_every_decoder_to_the_target_text(tmp_path):
 def test_the_simulation_flags_a_cell_slower_than_plain_beyond_the_timing_noise():
     """Plain is timed twice a cell; their differences over the grid give one run's sigma, and a
     DSI/plain ratio more than three of its sigmas under 1 is slower than plain, not noise."""
-    from specchat.core.bench_dsi import ratio_noise, slower_beyond_noise
-
     cells = [{"draft_share": 0.1, "acceptance": acceptance, "dsi_over_plain": ratio, "plain_noise": noise}
              for acceptance, ratio, noise in [(0.0, 0.996, 0.001), (0.3, 0.994, 0.003), (0.6, 1.3, 0.0)]]
     assert ratio_noise(cells) == pytest.approx(0.001581, abs=1e-6)  # sqrt((1 + 9) 1e-6 / 3 / 2) sqrt(1.5)

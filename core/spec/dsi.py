@@ -408,8 +408,8 @@ class DsiDecoder:
         `probe_every()`-th step (later while the probes find the instances no nearer to
         paying: PROBE_BACKOFF, NEAR_PATIENCE) has a draft beside it, which it measures at its
         end, not verifies: min(1, P/Q) at its token, whose expectation over the draft is the
-        acceptance rate, costs no pass over the vocabulary. Where the target's token equals that draft the
-        drafts after it still continue the text (`_extend`'s argument)."""
+        acceptance rate, costs no pass over the vocabulary. Where the target's token equals that
+        draft the drafts after it still continue the text (`_extend`'s argument)."""
         if not self._lean and self._run is not None:
             self._probe_beside()
         start = state.cache.length
@@ -443,7 +443,7 @@ class DsiDecoder:
                 every = self.latencies.probe_every(fresh=False)
                 if every == PROBE_NEAR:
                     self._missed = 0 if matched else self._missed + 1
-                    self._backoff = 1  # far from paying again: a new series of gaps
+                    self._backoff = 1  # a far tier after this one starts its series of gaps over
                     self._lean = every * min(PROBE_BACKOFF, 2 ** max(0, self._missed - NEAR_PATIENCE)) - 1
                 else:
                     self._lean = every * self._backoff - 1
