@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-layers", type=int, default=24)
     bench.add_argument("--documents", nargs="+", metavar="FILE",
                        help="the documents of the auto suite (each answered with --prompt)")
-    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload", "auto", "dsi"), default="trees",
+    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload", "auto", "dsi", "gpu"),
+                       default="trees",
                        help="trees: decoding modes side by side (default); auto: every mode and auto on "
                             "several --documents, with the cost model's predictions; prefill: time to first token "
                             "for a first question, a follow-up and a reloaded document; longctx: every mode "
@@ -90,7 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "verification against a 128K offloaded KV cache on a CUDA GPU, random weights "
                             "of Llama-3.1-8B's shape (no document, no download); dsi: the DSI paper's simulation, "
                             "plain, SI and DSI over draft latency x acceptance with forwards replaced by waits "
-                            "(no model)")
+                            "(no model); gpu: the GPU path measured whole (tests, selftest, decode steps, "
+                            "quantized weights, offloaded KV, memory against the plan), random weights of "
+                            "Llama-3.1-8B's shape")
+    bench.add_argument("--sections", help="gpu: a comma-separated subset of its sections (default: all)")
+    bench.add_argument("--dry-run", action="store_true",
+                       help="gpu: rehearse every section on the CPU at toy shapes")
+    bench.add_argument("--budget-s", type=float, default=480.0,
+                       help="gpu: start no section after this many seconds (default 480)")
     bench.add_argument("--out", default="bench", help="folder for the results (default: bench)")
     bench.add_argument("--repeats", type=int, default=1,
                        help="longctx, auto: measure every mode N times in shuffled rounds; report medians (default 1)")
@@ -461,6 +469,17 @@ def _bench(args) -> int:
         from ..core.bench_offload import draw_offload, run_offload_bench
 
         for path in write_report(run_offload_bench(), Path(args.out), "gpu-offload", draw_offload):
+            print(path)
+        return 0
+    if args.suite == "gpu":
+        from ..benchmarks.gpu.campaign import parse_sections, run_campaign
+
+        sections = parse_sections(args.sections)
+        if args.budget_s <= 0:
+            raise InputError(f"--budget-s must be positive, got {args.budget_s}")
+        repo_root = Path(__file__).resolve().parent.parent
+        for path in run_campaign(sections, args.dry_run, args.budget_s, Path(args.out), repo_root,
+                                 lambda line: print(line, file=sys.stderr, flush=True)):
             print(path)
         return 0
     if args.suite == "dsi":

@@ -15,6 +15,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the Hub
 # in this process and the `specchat` processes the tests start.
 os.environ.setdefault("SPECCHAT_CALIBRATE", "0")
 DATA = Path(__file__).parent / "data"
+# A test that needs a CUDA GPU: skipped without one, and marked `cuda` so that `pytest -m cuda`
+# (and `specchat bench --suite gpu`) finds every one of them.
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def needs_cuda(test):
+    for mark in CUDA:
+        test = mark(test)
+    return test
 
 
 def tiny_llama(seed: int, vocab_size: int = 97, dtype=torch.float64, context: int = 512,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specchat.core.selftest import chi_square_p_value
-from conftest import tiny_llama
+from conftest import needs_cuda, tiny_llama
 from test_decoding import exact_sequence_probs, prompts, run
 from test_hierarchy import sampled_hierarchy
 from test_tree_decoding import noisy_copy
@@ -430,10 +430,9 @@ def test_a_cancelled_forward_leaves_the_instance_as_if_it_never_ran():
     assert torch.equal(again, fresh)
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@CUDA
+@needs_cuda
 def test_greedy_dsi_over_cuda_processes_through_plain_steps_on_the_shared_target(tmp_path):
     """The GPU worker path on one card, through plain steps: the engine's own target serves
     instance 0 from a thread while the decoder's plain steps run on it too (each thread with its
@@ -461,7 +460,7 @@ def test_greedy_dsi_over_cuda_processes_through_plain_steps_on_the_shared_target
 
 
 @pytest.mark.slow
-@CUDA
+@needs_cuda
 def test_greedy_dsi_over_cuda_instances_equals_plain_on_a_document(embedded_dir):
     """The GPU worker path on one card (issue 17): the engine's own target is instance 0, served
     from a thread; a spawned process loads the second copy onto the same card, as it would onto

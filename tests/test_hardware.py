@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import DATA, tiny_llama
+from conftest import DATA, needs_cuda, tiny_llama
 from specchat.core import hardware
 from specchat.core.hardware import (
     HardwareProfile,
@@ -33,7 +33,7 @@ def test_probe_this_machine():
     assert HardwareProfile.from_json(profile.to_json()) == profile
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 def test_probe_measures_each_gpu():
     profile = probe(measure_bandwidth=True)
     assert len(profile.gpus) == torch.cuda.device_count() and profile.cuda_version

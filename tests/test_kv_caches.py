@@ -4,7 +4,7 @@ positions it claims to, and rolls back like the full cache."""
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import needs_cuda, tiny_llama
 from test_decoding import prompts, run
 from specchat.core.decoding import TriforceSettings, triforce_decoder
 from specchat.core.kv.offload import OffloadedCache
@@ -14,7 +14,6 @@ from specchat.core.kv.streaming import StreamingCache, streaming_positions
 from specchat.core.sampling import SamplingParams
 from specchat.core.spec.tree import Tree
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def masked_logits(model, ids, visible: torch.Tensor, new: torch.Tensor):
@@ -164,7 +163,7 @@ def test_offloaded_cache_matches_the_full_cache_on_cpu(cpu_attention):
     offloaded_like_full(tiny_llama(3), "cpu", cpu_attention)
 
 
-@CUDA
+@needs_cuda
 @pytest.mark.parametrize("cpu_attention", [False, True])
 def test_offloaded_cache_matches_the_full_cache_on_cuda(cpu_attention):
     model = tiny_llama(3, dtype=torch.float32)
@@ -174,7 +173,7 @@ def test_offloaded_cache_matches_the_full_cache_on_cuda(cpu_attention):
     assert (offloaded.fetched_bytes > 0) != cpu_attention  # attention on the CPU streams nothing
 
 
-@CUDA
+@needs_cuda
 @pytest.mark.parametrize("tree", [None, Tree((-1, 0, 0, 1, 1, 3))])
 def test_greedy_triforce_over_an_offloaded_cache_equals_plain_on_cuda(tree):
     model = tiny_llama(4, dtype=torch.float32, weight_scale=8.0)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import needs_cuda, tiny_llama
 from test_plan import PROFILES, REGISTRY
 from specchat.core.model import TransformersLM
 from specchat.core.placement import LoadOptions, draft_options, offload_capacity, target_options
@@ -66,7 +66,7 @@ def test_loading_applies_dtype_and_rope_scaling(tmp_path):
     assert model.forward(torch.arange(5), torch.arange(5), cache).shape == (5, 97)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 def test_loading_places_the_model_on_the_gpu(tmp_path):
     tiny_llama(0, dtype=torch.float32).hf.save_pretrained(tmp_path)
     model = TransformersLM.from_pretrained(tmp_path, LoadOptions("bfloat16", "cuda:0", None, None))
@@ -75,3 +75,26 @@ def test_loading_places_the_model_on_the_gpu(tmp_path):
     cache = model.new_cache()
     logits = model.forward(torch.arange(5), torch.arange(5), cache)
     assert logits.device.type == "cpu" and cache.length == 5 and cache.fetched_bytes >= 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_bitsandbytes_weights_load_on_the_gpu_and_speculation_keeps_their_greedy_answer(tmp_path, quantization):
+    """The production loader's bitsandbytes path on a GPU: the decoder layers are quantized, the
+    head is not, and chain speculation over the quantized target answers as its plain decoding
+    does (sharp logits: a batched forward's rounding cannot flip an argmax)."""
+    pytest.importorskip("bitsandbytes", reason="the GPU install brings bitsandbytes (packaging/install.sh)")
+    from test_decoding import prompts, run
+
+    from specchat.core.decoding import make_decoder
+    from specchat.core.sampling import SamplingParams
+
+    tiny_llama(0, dtype=torch.float32, weight_scale=8.0).hf.save_pretrained(tmp_path)
+    model = TransformersLM.from_pretrained(tmp_path, LoadOptions("bfloat16", "cuda:0", quantization, None))
+    layer = model.hf.model.layers[0].mlp.up_proj
+    assert type(layer).__name__ == {"nf4": "Linear4bit", "int8": "Linear8bitLt"}[quantization]
+    assert type(model.hf.lm_head).__name__ == "Linear" and model.device.type == "cuda"
+    prompt = prompts(0)["n-gram hits"]
+    plain, _ = run(model, prompt, "plain", SamplingParams(), 24)
+    chain, steps = run(model, prompt, "chain", SamplingParams(), 24, make_decoder("chain", model.vocab_size))
+    assert chain == plain and sum(step.drafted for step in steps) > 0

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import CUDA, needs_cuda
 
 from specchat.core.kv.split_attention import attention_with_lse, merge
 
@@ -129,7 +130,6 @@ def test_past_unmasked_and_new_masked_merge_into_sdpa_exactly(shape, n):
     torch.testing.assert_close(got, _sdpa_reference(query, key, value, allowed, 0.25), rtol=1e-12, atol=1e-12)
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
@@ -191,7 +191,7 @@ def test_without_a_fused_kernel_the_forward_keeps_plain_sdpa(monkeypatch):
     torch.testing.assert_close(verify(), expected, rtol=1e-12, atol=1e-12)
 
 
-@CUDA
+@needs_cuda
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("shape, n", [("chain", 8), ("tree", 6), ("prefill chunk", 48)])
 def test_past_unmasked_and_new_masked_on_cuda(shape, n, dtype, tolerance):

@@ -1,0 +1,55 @@
+"""What attention costs over an 8-bit KV (int8 codes with one scale per position and KV head, as
+llama.cpp's q8_0 cache keeps about the same bytes) against a bf16 KV, without a fused kernel:
+dequantize the layer, then the engine's folded grouped-query attention (a KV head's query heads
+stacked as extra query rows, one SDPA call). One layer is timed, scaled to the model's layers.
+
+Why measure the naive path: an 8-bit KV halves what must fit in VRAM, but dequantizing writes a
+bf16 copy and reads it again, so per step it moves more bytes than the bf16 KV it replaces; how
+much more decides whether a fused kernel is needed before the plan may choose it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .clock import free_memory, wall_seconds
+from .rig import Rig
+
+
+def attention_costs(rig: Rig) -> list[dict]:
+    shape = rig.shape
+    layers, kv_heads, head_dim = shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"]
+    group = shape["num_attention_heads"] // kv_heads
+    generator = torch.Generator(rig.device).manual_seed(0)
+    rows = []
+    for length in sorted({*rig.contexts, *rig.offloaded_contexts}):
+        keys, values = (torch.randn(1, kv_heads, length, head_dim, device=rig.device, dtype=rig.dtype,
+                                    generator=generator) for _ in range(2))
+        (key_codes, key_scale), (value_codes, value_scale) = _quantize(keys), _quantize(values)
+        for n in (1, max(rig.sizes)):
+            queries = torch.randn(1, kv_heads, group * n, head_dim, device=rig.device, dtype=rig.dtype,
+                                  generator=generator)
+
+            def plain():
+                return F.scaled_dot_product_attention(queries, keys, values)
+
+            def dequantized():
+                return F.scaled_dot_product_attention(queries, key_codes.to(rig.dtype) * key_scale,
+                                                      value_codes.to(rig.dtype) * value_scale)
+
+            bf16_s = wall_seconds(plain, rig.device, rig.repeats) * layers
+            int8_s = wall_seconds(dequantized, rig.device, rig.repeats) * layers
+            rows.append({"context": length, "tokens": n, "bf16_kv_s": bf16_s, "int8_kv_dequantized_s": int8_s,
+                         "int8_over_bf16": int8_s / bf16_s,
+                         "kv_bytes_bf16": 2 * layers * keys.numel() * keys.element_size(),
+                         "kv_bytes_int8": 2 * layers * (key_codes.numel() + key_scale.numel() * key_scale.element_size())})
+        del keys, values, key_codes, value_codes
+        free_memory(rig.device)
+    return rows
+
+
+def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per (KV head, position): codes and a scale of the tensor's dtype."""
+    scale = tensor.abs().amax(-1, keepdim=True).float().clamp(min=1e-8) / 127
+    codes = (tensor.float() / scale).round().clamp(-127, 127).to(torch.int8)
+    return codes, scale.to(tensor.dtype)

@@ -1,0 +1,133 @@
+"""The `quantized` section: the target's decoder layers in bf16, bitsandbytes nf4 and LLM.int8, and
+int4 through PyTorch's tinygemm kernel, side by side in one run: memory after loading against the
+plan's arithmetic, and t(1..16) at each context with the KV on the device (how flat: whether
+speculation can pay on a quantized target), plus an 8-bit KV's attention cost (kv8.py).
+
+bitsandbytes layers are built the way transformers' loader builds them (Linear4bit/Linear8bitLt
+with the production options of core/model.py), from random weights instead of a checkpoint."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .clock import allocated_bytes, free_memory, wall_seconds
+from .int4 import GROUP, Int4Linear, max_relative_error
+from .kv8 import attention_costs
+from .rig import Rig
+from .shapes import model_spec, predicted_weight_bytes, prefill, random_ids, random_model
+
+KINDS = ("bf16", "nf4", "int8", "int4")
+PLAN_QUANTIZATION = {"bf16": "none", "nf4": "nf4", "int8": "int8"}  # int4 is not a plan tier yet
+
+
+class Unavailable(Exception):
+    """This kind cannot run here (a missing library or kernel): the row says why."""
+
+
+def run(rig: Rig, report: dict) -> dict:
+    rows, memory = [], []
+    for kind in KINDS:
+        if rig.seconds_left() <= 0:
+            rows.append({"kind": kind, "status": "skipped: the time budget ran out"})
+            continue
+        try:
+            row = _measure(rig, kind)
+        except Unavailable as why:
+            row = {"kind": kind, "status": f"skipped: {why}"}
+        rows.append(row)
+        if "predicted_weight_bytes" in row:
+            memory.append({"placement": f"{rig.shape_name} weights, {kind}", "predicted_bytes": row["predicted_weight_bytes"],
+                           "measured_peak_bytes": row["weight_bytes"]})
+        free_memory(rig.device)
+    return {"shape": rig.shape_name, "kinds": rows, "kv8": attention_costs(rig), "memory": memory}
+
+
+def _measure(rig: Rig, kind: str) -> dict:
+    longest = max(rig.contexts)
+    model = random_model(rig.shape, longest + max(rig.sizes), rig.device, rig.dtype)
+    spec = model_spec(model, rig.dtype)
+    before = allocated_bytes(rig.device)
+    row = {"kind": kind, "status": "ran"}
+    if kind != "bf16":
+        row.update(_quantize(model.hf, kind, rig.dtype))
+    free_memory(rig.device)
+    if before is not None:
+        row["weight_bytes"] = allocated_bytes(rig.device)
+        if kind in PLAN_QUANTIZATION:
+            row["predicted_weight_bytes"] = predicted_weight_bytes(spec, PLAN_QUANTIZATION[kind], rig.dtype)
+    ids = random_ids(model.vocab_size, longest + max(rig.sizes))
+    row["steps"] = []
+    for context in rig.contexts:
+        cache = model.new_cache()
+        prefill_s = prefill(model, cache, ids, context, rig.prefill_chunk)
+
+        def step(n: int):
+            def forward():
+                model.forward(ids[context:context + n], torch.arange(context, context + n), cache)
+                cache.trim(context)
+            return forward
+
+        walls = {n: wall_seconds(step(n), rig.device, rig.repeats) for n in rig.sizes}
+        row["steps"].append({"context": context, "prefill_tokens_per_s": context / prefill_s,
+                             "wall_s": {str(n): s for n, s in walls.items()},
+                             "t_over_t1": {str(n): s / walls[1] for n, s in walls.items()}})
+        del cache
+        free_memory(rig.device)
+    return row
+
+
+def _quantize(hf_model, kind: str, compute_dtype: torch.dtype) -> dict:
+    """Replace every linear layer of the decoder layers (not the embedding or the head, as
+    bitsandbytes' default leaves them) with `kind`'s; report the first layer's kernel error."""
+    convert = {"nf4": _nf4, "int8": _int8, "int4": _int4}[kind]
+    checks = {}
+    for layer in hf_model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    new = convert(child, compute_dtype)
+                    if kind == "int4" and not checks:
+                        checks["int4_kernel_relative_error"] = max_relative_error(new, child.weight.data)
+                    setattr(parent, name, new)
+                    del child
+    if kind == "int4":
+        checks["int4_group"] = GROUP
+    return checks
+
+
+def _bitsandbytes():
+    try:
+        import bitsandbytes
+    except ImportError as error:
+        raise Unavailable(f"bitsandbytes is not installed ({error}; pip install 'specchat[gpu]')") from None
+    return bitsandbytes
+
+
+def _nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    bnb = _bitsandbytes()
+    # core/model.py's BitsAndBytesConfig: nf4, no double quantization, compute in the model's dtype.
+    new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=compute_dtype,
+                            compress_statistics=False, quant_type="nf4", device="meta")
+    new.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=False,
+                                   quant_type="nf4", module=new).to(linear.weight.device)
+    return new
+
+
+def _int8(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    bnb = _bitsandbytes()
+    if linear.weight.device.type != "cuda":
+        raise Unavailable("LLM.int8 runs on CUDA only")
+    new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=False, has_fp16_weights=False,
+                              threshold=6.0, device="meta")
+    # Int8Params quantizes when it moves from host memory to the GPU.
+    new.weight = bnb.nn.Int8Params(linear.weight.data.cpu(), requires_grad=False,
+                                   has_fp16_weights=False).to(linear.weight.device)
+    return new
+
+
+def _int4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    kernel = "_weight_int4pack_mm" if linear.weight.device.type == "cuda" else "_weight_int4pack_mm_for_cpu"
+    if not hasattr(torch.ops.aten, kernel):
+        raise Unavailable(f"this PyTorch has no {kernel}")
+    return Int4Linear(linear.weight.data, torch.bfloat16)
