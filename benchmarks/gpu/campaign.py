@@ -22,7 +22,7 @@ import torch
 
 from ...core.bench import write_report
 from ...core.errors import InputError, first_line
-from . import checks, offload, steps, weights
+from . import checks, kv8, offload, steps, weights
 from .clock import free_memory
 from .rig import Rig, dry_rig, goal, gpu_rig
 
@@ -53,6 +53,7 @@ SECTIONS: dict[str, Callable[[Rig, dict], dict]] = {
     "selftest": checks.selftest,
     "graphs": steps.run,
     "quantized": weights.run,
+    "kv8": kv8.run,
     "offload": offload.run,
     "memory": memory,
     "modes": _not_built("every mode on the embedded model through plan, load and generate, bf16 timings"),
@@ -124,9 +125,11 @@ def _environment(rig: Rig) -> dict:
 
 
 def _commit(repo_root: Path) -> str:
-    """HEAD (with '+changes' for a modified tree); where the tree travelled without its .git, the
-    SPECCHAT_COMMIT the caller names."""
+    """SPECCHAT_COMMIT where the caller names it (a tree copied to a GPU machine may carry another
+    checkout's .git), else HEAD, with '+changes' for a modified tree."""
     fallback = os.environ.get("SPECCHAT_COMMIT", "unknown")
+    if fallback != "unknown":
+        return fallback
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_root, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo_root,

@@ -1,7 +1,9 @@
-"""What attention costs over an 8-bit KV (int8 codes with one scale per position and KV head, as
+"""The `kv8` section: what attention costs over an 8-bit KV (int8 codes with one scale per position and KV head, as
 llama.cpp's q8_0 cache keeps about the same bytes) against a bf16 KV, without a fused kernel:
 dequantize the layer, then the engine's folded grouped-query attention (a KV head's query heads
-stacked as extra query rows, one SDPA call). One layer is timed, scaled to the model's layers.
+stacked as extra query rows, one SDPA call, as kv/queries.py does). One layer is timed, scaled
+to the model's layers: on CUDA the GPU's busy time (a wall clock would mostly time the launch at
+short contexts), on the CPU the wall time.
 
 Why measure the naive path: an 8-bit KV halves what must fit in VRAM, but dequantizing writes a
 bf16 copy and reads it again, so per step it moves more bytes than the bf16 KV it replaces; how
@@ -12,11 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .clock import free_memory, wall_seconds
+from .clock import busy_seconds, free_memory, wall_seconds
 from .rig import Rig
 
 
-def attention_costs(rig: Rig) -> list[dict]:
+def run(rig: Rig, report: dict) -> dict:
     shape = rig.shape
     layers, kv_heads, head_dim = shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"]
     group = shape["num_attention_heads"] // kv_heads
@@ -37,15 +39,20 @@ def attention_costs(rig: Rig) -> list[dict]:
                 return F.scaled_dot_product_attention(queries, key_codes.to(rig.dtype) * key_scale,
                                                       value_codes.to(rig.dtype) * value_scale)
 
-            bf16_s = wall_seconds(plain, rig.device, rig.repeats) * layers
-            int8_s = wall_seconds(dequantized, rig.device, rig.repeats) * layers
+            bf16_s = _seconds(plain, rig) * layers
+            int8_s = _seconds(dequantized, rig) * layers
             rows.append({"context": length, "tokens": n, "bf16_kv_s": bf16_s, "int8_kv_dequantized_s": int8_s,
                          "int8_over_bf16": int8_s / bf16_s,
                          "kv_bytes_bf16": 2 * layers * keys.numel() * keys.element_size(),
                          "kv_bytes_int8": 2 * layers * (key_codes.numel() + key_scale.numel() * key_scale.element_size())})
         del keys, values, key_codes, value_codes
         free_memory(rig.device)
-    return rows
+    return {"clock": "GPU busy time" if rig.device == "cuda" else "wall time", "rows": rows}
+
+
+def _seconds(run, rig: Rig) -> float:
+    busy = busy_seconds(run, rig.device)
+    return busy if busy is not None else wall_seconds(run, rig.device, rig.repeats)
 
 
 def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

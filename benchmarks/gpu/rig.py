@@ -22,6 +22,7 @@ class Rig:
     shape: dict  # the target's LlamaConfig fields
     draft_shape: dict  # TriForce's draft (over a StreamingLLM cache)
     contexts: tuple[int, ...]  # KV on the device: where steps and verifications are timed
+    quantized_contexts: tuple[int, ...]  # the same, for each weight kind (fewer: four models to time)
     offloaded_contexts: tuple[int, ...]  # KV in host memory, streamed per layer
     sizes: tuple[int, ...]  # tokens per forward: a decode step (1) up to a verification
     prefill_chunk: int  # the plan's chunk with the KV on the device
@@ -38,7 +39,8 @@ class Rig:
 
 def gpu_rig(budget_s: float, repo_root: Path) -> Rig:
     return Rig(dry_run=False, device="cuda", dtype=torch.bfloat16, shape_name="Llama-3.1-8B shape",
-               shape=LLAMA_31_8B, draft_shape=LLAMA_32_1B, contexts=(1024, 32768),
+               shape=LLAMA_31_8B, draft_shape=LLAMA_32_1B, contexts=(1024, 32768, 131072),
+               quantized_contexts=(1024, 32768),
                offloaded_contexts=(32768, 131072), sizes=(1, 2, 4, 8, 16), prefill_chunk=2048,
                offloaded_prefill_chunk=8192, retrieval_budget=4096, draft_window=1020, repeats=5,
                deadline=time.monotonic() + budget_s, repo_root=repo_root)
@@ -46,7 +48,7 @@ def gpu_rig(budget_s: float, repo_root: Path) -> Rig:
 
 def dry_rig(budget_s: float, repo_root: Path) -> Rig:
     return Rig(dry_run=True, device="cpu", dtype=torch.float32, shape_name="toy Llama", shape=TOY_TARGET,
-               draft_shape=TOY_DRAFT, contexts=(256, 1024), offloaded_contexts=(1024, 2048),
+               draft_shape=TOY_DRAFT, contexts=(256, 1024, 2048), quantized_contexts=(256, 1024), offloaded_contexts=(1024, 2048),
                sizes=(1, 2, 4, 8, 16), prefill_chunk=512, offloaded_prefill_chunk=1024, retrieval_budget=256,
                draft_window=124, repeats=2, deadline=time.monotonic() + budget_s, repo_root=repo_root)
 

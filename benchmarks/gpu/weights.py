@@ -1,7 +1,7 @@
 """The `quantized` section: the target's decoder layers in bf16, bitsandbytes nf4 and LLM.int8, and
 int4 through PyTorch's tinygemm kernel, side by side in one run: memory after loading against the
 plan's arithmetic, and t(1..16) at each context with the KV on the device (how flat: whether
-speculation can pay on a quantized target), plus an 8-bit KV's attention cost (kv8.py).
+speculation can pay on a quantized target), (an 8-bit KV is the `kv8` section).
 
 bitsandbytes layers are built the way transformers' loader builds them (Linear4bit/Linear8bitLt
 with the production options of core/model.py), from random weights instead of a checkpoint."""
@@ -13,7 +13,6 @@ from torch import nn
 
 from .clock import allocated_bytes, free_memory, wall_seconds
 from .int4 import GROUP, Int4Linear, max_relative_error
-from .kv8 import attention_costs
 from .rig import Rig
 from .shapes import model_spec, predicted_weight_bytes, prefill, random_ids, random_model
 
@@ -40,11 +39,11 @@ def run(rig: Rig, report: dict) -> dict:
             memory.append({"placement": f"{rig.shape_name} weights, {kind}", "predicted_bytes": row["predicted_weight_bytes"],
                            "measured_peak_bytes": row["weight_bytes"]})
         free_memory(rig.device)
-    return {"shape": rig.shape_name, "kinds": rows, "kv8": attention_costs(rig), "memory": memory}
+    return {"shape": rig.shape_name, "kinds": rows, "memory": memory}
 
 
 def _measure(rig: Rig, kind: str) -> dict:
-    longest = max(rig.contexts)
+    longest = max(rig.quantized_contexts)
     model = random_model(rig.shape, longest + max(rig.sizes), rig.device, rig.dtype)
     spec = model_spec(model, rig.dtype)
     before = allocated_bytes(rig.device)
@@ -58,7 +57,7 @@ def _measure(rig: Rig, kind: str) -> dict:
             row["predicted_weight_bytes"] = predicted_weight_bytes(spec, PLAN_QUANTIZATION[kind], rig.dtype)
     ids = random_ids(model.vocab_size, longest + max(rig.sizes))
     row["steps"] = []
-    for context in rig.contexts:
+    for context in rig.quantized_contexts:
         cache = model.new_cache()
         prefill_s = prefill(model, cache, ids, context, rig.prefill_chunk)
 
