@@ -30,8 +30,14 @@ def wall_seconds(run: Callable[[], object], device: torch.device | str, repeats:
 
 def busy_seconds(run: Callable[[], object], device: torch.device | str) -> float | None:
     """The summed kernel and copy time of one `run()` on a CUDA device (None elsewhere)."""
+    return kernel_profile(run, device)[0]
+
+
+def kernel_profile(run: Callable[[], object], device: torch.device | str) -> tuple[float | None, str | None]:
+    """(summed kernel and copy seconds of one `run()`, the name of the kernel that took longest);
+    (None, None) off CUDA."""
     if torch.device(device).type != "cuda":
-        return None
+        return None, None
     from torch.profiler import ProfilerActivity, profile
 
     run()
@@ -39,7 +45,9 @@ def busy_seconds(run: Callable[[], object], device: torch.device | str) -> float
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         synchronize(device)
-    return sum(event.self_device_time_total for event in prof.key_averages()) / 1e6
+    events = [event for event in prof.key_averages() if event.self_device_time_total > 0]
+    top = max(events, key=lambda event: event.self_device_time_total).key[:120] if events else None
+    return sum(event.self_device_time_total for event in events) / 1e6, top
 
 
 def reset_peak(device: torch.device | str) -> None:

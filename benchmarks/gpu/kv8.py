@@ -3,7 +3,10 @@ llama.cpp's q8_0 cache keeps about the same bytes) against a bf16 KV, without a 
 dequantize the layer, then the engine's folded grouped-query attention (a KV head's query heads
 stacked as extra query rows, one SDPA call, as kv/queries.py does). One layer is timed, scaled
 to the model's layers: on CUDA the GPU's busy time (a wall clock would mostly time the launch at
-short contexts), on the CPU the wall time.
+short contexts), on the CPU the wall time. The bf16 KV is laid out as the engine's cache keeps it
+(views of a buffer with spare capacity, kv/full.py) and, for comparison, as contiguous tensors:
+the first H100 run found a contiguous KV 3.5x slower at 128K than the model's own steps imply,
+so each row names the kernel that ran.
 
 Why measure the naive path: an 8-bit KV halves what must fit in VRAM, but dequantizing writes a
 bf16 copy and reads it again, so per step it moves more bytes than the bf16 KV it replaces; how
@@ -14,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .clock import busy_seconds, free_memory, wall_seconds
+from ...core.kv.full import GROWTH
+from .clock import free_memory, kernel_profile, wall_seconds
 from .rig import Rig
 
 
@@ -25,8 +29,10 @@ def run(rig: Rig, report: dict) -> dict:
     generator = torch.Generator(rig.device).manual_seed(0)
     rows = []
     for length in sorted({*rig.contexts, *rig.offloaded_contexts}):
-        keys, values = (torch.randn(1, kv_heads, length, head_dim, device=rig.device, dtype=rig.dtype,
-                                    generator=generator) for _ in range(2))
+        capacity = int(length * GROWTH)
+        keys, values = (torch.randn(1, kv_heads, capacity, head_dim, device=rig.device, dtype=rig.dtype,
+                                    generator=generator)[:, :, :length] for _ in range(2))
+        dense_keys, dense_values = keys.contiguous(), values.contiguous()
         (key_codes, key_scale), (value_codes, value_scale) = _quantize(keys), _quantize(values)
         for n in (1, max(rig.sizes)):
             queries = torch.randn(1, kv_heads, group * n, head_dim, device=rig.device, dtype=rig.dtype,
@@ -35,24 +41,30 @@ def run(rig: Rig, report: dict) -> dict:
             def plain():
                 return F.scaled_dot_product_attention(queries, keys, values)
 
+            def contiguous():
+                return F.scaled_dot_product_attention(queries, dense_keys, dense_values)
+
             def dequantized():
                 return F.scaled_dot_product_attention(queries, key_codes.to(rig.dtype) * key_scale,
                                                       value_codes.to(rig.dtype) * value_scale)
 
-            bf16_s = _seconds(plain, rig) * layers
-            int8_s = _seconds(dequantized, rig) * layers
+            (bf16_s, bf16_kernel), (int8_s, int8_kernel), (dense_s, dense_kernel) = (
+                _seconds(run, rig, layers) for run in (plain, dequantized, contiguous))
             rows.append({"context": length, "tokens": n, "bf16_kv_s": bf16_s, "int8_kv_dequantized_s": int8_s,
-                         "int8_over_bf16": int8_s / bf16_s,
+                         "int8_over_bf16": int8_s / bf16_s, "bf16_contiguous_kv_s": dense_s,
+                         "kernels": {"bf16": bf16_kernel, "int8": int8_kernel, "bf16_contiguous": dense_kernel},
                          "kv_bytes_bf16": 2 * layers * keys.numel() * keys.element_size(),
                          "kv_bytes_int8": 2 * layers * (key_codes.numel() + key_scale.numel() * key_scale.element_size())})
-        del keys, values, key_codes, value_codes
+        del keys, values, dense_keys, dense_values, key_codes, value_codes
         free_memory(rig.device)
     return {"clock": "GPU busy time" if rig.device == "cuda" else "wall time", "rows": rows}
 
 
-def _seconds(run, rig: Rig) -> float:
-    busy = busy_seconds(run, rig.device)
-    return busy if busy is not None else wall_seconds(run, rig.device, rig.repeats)
+def _seconds(run, rig: Rig, layers: int) -> tuple[float, str | None]:
+    """One layer's seconds times the layers, and the kernel that took longest (CUDA only)."""
+    busy, kernel = kernel_profile(run, rig.device)
+    seconds = busy if busy is not None else wall_seconds(run, rig.device, rig.repeats)
+    return seconds * layers, kernel
 
 
 def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
