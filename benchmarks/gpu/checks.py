@@ -38,8 +38,12 @@ def tests(rig: Rig, report: dict) -> dict:
                     "output_tail": completed.stdout[-3000:]}
         suite = ElementTree.parse(junit).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        problems = [{"test": f"{case.get('classname')}::{case.get('name')}",
+                     "message": (problem.get("message") or problem.text or "")[:500]}
+                    for case in suite.iter("testcase") for problem in case if problem.tag in ("failure", "error")]
     counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
-    result = {"files": [Path(name).name for name in files], **counts, "output_tail": completed.stdout[-1500:]}
+    result = {"files": [Path(name).name for name in files], **counts, "problems": problems,
+              "output_tail": completed.stdout[-1500:]}
     if counts["failures"] or counts["errors"] or completed.returncode != 0:
         result["status"] = f"fail: {counts['failures']} failed, {counts['errors']} errors (exit {completed.returncode})"
     return result

@@ -1,12 +1,14 @@
-"""The `kv8` section: what attention costs over an 8-bit KV (int8 codes with one scale per position and KV head, as
-llama.cpp's q8_0 cache keeps about the same bytes) against a bf16 KV, without a fused kernel:
-dequantize the layer, then the engine's folded grouped-query attention (a KV head's query heads
-stacked as extra query rows, one SDPA call, as kv/queries.py does). One layer is timed, scaled
-to the model's layers: on CUDA the GPU's busy time (a wall clock would mostly time the launch at
-short contexts), on the CPU the wall time. The bf16 KV is laid out as the engine's cache keeps it
-(views of a buffer with spare capacity, kv/full.py) and, for comparison, as contiguous tensors:
-the first H100 run found a contiguous KV 3.5x slower at 128K than the model's own steps imply,
-so each row names the kernel that ran.
+"""The `kv8` section: what attention costs over an 8-bit KV (int8 codes with one scale per position
+and KV head, about the bytes of llama.cpp's q8_0 cache) against a bf16 KV, without a fused kernel:
+dequantize the layer, then SDPA with grouped-query attention as transformers calls it for a decode
+step (`enable_gqa`, queries [1, heads, n, head_dim] as the projections leave them). One layer is
+timed and scaled to the model's layers: on CUDA by the GPU's busy time (a wall clock mostly times
+the launch at short contexts), on the CPU by the wall clock. The bf16 KV is laid out as kv/full.py
+keeps it: views of a buffer with spare capacity.
+
+Also timed: the same bf16 attention with the query heads folded into the query length (one KV head's
+group stacked as rows, as kv/queries.py folds masked multi-token forwards on CUDA). On the H100 cuDNN
+gives that shape another engine, 7-8x slower at 32-128K (bench/ notes); each row names its kernels.
 
 Why measure the naive path: an 8-bit KV halves what must fit in VRAM, but dequantizing writes a
 bf16 copy and reads it again, so per step it moves more bytes than the bf16 KV it replaces; how
@@ -32,30 +34,31 @@ def run(rig: Rig, report: dict) -> dict:
         capacity = int(length * GROWTH)
         keys, values = (torch.randn(1, kv_heads, capacity, head_dim, device=rig.device, dtype=rig.dtype,
                                     generator=generator)[:, :, :length] for _ in range(2))
-        dense_keys, dense_values = keys.contiguous(), values.contiguous()
         (key_codes, key_scale), (value_codes, value_scale) = _quantize(keys), _quantize(values)
         for n in (1, max(rig.sizes)):
-            queries = torch.randn(1, kv_heads, group * n, head_dim, device=rig.device, dtype=rig.dtype,
-                                  generator=generator)
+            # [1, heads, n, head_dim] with the strides q_proj(...).view(...).transpose(1, 2) leaves
+            queries = torch.randn(1, n, kv_heads * group, head_dim, device=rig.device, dtype=rig.dtype,
+                                  generator=generator).transpose(1, 2)
+            folded = queries.reshape(1, kv_heads, group * n, head_dim)
 
             def plain():
-                return F.scaled_dot_product_attention(queries, keys, values)
-
-            def contiguous():
-                return F.scaled_dot_product_attention(queries, dense_keys, dense_values)
+                return F.scaled_dot_product_attention(queries, keys, values, enable_gqa=True)
 
             def dequantized():
                 return F.scaled_dot_product_attention(queries, key_codes.to(rig.dtype) * key_scale,
-                                                      value_codes.to(rig.dtype) * value_scale)
+                                                      value_codes.to(rig.dtype) * value_scale, enable_gqa=True)
 
-            (bf16_s, bf16_kernel), (int8_s, int8_kernel), (dense_s, dense_kernel) = (
-                _seconds(run, rig, layers) for run in (plain, dequantized, contiguous))
+            def folded_heads():
+                return F.scaled_dot_product_attention(folded, keys, values)
+
+            (bf16_s, bf16_kernel), (int8_s, int8_kernel), (folded_s, folded_kernel) = (
+                _seconds(run, rig, layers) for run in (plain, dequantized, folded_heads))
             rows.append({"context": length, "tokens": n, "bf16_kv_s": bf16_s, "int8_kv_dequantized_s": int8_s,
-                         "int8_over_bf16": int8_s / bf16_s, "bf16_contiguous_kv_s": dense_s,
-                         "kernels": {"bf16": bf16_kernel, "int8": int8_kernel, "bf16_contiguous": dense_kernel},
+                         "int8_over_bf16": int8_s / bf16_s, "bf16_folded_heads_s": folded_s,
+                         "kernels": {"bf16": bf16_kernel, "int8": int8_kernel, "bf16_folded_heads": folded_kernel},
                          "kv_bytes_bf16": 2 * layers * keys.numel() * keys.element_size(),
                          "kv_bytes_int8": 2 * layers * (key_codes.numel() + key_scale.numel() * key_scale.element_size())})
-        del keys, values, dense_keys, dense_values, key_codes, value_codes
+        del keys, values, key_codes, value_codes
         free_memory(rig.device)
     return {"clock": "GPU busy time" if rig.device == "cuda" else "wall time", "rows": rows}
 
