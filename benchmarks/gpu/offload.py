@@ -35,6 +35,12 @@ def run(rig: Rig, report: dict) -> dict:
     result = {"shape": rig.shape_name, "draft_layers": rig.draft_shape["num_hidden_layers"],
               "host_to_device_bytes_per_s": bandwidth, "contexts": []}
     result["prefill"] = _prefill(rig, target)
+    if "peak_beyond_resident_bytes" in result["prefill"]:
+        result["memory"] = [{"placement": f"{rig.shape_name} {rig.dtype}, offloaded KV, temporaries of a "
+                                          f"{rig.offloaded_prefill_chunk}-token prefill chunk at "
+                                          f"{rig.offloaded_contexts[0]:,} positions",
+                             "predicted_bytes": result["prefill"]["planned_activation_bytes"],
+                             "measured_peak_bytes": result["prefill"]["peak_beyond_resident_bytes"]}]
     for capacity in rig.offloaded_contexts:
         if rig.seconds_left() <= 0:
             result["contexts"].append({"capacity": capacity, "status": "skipped: the time budget ran out"})

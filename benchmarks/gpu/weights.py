@@ -1,7 +1,7 @@
 """The `quantized` section: the target's decoder layers in bf16, bitsandbytes nf4 and LLM.int8, and
 int4 through PyTorch's tinygemm kernel, side by side in one run: memory after loading against the
 plan's arithmetic, and t(1..16) at each context with the KV on the device (how flat: whether
-speculation can pay on a quantized target), (an 8-bit KV is the `kv8` section).
+speculation can pay on a quantized target), with the GPU's busy time beside the wall time, (an 8-bit KV is the `kv8` section).
 
 bitsandbytes layers are built the way transformers' loader builds them (Linear4bit/Linear8bitLt
 with the production options of core/model.py), from random weights instead of a checkpoint."""
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .clock import allocated_bytes, free_memory, wall_seconds
+from .clock import allocated_bytes, busy_seconds, free_memory, wall_seconds
 from .int4 import GROUP, Int4Linear, max_relative_error
 from .rig import Rig
 from .shapes import model_spec, predicted_weight_bytes, prefill, random_ids, random_model
@@ -68,8 +68,11 @@ def _measure(rig: Rig, kind: str) -> dict:
             return forward
 
         walls = {n: wall_seconds(step(n), rig.device, rig.repeats) for n in rig.sizes}
+        # The GPU's own time: what a step would cost once CUDA graphs take the launches away.
+        busy = {n: busy_seconds(step(n), rig.device) for n in (1, max(rig.sizes))}
         row["steps"].append({"context": context, "prefill_tokens_per_s": context / prefill_s,
                              "wall_s": {str(n): s for n, s in walls.items()},
+                             "gpu_busy_s": {str(n): s for n, s in busy.items()},
                              "t_over_t1": {str(n): s / walls[1] for n, s in walls.items()}})
         del cache
         free_memory(rig.device)
