@@ -1,0 +1,106 @@
+"""`specchat bench --suite gpu`: the campaign's dry run on the CPU writes every section, a broken
+section is reported without losing the others, and the int4 kernel's packing is right."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specchat.app.cli import main
+from specchat.benchmarks.gpu import campaign
+from specchat.benchmarks.gpu.int4 import Int4Linear, dequantize, max_relative_error, quantize
+from specchat.benchmarks.gpu.rig import goal
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_int4_codes_dequantize_to_within_half_a_step_and_the_kernel_multiplies_by_them():
+    weight = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
+    codes, scales_and_zeros = quantize(weight)
+    assert codes.min() >= 0 and codes.max() <= 15
+    step = scales_and_zeros[..., 0].transpose(0, 1).repeat_interleave(128, dim=1)  # [out, in]
+    assert bool(((dequantize(codes, scales_and_zeros) - weight).abs() <= step / 2 + 1e-5).all())
+    linear = Int4Linear(weight)
+    assert max_relative_error(linear, weight) < 0.01
+    # The check can fail: the same codes with the groups' scales shuffled give another product.
+    linear.scales_and_zeros = linear.scales_and_zeros.flip(0)
+    assert max_relative_error(linear, weight) > 0.1
+
+
+def test_goals_compare_a_figure_with_its_bound():
+    assert goal("x", 1.19, "<= 1.2", "here")["met"] and not goal("x", 1.21, "<= 1.2", "here")["met"]
+    assert goal("x", 0.8, ">= 0.75", "here")["met"]
+    assert goal("x", 1.05, "0.9..1.1", "here")["met"] and not goal("x", 1.2, "0.9..1.1", "here")["met"]
+    assert goal("x", None, "<= 1.2", "here")["met"] is None
+
+
+@pytest.mark.slow
+def test_the_dry_run_writes_every_section(tmp_path):
+    lines = []
+    paths = campaign.run_campaign(list(campaign.SECTIONS), dry_run=True, budget_s=900, out_dir=tmp_path,
+                                  repo_root=REPO, progress=lines.append)
+    report = json.loads(paths[0].read_text())
+    sections = report["sections"]
+    assert list(sections) == list(campaign.SECTIONS) and len(lines) == len(campaign.SECTIONS)
+    not_built = {"modes", "projection"}
+    for name, section in sections.items():
+        expected = "skipped: not built yet" if name in not_built else "dry-run"
+        assert section["status"].startswith(expected), (name, section["status"], section.get("traceback"))
+    assert sections["tests"]["collected"] >= 10
+    assert sections["selftest"]["selftest"]["passed"] is True
+    steps = sections["graphs"]["steps"]
+    assert [row["context"] for row in steps] == [256, 1024, 2048]
+    assert all(set(row["wall_s"]) == {"1", "2", "4", "8", "16"} for row in steps)
+    kinds = {row["kind"]: row for row in sections["quantized"]["kinds"]}
+    assert set(kinds) == {"bf16", "nf4", "int8", "int4"}
+    assert kinds["int4"]["int4_kernel_relative_error"] < 0.01 and kinds["bf16"]["steps"]
+    assert all(kinds[kind]["status"] == "ran" or kinds[kind]["status"].startswith("skipped: ") for kind in kinds)
+    assert {(row["context"], row["tokens"]) for row in sections["kv8"]["rows"]} >= {(2048, 1), (2048, 16)}
+    offload = sections["offload"]
+    assert [row["capacity"] for row in offload["contexts"]] == [1024, 2048]
+    assert all(row["verify_s"]["16"] > 0 and row["retrieval_rebuild_s"] > 0 for row in offload["contexts"])
+    assert offload["prefill"]["tokens_per_s"] > 0
+    assert report["environment"]["device"] == "cpu" and report["environment"]["torch"] == torch.__version__
+
+
+def test_the_plot_draws_a_dry_run(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need the bench extra (pip install '.[bench]')")
+    paths = campaign.run_campaign(["quantized"], dry_run=True, budget_s=120, out_dir=tmp_path, repo_root=REPO,
+                                  progress=lambda line: None)
+    assert [path.suffix for path in paths] == [".json", ".png"] and paths[1].stat().st_size > 10_000
+
+
+def test_a_broken_section_is_reported_and_the_next_still_runs(tmp_path, monkeypatch):
+    def broken(rig, report):
+        raise RuntimeError("the kernel is missing\nsecond line")
+
+    monkeypatch.setitem(campaign.SECTIONS, "graphs", broken)
+    paths = campaign.run_campaign(["graphs", "memory"], dry_run=True, budget_s=60, out_dir=tmp_path, repo_root=REPO,
+                                  progress=lambda line: None)
+    sections = json.loads(paths[0].read_text())["sections"]
+    assert sections["graphs"]["status"] == "fail: RuntimeError: the kernel is missing"
+    assert "Traceback" in sections["graphs"]["traceback"] and sections["memory"]["status"] == "dry-run"
+
+
+def test_sections_past_the_budget_are_skipped_with_the_reason(tmp_path):
+    paths = campaign.run_campaign(["graphs", "offload"], dry_run=True, budget_s=1e-9, out_dir=tmp_path,
+                                  repo_root=REPO, progress=lambda line: None)
+    sections = json.loads(paths[0].read_text())["sections"]
+    assert all(section["status"].startswith("skipped: the ") and "budget ran out" in section["status"]
+               for section in sections.values())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sections", "graphs,nope"], "--sections: unknown nope"),
+    (["--budget-s", "0", "--dry-run"], "--budget-s must be positive"),
+    ([], "needs a CUDA GPU"),
+])
+def test_bad_campaign_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
+    if not argv and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the real campaign would run")
+    assert main(["bench", "--suite", "gpu", "--out", str(tmp_path), *argv]) == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and len(error.splitlines()) == 1
