@@ -32,18 +32,8 @@ def run(rig: Rig, report: dict) -> dict:
         prefill_s = prefill(model, cache, ids, context, rig.prefill_chunk)
         memory.append(_prefill_memory(rig, spec, context, peak_bytes(rig.device)))
 
-        def step(n: int):
-            def forward():
-                model.forward(ids[context:context + n], torch.arange(context, context + n), cache)
-                cache.trim(context)
-            return forward
-
-        walls = {n: wall_seconds(step(n), rig.device, rig.repeats) for n in rig.sizes}
-        busy = {n: busy_seconds(step(n), rig.device) for n in (1, max(rig.sizes))}
         rows.append({"context": context, "prefill_s": prefill_s, "prefill_tokens_per_s": context / prefill_s,
-                     "wall_s": {str(n): s for n, s in walls.items()},
-                     "t_over_t1": {str(n): s / walls[1] for n, s in walls.items()},
-                     "gpu_busy_s": {str(n): s for n, s in busy.items()}})
+                     **time_steps(rig, model, cache, ids, context)})
         del cache
         free_memory(rig.device)
     last = rows[-1]
@@ -55,6 +45,22 @@ def run(rig: Rig, report: dict) -> dict:
     return {"shape": rig.shape_name, "dtype": str(rig.dtype), "kv": "on the device (FullCache)",
             "path": "eager: the engine has no CUDA graph path yet", "steps": rows, "goals": goals,
             "memory": memory}
+
+
+def time_steps(rig: Rig, model, cache, ids: torch.Tensor, context: int) -> dict:
+    """The wall time of a forward of each size after `context` cached positions (rolled back after
+    each), and the GPU's busy time of the smallest and the largest: what a step would cost once
+    CUDA graphs take the launches away."""
+    def step(n: int):
+        def forward():
+            model.forward(ids[context:context + n], torch.arange(context, context + n), cache)
+            cache.trim(context)
+        return forward
+
+    walls = {n: wall_seconds(step(n), rig.device, rig.repeats) for n in rig.sizes}
+    busy = {n: busy_seconds(step(n), rig.device) for n in (1, max(rig.sizes))}
+    return {"wall_s": {str(n): s for n, s in walls.items()}, "gpu_busy_s": {str(n): s for n, s in busy.items()},
+            "t_over_t1": {str(n): s / walls[1] for n, s in walls.items()}}
 
 
 def _prefill_memory(rig: Rig, spec, context: int, measured: int | None) -> dict:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .clock import allocated_bytes, busy_seconds, free_memory, wall_seconds
+from .clock import allocated_bytes, free_memory
 from .int4 import GROUP, Int4Linear, max_relative_error
 from .rig import Rig
 from .shapes import model_spec, predicted_weight_bytes, prefill, random_ids, random_model
+from .steps import time_steps
 
 KINDS = ("bf16", "nf4", "int8", "int4")
 PLAN_QUANTIZATION = {"bf16": "none", "nf4": "nf4", "int8": "int8"}  # int4 is not a plan tier yet
@@ -61,19 +62,8 @@ def _measure(rig: Rig, kind: str) -> dict:
         cache = model.new_cache()
         prefill_s = prefill(model, cache, ids, context, rig.prefill_chunk)
 
-        def step(n: int):
-            def forward():
-                model.forward(ids[context:context + n], torch.arange(context, context + n), cache)
-                cache.trim(context)
-            return forward
-
-        walls = {n: wall_seconds(step(n), rig.device, rig.repeats) for n in rig.sizes}
-        # The GPU's own time: what a step would cost once CUDA graphs take the launches away.
-        busy = {n: busy_seconds(step(n), rig.device) for n in (1, max(rig.sizes))}
         row["steps"].append({"context": context, "prefill_tokens_per_s": context / prefill_s,
-                             "wall_s": {str(n): s for n, s in walls.items()},
-                             "gpu_busy_s": {str(n): s for n, s in busy.items()},
-                             "t_over_t1": {str(n): s / walls[1] for n, s in walls.items()}})
+                             **time_steps(rig, model, cache, ids, context)})
         del cache
         free_memory(rig.device)
     return row
