@@ -104,3 +104,17 @@ def test_bad_campaign_arguments_exit_2_with_one_line(argv, message, capsys, tmp_
     assert main(["bench", "--suite", "gpu", "--out", str(tmp_path), *argv]) == 2
     error = capsys.readouterr().err.strip()
     assert message in error and len(error.splitlines()) == 1
+
+
+def test_the_rig_keeps_the_contexts_a_card_and_a_host_can_hold():
+    from specchat.benchmarks.gpu.rig import GPU_CONTEXTS, OFFLOADED_CONTEXTS, fitting_contexts, hosted_contexts
+    from specchat.benchmarks.gpu.shapes import LLAMA_31_8B, weight_bytes
+
+    assert weight_bytes(LLAMA_31_8B) == 16_060_522_496  # the 8B shape's 8.03 B parameters in bf16
+    h100, _ = fitting_contexts(LLAMA_31_8B, GPU_CONTEXTS, 84 * 10**9)
+    rtx3090, left_out = fitting_contexts(LLAMA_31_8B, GPU_CONTEXTS, 25 * 10**9)
+    assert h100 == GPU_CONTEXTS and rtx3090 == (1024, 32768)
+    assert left_out == ("131,072 positions on the GPU: need about 39 GB, the card has 25 GB free",)
+    assert fitting_contexts(LLAMA_31_8B, GPU_CONTEXTS, 12 * 10**9)[0] == ()
+    offloaded, left_out = hosted_contexts(LLAMA_31_8B, OFFLOADED_CONTEXTS, 32 * 10**9)
+    assert offloaded == (32768,) and "131,072 positions offloaded" in left_out[0]

@@ -112,7 +112,7 @@ def _environment(rig: Rig) -> dict:
     environment = {"date": date.today().isoformat(), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    "commit": _commit(rig.repo_root), "python": platform.python_version(), "torch": torch.__version__,
                    "transformers": transformers.__version__, "cuda": torch.version.cuda, "device": rig.device,
-                   "shape": rig.shape_name, "dtype": str(rig.dtype)}
+                   "shape": rig.shape_name, "dtype": str(rig.dtype), "left_out": list(rig.left_out)}
     if torch.cuda.is_available():
         environment["gpu"] = torch.cuda.get_device_name(0)
         environment["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory

@@ -27,6 +27,8 @@ VERIFY_TOKENS = 16
 
 
 def run(rig: Rig, report: dict) -> dict:
+    if not rig.offloaded_contexts:
+        return {"status": "skipped: no context fits this machine (" + "; ".join(rig.left_out) + ")"}
     longest = max(rig.offloaded_contexts)
     target = random_model(rig.shape, longest, rig.device, rig.dtype)
     draft = random_model(rig.draft_shape, longest, rig.device, rig.dtype)

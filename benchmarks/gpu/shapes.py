@@ -18,9 +18,29 @@ from .clock import synchronize
 TOY_TARGET = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=32, rope_theta=500000.0)
 TOY_DRAFT = dict(TOY_TARGET, num_hidden_layers=1, tie_word_embeddings=True)
+# For cards that cannot hold the 8B shape in bf16 next to a 32K KV (under about 22 GB).
+LLAMA_32_3B = dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                   num_attention_heads=24, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                   tie_word_embeddings=True)
 
-__all__ = ["LLAMA_31_8B", "LLAMA_32_1B", "TOY_TARGET", "TOY_DRAFT", "random_model", "model_spec",
-           "predicted_weight_bytes", "predicted_prefill_bytes", "prefill", "random_ids"]
+__all__ = ["LLAMA_31_8B", "LLAMA_32_1B", "LLAMA_32_3B", "TOY_TARGET", "TOY_DRAFT", "random_model", "model_spec",
+           "predicted_weight_bytes", "predicted_prefill_bytes", "prefill", "random_ids", "weight_bytes",
+           "kv_bytes_per_token"]
+
+
+def weight_bytes(shape: dict, dtype_bytes: int = 2) -> int:
+    """A Llama shape's weights: embedding, head (unless tied), the decoder layers' matrices and norms."""
+    hidden, heads, kv_heads, head_dim = (shape[key] for key in ("hidden_size", "num_attention_heads",
+                                                                 "num_key_value_heads", "head_dim"))
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o, k and v
+    layer = attention + 3 * hidden * shape["intermediate_size"]
+    matrices = 1 if shape.get("tie_word_embeddings") else 2
+    norms = hidden * (2 * shape["num_hidden_layers"] + 1)
+    return dtype_bytes * (matrices * shape["vocab_size"] * hidden + shape["num_hidden_layers"] * layer + norms)
+
+
+def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * dtype_bytes
 
 
 def model_spec(model: TransformersLM, dtype: torch.dtype) -> ModelSpec:

@@ -21,6 +21,8 @@ VERIFY16_GOAL = 1.5  # a 16-token verification / a one-token step, at the longes
 
 
 def run(rig: Rig, report: dict) -> dict:
+    if not rig.contexts:
+        return {"status": "skipped: no context fits this machine (" + "; ".join(rig.left_out) + ")"}
     longest = max(rig.contexts)
     model = random_model(rig.shape, longest + max(rig.sizes), rig.device, rig.dtype)
     spec = model_spec(model, rig.dtype)

@@ -26,6 +26,8 @@ class Unavailable(Exception):
 
 
 def run(rig: Rig, report: dict) -> dict:
+    if not rig.quantized_contexts:
+        return {"status": "skipped: no context fits this machine (" + "; ".join(rig.left_out) + ")"}
     rows, memory = [], []
     for kind in KINDS:
         if rig.seconds_left() <= 0:
