@@ -74,35 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--width", type=int, default=8, help="children measured per node")
     calibrate.add_argument("--json", action="store_true", help="print one JSON object")
 
-    bench = commands.add_parser("bench", help="side-by-side decoding benchmark -> bench/ (JSON, PNG)")
-    _add_model_option(bench)
-    bench.add_argument("--document", metavar="FILE", help="the document to answer about (trees, prefill, longctx)")
-    bench.add_argument("--prompt", default="Summarize this document.")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--draft-layers", type=int, default=24)
-    bench.add_argument("--documents", nargs="+", metavar="FILE",
-                       help="the documents of the auto suite (each answered with --prompt)")
-    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload", "auto", "dsi", "gpu"),
-                       default="trees",
-                       help="trees: decoding modes side by side (default); auto: every mode and auto on "
-                            "several --documents, with the cost model's predictions; prefill: time to first token "
-                            "for a first question, a follow-up and a reloaded document; longctx: every mode "
-                            "including triforce on a long document; offload: a full "
-                            "verification against a 128K offloaded KV cache on a CUDA GPU, random weights "
-                            "of Llama-3.1-8B's shape (no document, no download); dsi: the DSI paper's simulation, "
-                            "plain, SI and DSI over draft latency x acceptance with forwards replaced by waits "
-                            "(no model); gpu: the GPU path measured whole (tests, selftest, decode steps, "
-                            "quantized weights, offloaded KV, memory against the plan), random weights of "
-                            "Llama-3.1-8B's shape")
-    bench.add_argument("--sections", help="gpu: a comma-separated subset of its sections (default: all)")
-    bench.add_argument("--dry-run", action="store_true",
-                       help="gpu: rehearse every section on the CPU at toy shapes")
-    bench.add_argument("--budget-s", type=float, default=480.0,
-                       help="gpu: start no section after this many seconds (default 480)")
-    bench.add_argument("--out", default="bench", help="folder for the results (default: bench)")
-    bench.add_argument("--repeats", type=int, default=1,
-                       help="longctx, auto: measure every mode N times in shuffled rounds; report medians (default 1)")
-
     models = commands.add_parser("models", help="model pairs: list, download, remove")
     _add_models_file_option(models)
     models_commands = models.add_subparsers(dest="models_command", parser_class=_Parser, metavar="ACTION",
@@ -120,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parsers(commands, _add_models_file_option)
     from .selftest_cmd import add_parser as add_selftest_parser
     add_selftest_parser(commands, _add_model_option)
+    from .bench_cmd import add_parser as add_bench_parser
+    add_bench_parser(commands, _add_model_option)
     for command in (parser, *commands.choices.values()):
         command.add_argument("--vram-limit", type=float, metavar="GB", default=argparse.SUPPRESS,
                              help="use at most this much of each GPU, e.g. to leave room for a game, or to try "
@@ -201,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "calibrate":
             return _calibrate(args)
         if args.command == "bench":
-            return _bench(args)
+            from .bench_cmd import run as run_bench
+            return run_bench(args, _load, _check_draft_layers)
         if args.command in ("profile", "plan"):
             from .plan_cmd import run_plan, run_profile
             return run_profile(args) if args.command == "profile" else run_plan(args)
@@ -456,84 +430,6 @@ def _calibrate(args) -> int:
     else:
         print(f"{vector.models}: p = {', '.join(f'{p:.3f}' for p in vector.p)} "
               f"({vector.positions} positions, sum {sum(vector.p):.3f})\nsaved to {path}")
-    return 0
-
-
-def _bench(args) -> int:
-    from pathlib import Path
-
-    from .documents import read_document_or_text, user_turn
-
-    if args.suite == "offload":
-        from ..core.bench import write_report
-        from ..core.bench_offload import draw_offload, run_offload_bench
-
-        for path in write_report(run_offload_bench(), Path(args.out), "gpu-offload", draw_offload):
-            print(path)
-        return 0
-    if args.suite == "gpu":
-        from ..benchmarks.gpu.campaign import parse_sections, run_campaign
-
-        sections = parse_sections(args.sections)
-        if args.budget_s <= 0:
-            raise InputError(f"--budget-s must be positive, got {args.budget_s}")
-        repo_root = Path(__file__).resolve().parent.parent
-        for path in run_campaign(sections, args.dry_run, args.budget_s, Path(args.out), repo_root,
-                                 lambda line: print(line, file=sys.stderr, flush=True)):
-            print(path)
-        return 0
-    if args.suite == "dsi":
-        from ..core.bench_dsi import run_dsi_simulation
-
-        for path in run_dsi_simulation(Path(args.out)):
-            print(path)
-        return 0
-    if args.repeats < 1:
-        raise InputError(f"--repeats must be at least 1, got {args.repeats}")
-    if args.suite == "auto":
-        return _bench_auto(args)
-    if args.document is None:
-        raise InputError(f"the {args.suite} suite needs --document FILE")
-    document = read_document_or_text(args.document)
-    engine = _load(args)
-    if args.suite == "prefill":
-        from ..core.bench_prefill import run_prefill_bench
-
-        def messages_for(question: str, history: list[dict]) -> list[dict]:
-            return history + [{"role": "user", "content": question if history else user_turn(question, document)}]
-
-        paths = run_prefill_bench(engine, messages_for, args.max_new_tokens, Path(args.out))
-    else:
-        _check_draft_layers(engine, args.draft_layers)
-        from ..core.bench import run_bench
-        from ..core.bench_longctx import run_longctx_bench
-
-        prompt_ids = engine.chat_ids([{"role": "user", "content": user_turn(args.prompt, document)}])
-        if args.suite == "longctx":
-            paths = run_longctx_bench(engine, prompt_ids, args.max_new_tokens, args.draft_layers, Path(args.out),
-                                      args.repeats)
-        else:
-            paths = run_bench(engine, prompt_ids, args.max_new_tokens, args.draft_layers, Path(args.out))
-    for path in paths:
-        print(path)
-    return 0
-
-
-def _bench_auto(args) -> int:
-    from pathlib import Path
-
-    from .documents import read_document_or_text, user_turn
-
-    if not args.documents:
-        raise InputError("the auto suite needs --documents FILE [FILE ...]")
-    texts = {Path(name).name: read_document_or_text(name) for name in args.documents}
-    engine = _load(args)
-    from ..core.bench_auto import run_auto_bench
-
-    prompts = {name: engine.chat_ids([{"role": "user", "content": user_turn(args.prompt, text)}])
-               for name, text in texts.items()}
-    for path in run_auto_bench(engine, prompts, args.max_new_tokens, args.repeats, Path(args.out)):
-        print(path)
     return 0
 
 

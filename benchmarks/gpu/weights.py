@@ -49,12 +49,11 @@ def _measure(rig: Rig, kind: str) -> dict:
     longest = max(rig.quantized_contexts)
     model = random_model(rig.shape, longest + max(rig.sizes), rig.device, rig.dtype)
     spec = model_spec(model, rig.dtype)
-    before = allocated_bytes(rig.device)
     row = {"kind": kind, "status": "ran"}
     if kind != "bf16":
         row.update(_quantize(model.hf, kind, rig.dtype))
     free_memory(rig.device)
-    if before is not None:
+    if rig.device == "cuda":
         row["weight_bytes"] = allocated_bytes(rig.device)
         if kind in PLAN_QUANTIZATION:
             row["predicted_weight_bytes"] = predicted_weight_bytes(spec, PLAN_QUANTIZATION[kind], rig.dtype)
