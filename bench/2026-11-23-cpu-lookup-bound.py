@@ -48,8 +48,8 @@ from specchat.core.bench import _answer, device_label
 from specchat.core.decoding import DecodeState, make_decoder
 from specchat.core.loading import load_engine
 from specchat.core.sampling import SamplingParams
-from specchat.core.spec.drafters import VOTERS
-from specchat.core.spec.lookahead import MAX_DRAFT
+from specchat.core.speculative.drafters import VOTERS
+from specchat.core.speculative.lookahead import MAX_DRAFT
 
 NEW_TOKENS = 128
 DATA = Path(__file__).parent.parent / "tests" / "data"

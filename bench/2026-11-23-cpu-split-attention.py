@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specchat.core.kv import queries
 from specchat.core.model import TransformersLM
-from specchat.core.spec.tree import Tree
+from specchat.core.speculative.tree import Tree
 
 torch.set_num_threads(2)
 torch.manual_seed(0)

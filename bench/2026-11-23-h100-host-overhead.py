@@ -18,7 +18,7 @@ import torch
 from specchat.core.bench_offload import LLAMA_31_8B, random_model
 from specchat.core.kv import queries
 from specchat.core.kv.past_attention import NewTokenMask, past_and_new_attention
-from specchat.core.spec.tree import Tree
+from specchat.core.speculative.tree import Tree
 
 CONTEXT = 32768
 result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from specchat.core.bench_offload import LLAMA_31_8B, random_model
 from specchat.core.kv import queries
-from specchat.core.spec.tree import Tree
+from specchat.core.speculative.tree import Tree
 
 CONTEXT, CHUNK, SIZES = 32768, 1024, (1, 2, 8, 16, 32, 64)
 MODES = {"before": set(), "after": {"cuda"}}

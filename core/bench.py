@@ -20,8 +20,8 @@ import torch
 from .calibration import layer_skip_draft, plan_tree_draft
 from .engine import Engine, Finished
 from .sampling import SamplingParams
-from .spec.tree import Tree
-from .spec.tree_dp import best_scores, chain_trees
+from .speculative.tree import Tree
+from .speculative.tree_dp import best_scores, chain_trees
 
 
 def tree_growth(acceptance: list[float], sizes: list[int], max_depth: int,

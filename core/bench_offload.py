@@ -168,7 +168,7 @@ def run_offload_bench(capacity: int = 131072, sizes: tuple[int, ...] = (1, 7, 16
 
 def _curves(target: TransformersLM) -> list[dict]:
     """t(n) of the 8B shape with its KV on the GPU (no offloading), at a few contexts."""
-    from .spec.optimizer import measure_forward_times
+    from .speculative.optimizer import measure_forward_times
 
     return [asdict(measure_forward_times(target, context, CURVE_SIZES, repeats=5)) for context in CURVE_CONTEXTS]
 

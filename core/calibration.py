@@ -13,10 +13,10 @@ from .embedded import cache_root
 from .engine import Engine
 from .model import CausalLM
 from .sampling import SamplingParams, make_generator
-from .spec.acceptance import AcceptanceVector, calibration_sequences, measure_acceptance
-from .spec.optimizer import ForwardTimes, TreeChoice, choose_tree, measure_forward_times
-from .spec.tree import Tree
-from .spec.tree_dp import cached_best_tree
+from .speculative.acceptance import AcceptanceVector, calibration_sequences, measure_acceptance
+from .speculative.optimizer import ForwardTimes, TreeChoice, choose_tree, measure_forward_times
+from .speculative.tree import Tree
+from .speculative.tree_dp import cached_best_tree
 
 WIDTH = 8  # children measured per node: the most a tree node may get
 VERIFY_SIZES = [1, 2, 4, 8, 16, 32, 64]  # t(n) is measured at these sizes

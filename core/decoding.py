@@ -19,13 +19,13 @@ from .kv.queries import record_queries
 from .model import CausalLM
 from .sampling import SamplingParams, sample, warp
 from .modes import MODES
-from .spec.drafters import PromptLookupDrafter, QueryBlind
-from .spec.hierarchy import Drafter, ModelDrafter, RetrievalStage
-from .spec.lookahead import MAX_DRAFT, CostModelLookahead, FixedLookahead, Lookahead
-from .spec.step_times import default_relative
-from .spec.tree import Tree
-from .spec.tree_drafters import ModelTreeDrafter, PromptLookupTreeDrafter, RetrievalTreeDrafter, TreeProposal
-from .spec.verify import verify_chain, verify_tree
+from .speculative.drafters import PromptLookupDrafter, QueryBlind
+from .speculative.hierarchy import Drafter, ModelDrafter, RetrievalStage
+from .speculative.lookahead import MAX_DRAFT, CostModelLookahead, FixedLookahead, Lookahead
+from .speculative.step_times import default_relative
+from .speculative.tree import Tree
+from .speculative.tree_drafters import ModelTreeDrafter, PromptLookupTreeDrafter, RetrievalTreeDrafter, TreeProposal
+from .speculative.verify import verify_chain, verify_tree
 
 
 @dataclass(frozen=True)

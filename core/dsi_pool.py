@@ -1,4 +1,4 @@
-"""Target instances for DSI (spec/dsi.py): each a model with a cache of its own, served by a
+"""Target instances for DSI (speculative/dsi.py): each a model with a cache of its own, served by a
 thread (tests, the simulation) or a process of its own (one per GPU, or CPU processes standing in
 for GPUs).
 
@@ -29,7 +29,7 @@ import torch
 from .errors import SpecchatError
 from .interrupt import Cancelled, cancel_flag, cancellable, roll_back, stoppable
 from .model import CausalLM
-from .spec.hierarchy import common_prefix
+from .speculative.hierarchy import common_prefix
 
 PREFILL_CHUNK = 1024
 WAKE = -1  # the task id of `InstancePool.wake`'s message
@@ -124,7 +124,7 @@ def _serve(make_model: Callable[[str], CausalLM], device: str, threads: int, pre
 
 
 class InstancePool:
-    """The `TargetPool` of spec/dsi.py over workers that each serve one instance."""
+    """The `TargetPool` of speculative/dsi.py over workers that each serve one instance."""
 
     def __init__(self, size: int, start: Callable[[int, object, object, object], threading.Thread],
                  make_queue: Callable[[], object], make_event: Callable[[], object]):

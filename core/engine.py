@@ -25,11 +25,11 @@ from .model import CausalLM
 from .modes import MAX_DSI_WORKERS, REQUEST_MODES
 from .runtime import EngineSettings
 from .sampling import SamplingParams, make_generator
-from .spec.drafters import PromptLookupDrafter
-from .spec.dsi import DsiDecoder
-from .spec.hierarchy import ModelDrafter
-from .spec.step_times import StepTimes, default_relative
-from .spec.tree import Tree
+from .speculative.drafters import PromptLookupDrafter
+from .speculative.dsi import DsiDecoder
+from .speculative.hierarchy import ModelDrafter
+from .speculative.step_times import StepTimes, default_relative
+from .speculative.tree import Tree
 from .textstream import TextStream
 
 

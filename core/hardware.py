@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .errors import InputError
 from .files import write_atomically
-from .spec.optimizer import ForwardTimes, measure_forward_times
+from .speculative.optimizer import ForwardTimes, measure_forward_times
 
 FORMAT_VERSION = 1  # of the profile and curve files; bump when a field changes meaning
 VRAM_LIMIT_ENV = "SPECCHAT_VRAM_LIMIT"  # GB per GPU; `--vram-limit` sets it, so worker processes see it too

@@ -19,7 +19,7 @@ the decisions is the order of what matters to a user:
 5. Gammas, retrieval chunk size and prefill chunk from the measured bandwidths.
 6. DSI (algorithms.md section 6) instead, with two or more GPUs that each hold a whole target at
    those weights: one target instance per GPU, verifying while the drafter drafts. Chosen where
-   its cost model (spec/dsi_cost.py) predicts it beats 1-5's plan by DSI_MARGIN, with the plan's
+   its cost model (speculative/dsi_cost.py) predicts it beats 1-5's plan by DSI_MARGIN, with the plan's
    own step times: a verification reads the weights and the KV at the card's memory rate, or
    streams an offloaded KV over the card's own link, so W instances verify side by side without
    sharing bandwidth.
@@ -43,8 +43,8 @@ from .errors import InputError
 from .files import human_size
 from .hardware import HardwareProfile, curve_key
 from .modes import MODES
-from .spec.dsi_cost import dsi_lookahead, dsi_seconds_per_token, si_seconds_per_token
-from .spec.lookahead import MAX_DRAFT  # pure: no torch, as this module must stay
+from .speculative.dsi_cost import dsi_lookahead, dsi_seconds_per_token, si_seconds_per_token
+from .speculative.lookahead import MAX_DRAFT  # pure: no torch, as this module must stay
 from .registry import DTYPE_BYTES, ModelPair, ModelSpec, Registry
 
 QUANTIZATIONS = ("none", "int8", "nf4")
@@ -168,7 +168,7 @@ class Plan:
     # whose copy it is: the memory counts one target per device). Empty outside dsi mode.
     dsi_devices: tuple[str, ...] = ()
     # DSI's draft tokens per verification task until the instances' measured latencies choose
-    # (spec/dsi_cost.py's dsi_lookahead with the plan's step times); None outside dsi mode.
+    # (speculative/dsi_cost.py's dsi_lookahead with the plan's step times); None outside dsi mode.
     dsi_lookahead: int | None = None
     # The target's output head: as `weights`, or unquantized ("bfloat16", ...) beside quantized layers.
     head_weights: str = ""
@@ -666,7 +666,7 @@ def _triforce_verify(layout: _Layout, costs: tuple[float, float] | None, gamma2:
     gamma2 chain: Speedup = G(n, d) / (t(n) + d c), c = one middle-stage token / one full
     verification, against E(gamma2) / (t(gamma2 + 1) + gamma2 c) for the chain (both in full
     verifications' time; the chosen one's is returned, None without measured t(n))."""
-    from .spec.optimizer import choose_tree
+    from .speculative.optimizer import choose_tree
 
     target = layout.pair.target
     curves = layout.profile.curves_for(curve_key(target.repo, target.revision, layout.weights_label()))
@@ -699,7 +699,7 @@ def _step_times_source(layout: _Layout) -> str:
 
 def _tree(layout: _Layout, reasons: dict):
     """((n, d) for tree mode, the optimizer's tree choice or None, its chain choice or None)."""
-    from .spec.optimizer import chain_choice, choose_tree
+    from .speculative.optimizer import chain_choice, choose_tree
 
     target, profile = layout.pair.target, layout.profile
     overrides_acceptance, draft_cost = _acceptance(layout)

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from .decoding import TriforceSettings
 from .plan import RETRIEVAL_SIBLING_ACCEPTANCE, Plan
-from .spec.lookahead import MAX_DRAFT
-from .spec.step_times import StepTimes
-from .spec.tree_dp import cached_best_tree
+from .speculative.lookahead import MAX_DRAFT
+from .speculative.step_times import StepTimes
+from .speculative.tree_dp import cached_best_tree
 
 PREFILL_CHUNK = 1024  # without a plan (a local model directory)
 LOOKUP_TREE_DEPTH = 8
@@ -30,7 +30,7 @@ class EngineSettings:
     triforce: TriforceSettings = field(default_factory=TriforceSettings)
     keep_prefixes: bool = True  # keep recent answers' KV and saved documents (off for an offloaded KV)
     step_times: StepTimes | None = None  # measured t(n) by context (calibration); None: stated defaults
-    # DSI (spec/dsi.py): one target instance per device named here ("cuda:0", "cuda:1", ...);
+    # DSI (speculative/dsi.py): one target instance per device named here ("cuda:0", "cuda:1", ...);
     # empty: instances are CPU worker processes, as many as the request asks for.
     dsi_devices: tuple[str, ...] = ()
     # DSI's lookahead until the instances' measured latencies choose it: the plan's prediction

@@ -20,8 +20,8 @@ import torch
 
 from .errors import first_line
 from .sampling import SamplingParams, sample_without_replacement, warp
-from .spec import verify
-from .spec.tree import Tree
+from .speculative import verify
+from .speculative.tree import Tree
 
 EXACT_TOLERANCE = 1e-9  # enumeration in float64: exactness up to rounding
 CHI_SQUARE_LEVEL = 1e-3  # seeded, so a pass is reproducible; a wrong rule lands far below

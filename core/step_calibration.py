@@ -15,8 +15,8 @@ import os
 from collections.abc import Callable
 
 from .hardware import measure_curves
-from .spec.lookahead import MAX_DRAFT
-from .spec.step_times import StepTimes
+from .speculative.lookahead import MAX_DRAFT
+from .speculative.step_times import StepTimes
 
 # Verification sizes the cost model chooses among: up to MAX_DRAFT drafts and the root.
 SIZES = (2, 3, 4, 5, 6, 8, 12, MAX_DRAFT + 1)

@@ -2,7 +2,7 @@
 
 The retrieval stage is the target itself over a retrieval cache, so it agrees with the full
 verification most of the time (TriForce measured above 0.9); its sibling ranks add little. With
-measured step times the hardware-aware optimizer (spec/optimizer.py) picks the size and depth
+measured step times the hardware-aware optimizer (speculative/optimizer.py) picks the size and depth
 from t(n) at the context and the retrieval forward's cost; without them, the plan's.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from .plan import RETRIEVAL_SIBLING_ACCEPTANCE
 from .runtime import EngineSettings
-from .spec.optimizer import choose_tree
-from .spec.tree import Tree
-from .spec.tree_dp import cached_best_tree
+from .speculative.optimizer import choose_tree
+from .speculative.tree import Tree
+from .speculative.tree_dp import cached_best_tree
 
 
 

@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_llama
 from specchat.core.sampling import SamplingParams, make_generator, warp
-from specchat.core.spec.acceptance import (AcceptanceFileError, AcceptanceVector,
+from specchat.core.speculative.acceptance import (AcceptanceFileError, AcceptanceVector,
                                            calibration_sequences, measure_acceptance)
 
 SAMPLED = SamplingParams(temperature=1.0)

@@ -1,6 +1,6 @@
 import torch
 
-from specchat.core.spec.drafters import PromptLookupDrafter, vote
+from specchat.core.speculative.drafters import PromptLookupDrafter, vote
 
 
 def ids(*tokens):

@@ -1,4 +1,4 @@
-"""DSI (spec/dsi.py) on tiny random models: identical to plain greedy decoding and exact in
+"""DSI (speculative/dsi.py) on tiny random models: identical to plain greedy decoding and exact in
 distribution when sampling, whatever order its target instances answer in."""
 
 import copy
@@ -18,11 +18,11 @@ from test_tree_decoding import noisy_copy
 from specchat.core.decoding import DecodeState, decode, prefill_all, triforce_drafter
 from specchat.core.dsi_pool import thread_pool, wait_unless_cancelled
 from specchat.core.sampling import SamplingParams, make_generator
-from specchat.core.spec.drafters import PromptLookupDrafter
+from specchat.core.speculative.drafters import PromptLookupDrafter
 from specchat.core.bench_dsi import CoinDrafter, WaitingTarget, ratio_noise, slower_beyond_noise, timed_run
-from specchat.core.spec.dsi import (DECAY, NEAR_PATIENCE, PROBE_BACKOFF, PROBE_EVERY, PROBE_NEAR, PROBE_RARELY,
+from specchat.core.speculative.dsi import (DECAY, NEAR_PATIENCE, PROBE_BACKOFF, PROBE_EVERY, PROBE_NEAR, PROBE_RARELY,
                                     DsiDecoder, Latencies, resolve)
-from specchat.core.spec.hierarchy import ModelDrafter
+from specchat.core.speculative.hierarchy import ModelDrafter
 
 
 class Slow:

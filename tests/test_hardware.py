@@ -16,7 +16,7 @@ from specchat.core.hardware import (
     load_or_probe,
     probe,
 )
-from specchat.core.spec.optimizer import ForwardTimes
+from specchat.core.speculative.optimizer import ForwardTimes
 
 
 def _synthetic(name: str = "rtx4090-24gb") -> HardwareProfile:

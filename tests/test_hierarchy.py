@@ -9,8 +9,8 @@ from test_decoding import exact_sequence_probs, prompts, run
 from test_tree_decoding import noisy_copy
 from specchat.core.decoding import TriforceSettings, triforce_decoder
 from specchat.core.sampling import SamplingParams
-from specchat.core.spec import hierarchy
-from specchat.core.spec.tree import Tree
+from specchat.core.speculative import hierarchy
+from specchat.core.speculative.tree import Tree
 
 # Prompts of about 40 tokens against a 24-position retrieval cache: the middle stage really
 # reads less than the target, and rebuilds every 8 committed tokens.

@@ -12,7 +12,7 @@ from specchat.core.kv.queries import record_queries
 from specchat.core.kv.retrieval import RetrievalCache, select_positions
 from specchat.core.kv.streaming import StreamingCache, streaming_positions
 from specchat.core.sampling import SamplingParams
-from specchat.core.spec.tree import Tree
+from specchat.core.speculative.tree import Tree
 
 
 

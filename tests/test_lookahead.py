@@ -1,17 +1,17 @@
-"""The cost model that picks each verification's draft length (spec/lookahead.py), and the
-step-time curves it reads (spec/step_times.py)."""
+"""The cost model that picks each verification's draft length (speculative/lookahead.py), and the
+step-time curves it reads (speculative/step_times.py)."""
 
 import pytest
 
 from conftest import tiny_llama
-from specchat.core.spec import lookahead
-from specchat.core.spec.lookahead import CostModelLookahead, PositionRates
-from specchat.core.spec.optimizer import ForwardTimes
-from specchat.core.spec.step_times import StepTimes
+from specchat.core.speculative import lookahead
+from specchat.core.speculative.lookahead import CostModelLookahead, PositionRates
+from specchat.core.speculative.optimizer import ForwardTimes
+from specchat.core.speculative.step_times import StepTimes
 from test_decoding import prompts, run
 from specchat.core.decoding import ChainDecoder
 from specchat.core.sampling import SamplingParams
-from specchat.core.spec.drafters import PromptLookupDrafter
+from specchat.core.speculative.drafters import PromptLookupDrafter
 
 FLAT = lambda n, context: 1.0  # noqa: E731  verification costs what a plain step does
 STEEP = lambda n, context: float(n)  # noqa: E731  every verified token costs a plain step

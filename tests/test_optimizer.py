@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from specchat.core.spec.optimizer import (ForwardTimes, chain_choice, choose_tree,
+from specchat.core.speculative.optimizer import (ForwardTimes, chain_choice, choose_tree,
                                           measure_forward_times, speedup)
-from specchat.core.spec.tree import Tree
-from specchat.core.spec.tree_dp import best_tree
+from specchat.core.speculative.tree import Tree
+from specchat.core.speculative.tree_dp import best_tree
 
 ACCEPTANCE = [0.7, 0.12, 0.05, 0.03, 0.02]  # sums to < 1, like a measured vector
 TOL = 1e-12

@@ -23,9 +23,9 @@ from specchat.core.plan import (
     make_plan,
 )
 from specchat.core.registry import DTYPE_BYTES, load_registry
-from specchat.core.spec.dsi_cost import dsi_lookahead
-from specchat.core.spec.lookahead import MAX_DRAFT
-from specchat.core.spec.optimizer import ForwardTimes, choose_tree
+from specchat.core.speculative.dsi_cost import dsi_lookahead
+from specchat.core.speculative.lookahead import MAX_DRAFT
+from specchat.core.speculative.optimizer import ForwardTimes, choose_tree
 
 PROFILES = {path.stem: HardwareProfile.load(path) for path in sorted((DATA / "profiles").glob("*.json"))}
 REGISTRY = load_registry()

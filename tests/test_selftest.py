@@ -15,7 +15,7 @@ import torch
 from specchat.app import selftest_cmd
 from specchat.core import decoding, selftest
 from specchat.core.sampling import sample
-from specchat.core.spec import verify
+from specchat.core.speculative import verify
 
 RULE_CHECKS = {"chain-rule": selftest.chain_rule_enumeration, "tree-rule": selftest.tree_rule_enumeration,
                "sampled": selftest.sampled_chi_square}

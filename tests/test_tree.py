@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specchat.core.spec.tree import Tree
+from specchat.core.speculative.tree import Tree
 
 #        0
 #      / | \

@@ -8,9 +8,9 @@ from conftest import tiny_llama
 from test_decoding import assert_greedy_identity, exact_sequence_probs, prompts, run
 from specchat.core.decoding import TreeDecoder
 from specchat.core.sampling import SamplingParams
-from specchat.core.spec.drafters import PromptLookupDrafter
-from specchat.core.spec.tree import Tree
-from specchat.core.spec.tree_drafters import ModelTreeDrafter, PromptLookupTreeDrafter
+from specchat.core.speculative.drafters import PromptLookupDrafter
+from specchat.core.speculative.tree import Tree
+from specchat.core.speculative.tree_drafters import ModelTreeDrafter, PromptLookupTreeDrafter
 
 # Root with 3 children; the first has 2 children, the second 1; depth 3 on the first branch.
 TEMPLATE = Tree((-1, 0, 0, 0, 1, 1, 2, 4))

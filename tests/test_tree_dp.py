@@ -11,9 +11,9 @@ from functools import lru_cache
 import pytest
 import torch
 
-from specchat.core.spec import tree_dp
-from specchat.core.spec.tree import Tree
-from specchat.core.spec.tree_dp import best_scores, best_tree, cached_best_tree, chain_trees
+from specchat.core.speculative import tree_dp
+from specchat.core.speculative.tree import Tree
+from specchat.core.speculative.tree_dp import best_scores, best_tree, cached_best_tree, chain_trees
 
 MAX_NODES = 10
 MAX_DEPTH = 4

@@ -10,8 +10,8 @@ import torch
 from specchat.core.selftest import chi_square_p_value
 from specchat.core.selftest import without_replacement_draws
 from specchat.core.sampling import SamplingParams, sample_without_replacement, warp
-from specchat.core.spec.tree import Tree
-from specchat.core.spec.verify import (NodeState, child_acceptance, child_proposal, node_start,
+from specchat.core.speculative.tree import Tree
+from specchat.core.speculative.verify import (NodeState, child_acceptance, child_proposal, node_start,
                                        reject_child, residual, verify_tree)
 
 VOCAB = 5

@@ -29,7 +29,7 @@ from specchat.core.hardware import HardwareProfile
 from specchat.core.loading import load_engine
 from specchat.core.plan import make_plan
 from specchat.core.registry import load_registry
-from specchat.core.spec import verify
+from specchat.core.speculative import verify
 
 TARGET_WEIGHTS = f"{TARGET_REPO}/model.safetensors"
 PROFILES = DATA / "profiles"

@@ -5,7 +5,7 @@ import torch
 
 from specchat.core.selftest import chi_square_p_value
 from specchat.core.sampling import SamplingParams, warp
-from specchat.core.spec.verify import acceptance_probability, residual, verify_chain
+from specchat.core.speculative.verify import acceptance_probability, residual, verify_chain
 
 VOCAB = 4
 

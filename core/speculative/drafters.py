@@ -70,7 +70,7 @@ class PromptLookupDrafter(QueryBlind):
         return 0, []
 
     def draft(self, state, seq: torch.Tensor, max_tokens: int) -> Proposal | None:
-        """The `Drafter` interface (spec/hierarchy.py): lookup needs nothing but the text."""
+        """The `Drafter` interface (speculative/hierarchy.py): lookup needs nothing but the text."""
         return self.propose(seq, max_tokens)
 
     def counts(self) -> dict[str, dict[str, int]]:
