@@ -46,8 +46,8 @@ def run(args, load, check_draft_layers) -> int:
     from .documents import read_document_or_text, user_turn
 
     if args.suite == "offload":
-        from ..core.bench import write_report
-        from ..core.bench_offload import draw_offload, run_offload_bench
+        from ..benchmarks.report import write_report
+        from ..benchmarks.offload import draw_offload, run_offload_bench
 
         for path in write_report(run_offload_bench(), Path(args.out), "gpu-offload", draw_offload):
             print(path)
@@ -64,7 +64,7 @@ def run(args, load, check_draft_layers) -> int:
             print(path)
         return 0
     if args.suite == "dsi":
-        from ..core.bench_dsi import run_dsi_simulation
+        from ..benchmarks.dsi import run_dsi_simulation
 
         for path in run_dsi_simulation(Path(args.out)):
             print(path)
@@ -78,7 +78,7 @@ def run(args, load, check_draft_layers) -> int:
     document = read_document_or_text(args.document)
     engine = load(args)
     if args.suite == "prefill":
-        from ..core.bench_prefill import run_prefill_bench
+        from ..benchmarks.prefill import run_prefill_bench
 
         def messages_for(question: str, history: list[dict]) -> list[dict]:
             return history + [{"role": "user", "content": question if history else user_turn(question, document)}]
@@ -86,8 +86,8 @@ def run(args, load, check_draft_layers) -> int:
         paths = run_prefill_bench(engine, messages_for, args.max_new_tokens, Path(args.out))
     else:
         check_draft_layers(engine, args.draft_layers)
-        from ..core.bench import run_bench
-        from ..core.bench_longctx import run_longctx_bench
+        from ..benchmarks.decode import run_bench
+        from ..benchmarks.longctx import run_longctx_bench
 
         prompt_ids = engine.chat_ids([{"role": "user", "content": user_turn(args.prompt, document)}])
         if args.suite == "longctx":
@@ -107,7 +107,7 @@ def _bench_auto(args, load) -> int:
         raise InputError("the auto suite needs --documents FILE [FILE ...]")
     texts = {Path(name).name: read_document_or_text(name) for name in args.documents}
     engine = load(args)
-    from ..core.bench_auto import run_auto_bench
+    from ..benchmarks.auto import run_auto_bench
 
     prompts = {name: engine.chat_ids([{"role": "user", "content": user_turn(args.prompt, text)}])
                for name, text in texts.items()}

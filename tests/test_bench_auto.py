@@ -1,6 +1,6 @@
 """The auto suite's per-document verdicts (core/bench_auto.py), on made-up timings."""
 
-from specchat.core.bench_auto import _summary
+from specchat.benchmarks.auto import _summary
 
 
 def row(mode, runs, forwards, tree_size=0):

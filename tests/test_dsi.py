@@ -19,7 +19,7 @@ from specchat.core.decoding import DecodeState, decode, prefill_all, triforce_dr
 from specchat.core.dsi_pool import thread_pool, wait_unless_cancelled
 from specchat.core.sampling import SamplingParams, make_generator
 from specchat.core.speculative.drafters import PromptLookupDrafter
-from specchat.core.bench_dsi import CoinDrafter, WaitingTarget, ratio_noise, slower_beyond_noise, timed_run
+from specchat.benchmarks.dsi import CoinDrafter, WaitingTarget, ratio_noise, slower_beyond_noise, timed_run
 from specchat.core.speculative.dsi import (DECAY, NEAR_PATIENCE, PROBE_BACKOFF, PROBE_EVERY, PROBE_NEAR, PROBE_RARELY,
                                     DsiDecoder, Latencies, resolve)
 from specchat.core.speculative.hierarchy import ModelDrafter
@@ -381,7 +381,7 @@ def test_sampled_dsi_over_the_hierarchy_samples_from_the_target(period, params=S
 def test_the_simulation_runs_every_decoder_to_the_target_text(tmp_path):
     """The bench's simulated world through plain, SI and DSI (each run checks it committed only
     the target's tokens); timings are the bench's business, not this test's."""
-    from specchat.core.bench_dsi import run_dsi_simulation
+    from specchat.benchmarks.dsi import run_dsi_simulation
 
     paths = run_dsi_simulation(tmp_path, instances=(2,), draft_shares=(0.1,), acceptances=(0.0, 0.9), rejections=2,
                                progress=lambda line: None)

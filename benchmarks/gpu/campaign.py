@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from ...core.bench import write_report
+from ..report import write_report
 from ...core.errors import InputError, first_line
 from . import checks, kv8, offload, steps, weights
 from .clock import free_memory

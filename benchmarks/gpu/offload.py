@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ...core.bench_offload import _random_layers, pinned_bandwidth
+from ..offload import random_layers, pinned_bandwidth
 from ...core.kv.offload import OffloadedCache
 from ...core.kv.retrieval import RetrievalCache
 from ...core.kv.streaming import StreamingCache
@@ -51,7 +51,7 @@ def run(rig: Rig, report: dict) -> dict:
         began = time.perf_counter()
         cache = OffloadedCache(config, capacity, rig.device, rig.dtype)
         allocate_s = time.perf_counter() - began
-        cache.fill(_random_layers(config, context, rig.device, rig.dtype, generator), context)
+        cache.fill(random_layers(config, context, rig.device, rig.dtype, generator), context)
         floor = cache.nbytes / bandwidth if bandwidth else None
         row = {"capacity": capacity, "context": context, "kv_bytes": cache.nbytes, "host_allocation_s": allocate_s,
                "floor_s": floor, "verify_s": {}}
@@ -98,7 +98,7 @@ def _drafting(rig: Rig, target, draft, cache, generator) -> dict:
     del retrieval
     window = rig.draft_window
     streaming = StreamingCache.from_layers(
-        draft.hf.config, list(_random_layers(draft.hf.config, window + DRAFT_SINKS, rig.device, rig.dtype, generator)),
+        draft.hf.config, list(random_layers(draft.hf.config, window + DRAFT_SINKS, rig.device, rig.dtype, generator)),
         sinks=DRAFT_SINKS, window=window)
     draft_step_s = _timed_forward(rig, draft, streaming, 1)
     return {"retrieval_rebuild_s": rebuild_s, "retrieval_step_s": retrieval_step_s, "draft_step_s": draft_step_s,

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from ...core.bench_offload import LLAMA_31_8B, LLAMA_32_1B, random_model
+from ..offload import LLAMA_31_8B, LLAMA_32_1B, random_model
 from ...core.model import TransformersLM
 from ...core.plan import PREFILL_CHUNK_GPU, activation_bytes, weight_parts
 from ...core.registry import ModelSpec

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from .bench import device_label, write_report
-from .engine import Engine, Finished
-from .kv.document_store import DocumentStore
-from .kv.prefix_store import PrefixStore, common_prefix_length
-from .sampling import SamplingParams
+from ..core.engine import Engine, Finished
+from ..core.kv.document_store import DocumentStore
+from ..core.kv.prefix_store import PrefixStore, common_prefix_length
+from ..core.sampling import SamplingParams
+from .report import device_label, write_report
 
 UNLIMITED = 10**12
 

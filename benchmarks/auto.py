@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from .bench import decode_speeds, device_label, write_report
-from .decoding import TriforceSettings
-from .engine import Engine
+from ..core.decoding import TriforceSettings
+from ..core.engine import Engine
+from .decode import decode_speeds
+from .report import device_label, write_report
 
 FIXED_MODES = {
     "plain": ("plain",),

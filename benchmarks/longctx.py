@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
-from .bench import decode_speeds, device_label, write_report
-from .calibration import layer_skip_draft, plan_tree_draft
-from .decoding import TriforceSettings
-from .engine import Engine
-from .sampling import SamplingParams
-from .tree_choice import triforce_tree
+from ..core.calibration import layer_skip_draft, plan_tree_draft
+from ..core.decoding import TriforceSettings
+from ..core.engine import Engine
+from ..core.sampling import SamplingParams
+from ..core.tree_choice import triforce_tree
+from .decode import decode_speeds
+from .report import device_label, write_report
 
 
 def run_longctx_bench(engine: Engine, prompt_ids: list[int], max_new_tokens: int, draft_layers: int,

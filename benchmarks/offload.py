@@ -21,11 +21,11 @@ from dataclasses import asdict
 
 import torch
 
-from .errors import InputError
-from .kv.offload import OffloadedCache
-from .kv.retrieval import RetrievalCache
-from .kv.streaming import StreamingCache
-from .model import TransformersLM
+from ..core.errors import InputError
+from ..core.kv.offload import OffloadedCache
+from ..core.kv.retrieval import RetrievalCache
+from ..core.kv.streaming import StreamingCache
+from ..core.model import TransformersLM
 
 LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0)
@@ -77,7 +77,7 @@ def _median_seconds(run, repeats: int) -> float:
     return statistics.median(seconds)
 
 
-def _random_layers(config, length: int, device: str, dtype: torch.dtype, generator: torch.Generator):
+def random_layers(config, length: int, device: str, dtype: torch.dtype, generator: torch.Generator):
     head_dim = config.head_dim
     for _ in range(config.num_hidden_layers):
         shape = (1, config.num_key_value_heads, length, head_dim)
@@ -107,7 +107,7 @@ def run_offload_bench(capacity: int = 131072, sizes: tuple[int, ...] = (1, 7, 16
     filled up to `capacity - max(sizes)` so every verification fits."""
     if not torch.cuda.is_available():
         raise InputError("the offload benchmark needs a CUDA GPU (this machine has none)")
-    from .hardware import probe
+    from ..core.hardware import probe
 
     device, dtype = "cuda", torch.bfloat16
     context = capacity - max(sizes)
@@ -115,7 +115,7 @@ def run_offload_bench(capacity: int = 131072, sizes: tuple[int, ...] = (1, 7, 16
     target = random_model(LLAMA_31_8B, capacity, device, dtype)
     config = target.hf.config
     cache = OffloadedCache(config, capacity, device, dtype)
-    cache.fill(_random_layers(config, context, device, dtype, generator), context)
+    cache.fill(random_layers(config, context, device, dtype, generator), context)
     bandwidth = pinned_bandwidth(device)
     floor = cache.nbytes / bandwidth
 
@@ -137,11 +137,11 @@ def run_offload_bench(capacity: int = 131072, sizes: tuple[int, ...] = (1, 7, 16
     cache.cpu_attention = False
 
     fetched_before_drafting = cache.fetched_bytes
-    retrieval = RetrievalCache(config, list(_random_layers(config, budget, device, dtype, generator)), context)
+    retrieval = RetrievalCache(config, list(random_layers(config, budget, device, dtype, generator)), context)
     drafting = {f"retrieval n={n}": _timed_forward(target, retrieval, n, repeats) for n in (1, 3)}
     draft = random_model(LLAMA_32_1B, capacity, device, dtype)
     streaming = StreamingCache.from_layers(
-        draft.hf.config, list(_random_layers(draft.hf.config, draft_window + 4, device, dtype, generator)),
+        draft.hf.config, list(random_layers(draft.hf.config, draft_window + 4, device, dtype, generator)),
         sinks=4, window=draft_window)
     drafting["draft 1B streaming n=1"] = _timed_forward(draft, streaming, 1, repeats)
     fetched_while_drafting = cache.fetched_bytes - fetched_before_drafting
@@ -168,7 +168,7 @@ def run_offload_bench(capacity: int = 131072, sizes: tuple[int, ...] = (1, 7, 16
 
 def _curves(target: TransformersLM) -> list[dict]:
     """t(n) of the 8B shape with its KV on the GPU (no offloading), at a few contexts."""
-    from .speculative.optimizer import measure_forward_times
+    from ..core.speculative.optimizer import measure_forward_times
 
     return [asdict(measure_forward_times(target, context, CURVE_SIZES, repeats=5)) for context in CURVE_CONTEXTS]
 

@@ -3,13 +3,10 @@
 `tree_growth` is arithmetic on a measured acceptance vector (expected tokens per target forward
 for Sequoia trees, k independent chains and one chain, by tree size); `decode_speeds` runs the
 same prompt through several decoding modes in one process, one after the other, and checks that
-greedy outputs are identical. `write_report` saves JSON and a PNG plot under bench/.
-"""
+greedy outputs are identical."""
 
 from __future__ import annotations
 
-import json
-import platform
 import statistics
 from dataclasses import asdict
 from datetime import date
@@ -17,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from .calibration import layer_skip_draft, plan_tree_draft
-from .engine import Engine, Finished
-from .sampling import SamplingParams
-from .speculative.tree import Tree
-from .speculative.tree_dp import best_scores, chain_trees
+from ..core.calibration import layer_skip_draft, plan_tree_draft
+from ..core.engine import Engine, Finished
+from ..core.sampling import SamplingParams
+from ..core.speculative.tree import Tree
+from ..core.speculative.tree_dp import best_scores, chain_trees
+from .report import device_label, write_report
 
 
 def tree_growth(acceptance: list[float], sizes: list[int], max_depth: int,
@@ -81,37 +79,6 @@ def _answer(engine: Engine, prompt_ids: list[int], max_new_tokens: int, run: tup
     events = engine.generate(prompt_ids, max_new_tokens, SamplingParams(), mode,
                              triforce=triforce[0] if triforce else None, tree_draft=tree_draft)
     return next(e.result for e in events if isinstance(e, Finished))
-
-
-def device_label() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
-
-
-def write_report(report: dict, out_dir: Path, stem: str, draw=None) -> list[Path]:
-    """bench/<date>-<stem>.json, and a PNG drawn by `draw(report, pyplot) -> figure` when
-    matplotlib is there."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    base = out_dir / f"{date.today().isoformat()}-{stem}"
-    json_path = base.with_suffix(".json")
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    written = [json_path]
-    try:
-        import matplotlib
-    except ImportError:
-        return written
-    if draw is None:
-        return written
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure = draw(report, plt)
-    figure.tight_layout()
-    png_path = base.with_suffix(".png")
-    figure.savefig(png_path, dpi=110)
-    plt.close(figure)
-    return written + [png_path]
 
 
 def _draw_trees(report: dict, plt):

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from .bench import write_report
-from .decoding import ChainDecoder, DecodeState, PlainDecoder
-from .dsi_pool import thread_pool, wait_unless_cancelled
-from .sampling import SamplingParams, make_generator
-from .speculative.drafters import Proposal, QueryBlind
-from .speculative.dsi import DsiDecoder
-from .speculative.dsi_cost import si_seconds_per_token
-from .speculative.lookahead import MAX_DRAFT, FixedLookahead
+from ..core.decoding import ChainDecoder, DecodeState, PlainDecoder
+from ..core.dsi_pool import thread_pool, wait_unless_cancelled
+from ..core.sampling import SamplingParams, make_generator
+from ..core.speculative.drafters import Proposal, QueryBlind
+from ..core.speculative.dsi import DsiDecoder
+from ..core.speculative.dsi_cost import si_seconds_per_token
+from ..core.speculative.lookahead import MAX_DRAFT, FixedLookahead
+from .report import write_report
 
 TARGET_SECONDS = 0.02  # a consumer GPU step of an 8B target is 20-30 ms
 DRAFT_SHARES = (0.02, 0.05, 0.1, 0.2, 0.4, 0.7, 1.0)  # a draft token's wait, over the target's
