@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import threading
 import time
 from typing import Any, Callable, Iterator
 
+from ..core.env_settings import env_number
 from ..core.errors import SpecchatError
 
 Job = Callable[[Any, threading.Event], Iterator[Any]]
@@ -37,22 +37,8 @@ class Busy(SpecchatError):
         self.waiting = waiting
 
 
-class Cancelled(SpecchatError):
+class CancelledBeforeStart(SpecchatError):
     """`call` was cancelled before its function could run."""
-
-
-def setting_from_env(variable: str, default: float, kind: type = int) -> float:
-    """A positive number from the environment, else `default`; a bad value is one clear line."""
-    raw = os.environ.get(variable, "").strip()
-    if not raw:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise SpecchatError(f"{variable} must be a positive {'whole ' if kind is int else ''}number, got {raw!r}")
-    return value
 
 
 class Ticket:
@@ -198,8 +184,8 @@ class EngineLine:
     def __init__(self, get_engine: Callable[[], Any], max_waiting: int | None = None,
                  stall_seconds: float | None = None):
         self._get_engine = get_engine
-        self.max_waiting = max_waiting or setting_from_env("SPECCHAT_MAX_WAITING", 128)
-        self.stall_seconds = stall_seconds or setting_from_env("SPECCHAT_STALL_SECONDS", 30.0, float)
+        self.max_waiting = max_waiting or env_number("SPECCHAT_MAX_WAITING", 128, int)
+        self.stall_seconds = stall_seconds or env_number("SPECCHAT_STALL_SECONDS", 30.0)
         self._lock = threading.Condition()
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._closed = False
@@ -220,7 +206,7 @@ class EngineLine:
 
     def call(self, fn: Callable[[Any], Any], cancel: threading.Event | None = None):
         """`fn(engine)` run alone on the engine thread; its result (or its error). `cancel`, when
-        set, removes the call from the line (raising `Cancelled`) or sets the running job's
+        set, removes the call from the line (raising `CancelledBeforeStart`) or sets the running job's
         cancel event (which `fn` may watch through its own reference to `cancel`)."""
         ticket = self.submit(lambda engine, _cancel: iter([fn(engine)]))
         done = threading.Event()
@@ -229,7 +215,7 @@ class EngineLine:
         try:
             for result in ticket:
                 return result
-            raise Cancelled("cancelled before it started")
+            raise CancelledBeforeStart("cancelled before it started")
         finally:
             done.set()
 

@@ -14,7 +14,7 @@ from ..core.registry import ModelPair, Registry
 
 if TYPE_CHECKING:  # the planner imports torch: only `models list` needs it, not download or remove
     from ..core.hardware import HardwareProfile
-    from ..core.plan import Alternative, Plan
+    from ..core.planning import Alternative, Plan
 
 SLOW_ON_CPU_BYTES = 10**9  # weights a CPU reads per token above which a pair is called slow there
 
@@ -86,7 +86,7 @@ class Fit:
 def plan_fit(pair: ModelPair, profile: HardwareProfile, registry: Registry | None = None) -> Fit:
     """Does `pair` fit `profile`'s machine at its full context? The plan's answer: `make_plan` at
     `pair.context_length`, exactly as `specchat plan`, the app's "Use this pair" and loading plan it."""
-    from ..core.plan import PlanRefused, make_plan
+    from ..core.planning import PlanRefused, make_plan
 
     try:
         plan = make_plan(profile, pair, pair.context_length, registry=registry)

@@ -95,7 +95,7 @@ def profile_markdown(profile) -> str:
 
 def run_plan(args) -> int:
     from ..core.hardware import HardwareProfile, capped, load_or_probe, vram_limit_bytes
-    from ..core.plan import PlanRefused, make_plan
+    from ..core.planning import PlanRefused, make_plan
     from ..core.registry import load_registry
 
     context = parse_context(args.context)

@@ -20,7 +20,7 @@ from ..core.download import DownloadProgress, download_pair, model_status
 from ..core.errors import SpecchatError, first_line
 from ..core.files import human_size
 from ..core.hardware import HardwareProfile, load_or_probe
-from ..core.plan import PlanRefused, make_plan
+from ..core.planning import PlanRefused, make_plan
 from ..core.registry import ModelPair, Registry, load_registry
 from ..core.selftest import run_selftest
 from .engine_handle import EngineHandle
@@ -235,7 +235,7 @@ def engine_plan_markdown(engine: Engine) -> str:
     if engine.plan is not None:
         return plan_markdown(engine.plan)
     draft = f", drafted by `{engine.draft_name}`" if engine.draft is not None else ""
-    dtype = str(engine.model.hf.dtype).removeprefix("torch.")
+    dtype = str(engine.model.dtype).removeprefix("torch.")
     return (f"`{engine.name}` runs without a plan: {engine.auto_mode} decoding when the mode is auto, "
             f"{dtype} weights on {engine.model.device}{draft}.")
 

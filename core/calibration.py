@@ -13,8 +13,9 @@ from .embedded import cache_root
 from .engine import Engine
 from .model import CausalLM
 from .sampling import SamplingParams, make_generator
-from .speculative.acceptance import AcceptanceVector, calibration_sequences, measure_acceptance
-from .speculative.optimizer import ForwardTimes, TreeChoice, choose_tree, measure_forward_times
+from .acceptance import AcceptanceVector, calibration_sequences, measure_acceptance
+from .speculative.forward_times import ForwardTimes
+from .speculative.optimizer import TreeChoice, choose_tree, measure_forward_times
 from .speculative.tree import Tree
 from .speculative.tree_dp import cached_best_tree
 

@@ -1,6 +1,6 @@
 """What this machine has: CUDA GPUs, CPU, RAM, measured copy bandwidths and forward-time curves.
 
-The planner (core/plan.py) is a pure function of a `HardwareProfile`, so a profile is plain data:
+The planner (core/planning/) is a pure function of a `HardwareProfile`, so a profile is plain data:
 it round-trips through JSON, and a synthetic one (tests, `specchat plan --profile FILE`) plans
 exactly like a measured one. Measuring bandwidth takes a second per GPU and a t(n) curve up to a
 minute per model, so both are cached on disk under a key of what determines them (GPU names, CUDA
@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import platform
 import re
 import statistics
@@ -22,9 +21,9 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
-from .errors import InputError
+from .env_settings import env_number
 from .files import write_atomically
-from .speculative.optimizer import ForwardTimes, measure_forward_times
+from .speculative.forward_times import ForwardTimes
 
 FORMAT_VERSION = 1  # of the profile and curve files; bump when a field changes meaning
 VRAM_LIMIT_ENV = "SPECCHAT_VRAM_LIMIT"  # GB per GPU; `--vram-limit` sets it, so worker processes see it too
@@ -270,17 +269,9 @@ def load_or_probe(refresh: bool = False, root: Path | None = None) -> HardwarePr
 def vram_limit_bytes() -> int | None:
     """The cap on what specchat uses of each GPU, from SPECCHAT_VRAM_LIMIT (`--vram-limit`), or
     None. In GB as cards are sold: 8 means an "8 GB" card, 8 GiB."""
-    text = os.environ.get(VRAM_LIMIT_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        limit = float(text)
-    except ValueError:
-        limit = math.nan
-    if not limit > 0.5 or math.isinf(limit):
-        raise InputError(f"--vram-limit / {VRAM_LIMIT_ENV}: give the GB specchat may use on each GPU, such as 8 "
-                         f"or 11.5, got {text!r}")
-    return int(limit * 2**30)
+    limit = env_number(VRAM_LIMIT_ENV, None, above=0.5,
+                       wanted="the GB specchat may use on each GPU (--vram-limit), such as 8 or 11.5")
+    return None if limit is None else int(limit * 2**30)
 
 
 def capped(profile: HardwareProfile, limit_bytes: int | None) -> HardwareProfile:
@@ -352,6 +343,8 @@ def measure_curves(model, model_key: str, contexts: list[int], sizes: list[int],
             pass
     if not measure:
         return None
+    from .speculative.optimizer import measure_forward_times  # torch: only when measuring
+
     times = []
     fitting = _fitting(model, contexts, sizes)
     for index, context in enumerate(fitting):

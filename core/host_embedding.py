@@ -2,7 +2,7 @@
 
 Why: Llama-3.1-8B's embedding table is 1 GB in bf16, an eighth of an 8 GB card, yet a forward
 reads one row of it per token. Looking the rows up on the CPU and sending hidden_size values per
-token across the link costs microseconds, and frees that gigabyte for the caches (plan.py puts it
+token across the link costs microseconds, and frees that gigabyte for the caches (the plan puts it
 there only when nothing else fits). The output head is a matmul over the whole table and stays on
 the GPU.
 """

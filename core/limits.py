@@ -8,9 +8,9 @@ stops at the limit, not at the end.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from .env_settings import env_number
 from .errors import InputError
 from .files import human_size
 
@@ -25,13 +25,8 @@ class Limit:
 
     @property
     def bytes(self) -> int:
-        """The limit in force: the variable's value (MB) when it is set to a positive number."""
-        raw = os.environ.get(self.variable, "").strip()
-        try:
-            value = float(raw) if raw else self.default_mb
-        except ValueError:
-            value = self.default_mb
-        return int((value if value > 0 else self.default_mb) * MB)
+        """The limit in force: the variable's value (MB) when set (InputError naming it when bad)."""
+        return int(env_number(self.variable, self.default_mb, wanted="a positive number of MB") * MB)
 
     def check(self, size: int, what: str = "") -> None:
         """An `InputError` naming the limit and how to raise it when `size` bytes exceed it."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .plan import Plan
+from .planning import Plan
 from .registry import ModelSpec
 
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}

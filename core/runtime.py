@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .decoding import TriforceSettings
-from .plan import RETRIEVAL_SIBLING_ACCEPTANCE, Plan
+from .planning import RETRIEVAL_SIBLING_ACCEPTANCE, Plan
 from .speculative.lookahead import MAX_DRAFT
 from .speculative.step_times import StepTimes
 from .speculative.tree_dp import cached_best_tree
@@ -30,7 +30,7 @@ class EngineSettings:
     triforce: TriforceSettings = field(default_factory=TriforceSettings)
     keep_prefixes: bool = True  # keep recent answers' KV and saved documents (off for an offloaded KV)
     step_times: StepTimes | None = None  # measured t(n) by context (calibration); None: stated defaults
-    # DSI (speculative/dsi.py): one target instance per device named here ("cuda:0", "cuda:1", ...);
+    # DSI (speculative/dsi/): one target instance per device named here ("cuda:0", "cuda:1", ...);
     # empty: instances are CPU worker processes, as many as the request asks for.
     dsi_devices: tuple[str, ...] = ()
     # DSI's lookahead until the instances' measured latencies choose it: the plan's prediction

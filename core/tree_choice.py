@@ -8,7 +8,7 @@ from t(n) at the context and the retrieval forward's cost; without them, the pla
 
 from __future__ import annotations
 
-from .plan import RETRIEVAL_SIBLING_ACCEPTANCE
+from .planning import RETRIEVAL_SIBLING_ACCEPTANCE
 from .runtime import EngineSettings
 from .speculative.optimizer import choose_tree
 from .speculative.tree import Tree

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specchat.app.engine_handle import EngineHandle
-from specchat.app.engine_queue import Busy, Cancelled
+from specchat.app.engine_queue import Busy, CancelledBeforeStart
 from specchat.core.engine import Finished, TextDelta
 from specchat.core.errors import SpecchatError
 from specchat.core.loading import load_engine
@@ -168,7 +168,7 @@ def test_call_runs_a_function_alone_on_the_engine_thread(handle):
     running = handle.submit(counting(1, gate, started))
     assert started.wait(WAIT)
     threading.Timer(0.2, cancel.set).start()
-    with pytest.raises(Cancelled):
+    with pytest.raises(CancelledBeforeStart):
         handle.call(lambda engine: "never", cancel)  # cancelled while it waited in line
     gate.set()
     assert len(list(running)) == 1

@@ -16,7 +16,8 @@ from specchat.core.hardware import (
     load_or_probe,
     probe,
 )
-from specchat.core.speculative.optimizer import ForwardTimes
+from specchat.core.speculative.forward_times import ForwardTimes
+from specchat.core.speculative import optimizer
 
 
 def _synthetic(name: str = "rtx4090-24gb") -> HardwareProfile:
@@ -102,7 +103,7 @@ def test_measure_curves_caps_contexts_caches_and_joins_the_profile(tmp_path, mon
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again instead of reading the cache")
 
-    monkeypatch.setattr(hardware, "measure_forward_times", no_measuring)
+    monkeypatch.setattr(optimizer, "measure_forward_times", no_measuring)  # hardware imports it when measuring
     assert hardware.measure_curves(model, key, contexts=[16, 64, 1000], sizes=[4, 8], root=tmp_path) == curves
     assert load_or_probe(root=tmp_path).curves_for(key) == curves
 

@@ -6,7 +6,7 @@ import pytest
 from conftest import tiny_llama
 from specchat.core.speculative import lookahead
 from specchat.core.speculative.lookahead import CostModelLookahead, PositionRates
-from specchat.core.speculative.optimizer import ForwardTimes
+from specchat.core.speculative.forward_times import ForwardTimes
 from specchat.core.speculative.step_times import StepTimes
 from test_decoding import prompts, run
 from specchat.core.decoding import ChainDecoder
@@ -86,8 +86,9 @@ def test_step_times_interpolate_between_measured_contexts():
 def test_the_prediction_prices_each_step_by_its_size_and_context_and_the_stages_below():
     from types import SimpleNamespace
 
-    from specchat.core.decoding import Step, TriforceSettings
+    from specchat.core.decoding import TriforceSettings
     from specchat.core.engine import _Prediction
+    from specchat.core.speculative.types import Step
 
     steps = StepTimes((times(1000, 0.1, (1.0, 1.2)), times(3000, 0.3, (1.2, 2.0))))
     model = SimpleNamespace(num_layers=30)

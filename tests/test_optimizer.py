@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from specchat.core.speculative.optimizer import (ForwardTimes, chain_choice, choose_tree,
-                                          measure_forward_times, speedup)
+from specchat.core.speculative.forward_times import ForwardTimes
+from specchat.core.speculative.optimizer import (chain_choice, choose_tree,
+                                          measure_forward_times, relative_times, speedup)
 from specchat.core.speculative.tree import Tree
 from specchat.core.speculative.tree_dp import best_tree
 
@@ -136,7 +137,7 @@ def test_forward_times_interpolate():
     assert curve.relative(7) == pytest.approx(2.2)
     assert curve.relative(13) == pytest.approx(2.8)  # beyond: along the last segment
     assert curve.relative(0) == 1.0  # flat below 1
-    batch = curve.relative(torch.arange(15))
+    batch = relative_times(curve, torch.arange(15))  # the tensor form the optimizer uses
     assert batch.dtype == torch.float64
     assert batch.tolist() == pytest.approx([curve.relative(n) for n in range(15)])
 

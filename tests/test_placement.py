@@ -7,7 +7,7 @@ from conftest import needs_cuda, tiny_llama
 from test_plan import PROFILES, REGISTRY
 from specchat.core.model import TransformersLM
 from specchat.core.placement import LoadOptions, draft_options, offload_capacity, target_options
-from specchat.core.plan import make_plan
+from specchat.core.planning import make_plan
 
 K = 1024
 

@@ -13,7 +13,7 @@ from specchat.app.plan_cmd import add_parsers, parse_context, plan_markdown, run
 from specchat.core.errors import InputError
 from specchat.core.hardware import HardwareProfile, ModelCurves, curve_key
 from specchat.core.placement import target_options
-from specchat.core.plan import (
+from specchat.core.planning import (
     DSI_MARGIN,
     NF4_BITS,
     RAM_MARGIN_SHARE,
@@ -23,9 +23,10 @@ from specchat.core.plan import (
     make_plan,
 )
 from specchat.core.registry import DTYPE_BYTES, load_registry
-from specchat.core.speculative.dsi_cost import dsi_lookahead
+from specchat.core.speculative.dsi.cost import dsi_lookahead
 from specchat.core.speculative.lookahead import MAX_DRAFT
-from specchat.core.speculative.optimizer import ForwardTimes, choose_tree
+from specchat.core.speculative.forward_times import ForwardTimes
+from specchat.core.speculative.optimizer import choose_tree
 
 PROFILES = {path.stem: HardwareProfile.load(path) for path in sorted((DATA / "profiles").glob("*.json"))}
 REGISTRY = load_registry()

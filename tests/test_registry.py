@@ -11,7 +11,7 @@ from conftest import DATA
 
 from specchat.app.models_cmd import pair_row, plan_fit
 from specchat.core.hardware import HardwareProfile
-from specchat.core.plan import PlanRefused, make_plan
+from specchat.core.planning import PlanRefused, make_plan
 from specchat.core.registry import COMMIT, RegistryError, UnknownPair, load_registry, shipped_file
 
 PROFILES = {path.stem: HardwareProfile.load(path) for path in sorted((DATA / "profiles").glob("*.json"))}

@@ -8,7 +8,7 @@ import pytest
 from test_plan import PROFILES, REGISTRY
 from specchat.core.decoding import TriforceSettings
 from specchat.core.placement import draft_options, target_options
-from specchat.core.plan import Plan, make_plan
+from specchat.core.planning import Plan, make_plan
 from specchat.core.runtime import settings_from_plan
 
 K = 1024

@@ -27,7 +27,7 @@ from specchat.core import download, embedded, selftest
 from specchat.core.files import human_size
 from specchat.core.hardware import HardwareProfile
 from specchat.core.loading import load_engine
-from specchat.core.plan import make_plan
+from specchat.core.planning import make_plan
 from specchat.core.registry import load_registry
 from specchat.core.speculative import verify
 

@@ -14,7 +14,7 @@ from specchat.app.cli import main
 from specchat.app.plan_cmd import profile_facts
 from specchat.core import hardware
 from specchat.core.hardware import VRAM_LIMIT_ENV, capped, vram_limit_bytes
-from specchat.core.plan import make_plan
+from specchat.core.planning import make_plan
 
 GIB = 2**30
 BIG = str(DATA / "profiles" / "rtx4090-24gb.json")

@@ -17,7 +17,7 @@ from ..offload import random_layers, pinned_bandwidth
 from ...core.kv.offload import OffloadedCache
 from ...core.kv.retrieval import RetrievalCache
 from ...core.kv.streaming import StreamingCache
-from ...core.plan import DRAFT_SINKS, RETRIEVAL_CHUNK_OFFLOADED, activation_bytes
+from ...core.planning import DRAFT_SINKS, RETRIEVAL_CHUNK_OFFLOADED, activation_bytes
 from .clock import allocated_bytes, free_memory, peak_bytes, reset_peak, synchronize, wall_seconds
 from .rig import Rig, goal
 from .shapes import model_spec, prefill, random_ids, random_model
@@ -32,7 +32,7 @@ def run(rig: Rig, report: dict) -> dict:
     longest = max(rig.offloaded_contexts)
     target = random_model(rig.shape, longest, rig.device, rig.dtype)
     draft = random_model(rig.draft_shape, longest, rig.device, rig.dtype)
-    config, generator = target.hf.config, torch.Generator(rig.device).manual_seed(0)
+    config, generator = target.config, torch.Generator(rig.device).manual_seed(0)
     bandwidth = pinned_bandwidth(rig.device) if rig.device == "cuda" else None
     result = {"shape": rig.shape_name, "draft_layers": rig.draft_shape["num_hidden_layers"],
               "host_to_device_bytes_per_s": bandwidth, "contexts": []}
@@ -85,7 +85,7 @@ def _timed_forward(rig: Rig, model, cache, n: int) -> float:
 
 def _drafting(rig: Rig, target, draft, cache, generator) -> dict:
     """TriForce's two drafting stages at this context, and a retrieval rebuild from the offloaded KV."""
-    config = target.hf.config
+    config = target.config
     queries = {index: torch.randn(config.num_attention_heads, config.head_dim, device=rig.device, dtype=rig.dtype,
                                   generator=generator) for index in range(config.num_hidden_layers)}
     synchronize(rig.device)
@@ -98,7 +98,7 @@ def _drafting(rig: Rig, target, draft, cache, generator) -> dict:
     del retrieval
     window = rig.draft_window
     streaming = StreamingCache.from_layers(
-        draft.hf.config, list(random_layers(draft.hf.config, window + DRAFT_SINKS, rig.device, rig.dtype, generator)),
+        draft.config, list(random_layers(draft.config, window + DRAFT_SINKS, rig.device, rig.dtype, generator)),
         sinks=DRAFT_SINKS, window=window)
     draft_step_s = _timed_forward(rig, draft, streaming, 1)
     return {"retrieval_rebuild_s": rebuild_s, "retrieval_step_s": retrieval_step_s, "draft_step_s": draft_step_s,
@@ -108,7 +108,7 @@ def _drafting(rig: Rig, target, draft, cache, generator) -> dict:
 def _prefill(rig: Rig, target) -> dict:
     """A prefill of the first offloaded context into an offloaded cache, in the plan's largest chunk."""
     context = rig.offloaded_contexts[0]
-    cache = OffloadedCache(target.hf.config, context, rig.device, rig.dtype)
+    cache = OffloadedCache(target.config, context, rig.device, rig.dtype)
     ids = random_ids(target.vocab_size, context)
     free_memory(rig.device)
     weights = allocated_bytes(rig.device)

@@ -9,7 +9,7 @@ import torch
 
 from ..offload import LLAMA_31_8B, LLAMA_32_1B, random_model
 from ...core.model import TransformersLM
-from ...core.plan import PREFILL_CHUNK_GPU, activation_bytes, weight_parts
+from ...core.planning import PREFILL_CHUNK_GPU, activation_bytes, weight_parts
 from ...core.registry import ModelSpec
 from .clock import synchronize
 
@@ -45,7 +45,7 @@ def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:
 
 def model_spec(model: TransformersLM, dtype: torch.dtype) -> ModelSpec:
     """The registry's entry for a random model: the shapes the plan's memory arithmetic reads."""
-    config = model.hf.config
+    config = model.config
     params = sum(p.numel() for p in model.hf.parameters())
     return ModelSpec(repo="random", revision="-", params_b=params / 1e9, download_bytes=0,
                      layers=config.num_hidden_layers, hidden_size=config.hidden_size,

@@ -15,24 +15,21 @@ time: plain decoding (n = 1, d = 0, G = 1) scores exactly 1.
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..files import write_atomically
+from .forward_times import ForwardTimes
 from .tree_dp import best_scores
 
 if TYPE_CHECKING:  # core.model imports transformers: seconds that `models list` and `plan` need not pay
     from ..model import CausalLM
 
-FORMAT_VERSION = 1  # of the ForwardTimes JSON file
 PREFILL_CHUNK = 1024  # bounds the activations of the context prefill, as the engine's prefill does
 
 
@@ -43,59 +40,17 @@ def speedup(expected_tokens: float, verify_time: float, draft_steps: int,
     return expected_tokens / (verify_time + draft_steps * draft_cost)
 
 
-@dataclass(frozen=True)
-class ForwardTimes:
-    """Measured t(n): ratios[i] = target time for sizes[i] tokens / time for 1 token."""
-
-    sizes: tuple[int, ...]  # strictly increasing, sizes[0] == 1
-    ratios: tuple[float, ...]  # ratios[0] == 1 by construction
-    one_token_seconds: float  # the absolute time of a 1-token forward, the unit of the ratios
-    context: int  # tokens in the cache when measured (attention cost grows with it)
-    device: str  # what it was measured on, for the record
-
-    def __post_init__(self):
-        if not self.sizes or self.sizes[0] != 1 or len(self.ratios) != len(self.sizes):
-            raise ValueError("forward times need one ratio per size, starting at size 1")
-        if any(not isinstance(n, int) for n in self.sizes) or any(
-                a >= b for a, b in zip(self.sizes, self.sizes[1:])):
-            raise ValueError(f"sizes must be strictly increasing integers, got {self.sizes}")
-        if self.ratios[0] != 1.0 or not all(0 < r < math.inf for r in self.ratios):
-            raise ValueError(f"ratios must be positive and finite with t(1) = 1, got {self.ratios}")
-        if not 0 < self.one_token_seconds < math.inf or self.context < 0:
-            raise ValueError("one_token_seconds must be positive and context non-negative")
-
-    def relative(self, n: int | torch.Tensor) -> float | torch.Tensor:
-        """t(n) for a size or a tensor of sizes (float64): linear between measured sizes, linear
-        beyond the last along the last segment, 1 at n <= 1. The extrapolated slope is kept >= 0:
-        a noisy last segment must not make huge trees look cheaper than measured ones."""
-        sizes = torch.tensor(self.sizes, dtype=torch.float64)
-        ratios = torch.tensor(self.ratios, dtype=torch.float64)
-        x = torch.as_tensor(n, dtype=torch.float64).clamp(min=1.0)
-        if len(self.sizes) == 1:
-            out = torch.ones_like(x)
-        else:
-            # Segment i spans sizes[i-1]..sizes[i]; beyond the last size, the last segment.
-            i = torch.searchsorted(sizes, x, right=True).clamp(1, len(self.sizes) - 1)
-            slope = (ratios[i] - ratios[i - 1]) / (sizes[i] - sizes[i - 1])
-            slope = torch.where(x > sizes[-1], slope.clamp(min=0.0), slope)
-            out = ratios[i] + slope * (x - sizes[i])  # from the right end: flat beyond if clamped
-        return out if isinstance(n, torch.Tensor) else float(out)
-
-    def save(self, path: Path) -> None:
-        """Write as JSON, atomically (a concurrent reader never sees half a file)."""
-        write_atomically(Path(path), json.dumps({"version": FORMAT_VERSION, **asdict(self)}))
-
-    @classmethod
-    def load(cls, path: Path) -> "ForwardTimes":
-        """Read a file written by `save`; ValueError naming the file if it is not one."""
-        try:
-            data = json.loads(Path(path).read_text())
-            if data.pop("version") != FORMAT_VERSION:
-                raise ValueError(f"format version is not {FORMAT_VERSION}")
-            return cls(sizes=tuple(data.pop("sizes")), ratios=tuple(map(float, data.pop("ratios"))),
-                       **data)
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise ValueError(f"{path} is not a valid forward-times file: {error!r}") from error
+def relative_times(times: ForwardTimes, n: torch.Tensor) -> torch.Tensor:
+    """`times.relative` over a tensor of sizes, in float64: the same interpolation, vectorized."""
+    sizes = torch.tensor(times.sizes, dtype=torch.float64)
+    ratios = torch.tensor(times.ratios, dtype=torch.float64)
+    x = n.to(torch.float64).clamp(min=1.0)
+    if len(times.sizes) == 1:
+        return torch.ones_like(x)
+    i = torch.searchsorted(sizes, x, right=True).clamp(1, len(times.sizes) - 1)
+    slope = (ratios[i] - ratios[i - 1]) / (sizes[i] - sizes[i - 1])
+    slope = torch.where(x > sizes[-1], slope.clamp(min=0.0), slope)
+    return ratios[i] + slope * (x - sizes[i])
 
 
 def measure_forward_times(model: CausalLM, context: int, sizes: list[int],
@@ -162,7 +117,7 @@ def choose_tree(acceptance: list[float] | torch.Tensor, times: ForwardTimes, dra
     decoding (n = 1, d = 0, speedup 1) if no tree beats it. Ties go to the smaller depth, then size,
     so the best tree of the chosen (n, d) needs exactly d draft steps."""
     _check_grid(max_size, max_depth, draft_cost)
-    verify = times.relative(torch.arange(max_size + 1))
+    verify = relative_times(times, torch.arange(max_size + 1))
     best = None  # (speedup, n, d, G)
     previous = None
     for depth in range(1, max_depth + 1):
@@ -185,7 +140,7 @@ def chain_choice(acceptance: list[float] | torch.Tensor, times: ForwardTimes, dr
     # With one child allowed per node, the only tree of n nodes is the chain of n - 1 drafts.
     g = best_scores(p1, max_length + 1, max_length)
     sizes = torch.arange(max_length + 2, dtype=torch.float64)  # int64 * float would be float32
-    rates = g[2:] / (times.relative(sizes[2:]) + (sizes[2:] - 1) * draft_cost)
+    rates = g[2:] / (relative_times(times, sizes[2:]) + (sizes[2:] - 1) * draft_cost)
     n = int(rates.argmax()) + 2
     best = (float(rates[n - 2]), n, n - 1, float(g[n]))
     return _decide(best, f"chain of {n - 1} drafts", times, draft_cost)

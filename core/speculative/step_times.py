@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .optimizer import ForwardTimes
+from .forward_times import ForwardTimes
 
 # Before calibration (or for a model without curves): a stated default, t(n) = 1 + n/10 - 1/10.
 DEFAULT_SLOPE = 0.1

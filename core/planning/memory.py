@@ -1,0 +1,283 @@
+"""Where every byte of one candidate goes, from the registry's shapes (layers, KV heads, head dim,
+vocabulary, hidden size, parameters), never a per-card figure; and whether it fits.
+
+GPU memory left unplanned (the margin): 10% of each card, or what other processes already hold
+when that is more. CPU memory left unplanned: 20% of the RAM, as pinned pages cannot be swapped out
+and the OS and this app need room. Several GPUs: the target's layers are split across them in
+order (each layer's KV lives with the layer), the output head and the draft go on the last.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..files import human_size
+from ..hardware import HardwareProfile
+from ..registry import DTYPE_BYTES, ModelPair, ModelSpec
+from .types import DeviceMemory, MemoryItem
+
+
+QUANTIZATIONS = ("none", "int8", "nf4")
+# (the decoder layers' quantization, the output head's too), in the order tried: most precise first.
+# bitsandbytes leaves the head in the compute dtype by default; quantizing it as well is the last
+# resort (an 8 GB card at 128K), and the output is then lossless against that quantized target.
+WEIGHT_TIERS = (("none", False), ("int8", False), ("nf4", False), ("nf4", True))
+VRAM_MARGIN_SHARE = 0.10
+RAM_MARGIN_SHARE = 0.20
+CUDA_CONTEXT_BYTES = 2**30  # CUDA context, cuBLAS workspaces and allocator slack, per GPU used
+# Hidden-sized tensors alive at once for each token of a forward: residual, norm, q/k/v/o and the
+# MLP's gate, up and product (3-5x the hidden width each in these models).
+ACTIVATION_WIDTHS = 16
+MAX_VERIFY_TOKENS = 128  # the largest verification whose fp32 logits are budgeted
+NF4_BITS = 4 + 32 / 64  # bitsandbytes nf4: 4-bit codes plus one fp32 absmax per 64-weight block
+RETRIEVAL_CHUNK_ON_CHIP = 8  # finer chunks retrieve more precisely
+RETRIEVAL_CHUNK_OFFLOADED = 16  # the chunk keys are then the GPU's only copy of K: half of 8's
+DRAFT_SINKS = 4  # StreamingLLM's attention sinks
+DRAFT_WINDOW = 1020  # recent tokens the draft attends: 1024 slots with the sinks
+PREFILL_CHUNK_CPU = 1024  # as the engine's prefill
+PREFILL_CHUNK_GPU = 2048
+PREFILL_CHUNKS_OFFLOADED = (8192, 4096, 2048, 1024)  # largest first: each chunk re-streams the KV so far
+
+
+def weight_parts(spec: ModelSpec, quantization: str, dtype_bytes: int,
+                 head_quantized: bool = False) -> tuple[int, int, int]:
+    """(embedding, output head, decoder layers) bytes. bitsandbytes quantizes linear layers only,
+    and by default not the output head: the embedding (and the head) stay in the compute dtype.
+    The registry does not say whether a model ties them, so both are counted: exact for untied
+    models, an upper bound for tied ones."""
+    matrix = spec.vocab_size * spec.hidden_size
+    body_params = max(0.0, spec.params_b * 1e9 - 2 * matrix)
+    bits = {"none": 8 * dtype_bytes, "int8": 8 + 32 / spec.hidden_size, "nf4": NF4_BITS}[quantization]
+    head = int(matrix * bits / 8) if head_quantized else matrix * dtype_bytes
+    return matrix * dtype_bytes, head, int(body_params * bits / 8)
+
+
+def activation_bytes(spec: ModelSpec, chunk: int, dtype_bytes: int) -> int:
+    """A prefill chunk's hidden-sized tensors plus the fp32 logits of the largest verification."""
+    return chunk * spec.hidden_size * dtype_bytes * ACTIVATION_WIDTHS + MAX_VERIFY_TOKENS * spec.vocab_size * 4
+
+
+def chunk_key_bytes(spec: ModelSpec, context: int, chunk: int, dtype_bytes: int) -> int:
+    """The retrieval scores' input: one mean key per chunk, layer and KV head."""
+    return math.ceil(context / chunk) * spec.layers * spec.kv_heads * spec.head_dim * dtype_bytes
+
+
+def uses_draft(pair: ModelPair, mode: str) -> bool:
+    return pair.draft is not None and mode != "plain"
+
+
+def prefill_chunks(profile: HardwareProfile, kv_on_chip: bool) -> tuple[int, ...]:
+    if not profile.gpus:
+        return (PREFILL_CHUNK_CPU,)
+    return (PREFILL_CHUNK_GPU,) if kv_on_chip else PREFILL_CHUNKS_OFFLOADED
+
+
+def compute_dtype(profile: HardwareProfile, spec: ModelSpec) -> str:
+    """bf16 on GPUs that have it (fp16 on older ones); on a CPU the published dtype."""
+    if profile.gpus:
+        return "bfloat16" if all(gpu.bf16 for gpu in profile.gpus) else "float16"
+    return spec.dtype
+
+
+class Layout:
+    """Where every byte of one candidate (quantization, KV place, draft place, prefill chunk)
+    goes, and whether it fits. Built once per candidate, read by plan.finish."""
+
+    def __init__(self, profile, pair, context, mode, budget, overrides, quantization, kv_on_chip, with_draft,
+                 prefill_chunk, head_quantized=False, embedding_on_cpu=False):
+        self.profile, self.pair, self.context, self.mode, self.overrides = profile, pair, context, mode, overrides
+        self.quantization, self.kv_on_chip = quantization, kv_on_chip
+        self.head_quantized, self.embedding_on_cpu = head_quantized, embedding_on_cpu
+        self.prefill_chunk = prefill_chunk
+        target = pair.target
+        self.dtype = compute_dtype(profile, target)
+        self.dtype_bytes = DTYPE_BYTES[self.dtype]
+        self.kv_per_token = target.kv_bytes_per_token(self.dtype_bytes)
+        self.full_kv = context * self.kv_per_token
+        self.retrieval = (budget, RETRIEVAL_CHUNK_ON_CHIP if kv_on_chip else RETRIEVAL_CHUNK_OFFLOADED) \
+            if mode == "triforce" else None
+        # With a GPU the draft goes on the (last) GPU or is left out: on the CPU it would draft
+        # slower than the GPU verifies. Without a GPU everything is on the CPU anyway.
+        self.draft = pair.draft if uses_draft(pair, mode) and with_draft else None
+        self.draft_left_out = uses_draft(pair, mode) and not with_draft
+        self.draft_window = overrides.draft_window or DRAFT_WINDOW
+        self.items: list[MemoryItem] = []
+        self.target_devices: tuple[str, ...] = ()
+        self.target_layers: tuple[int, ...] = ()
+        self.gpu_bytes_needed = 0
+        if profile.gpus:
+            self._place_gpus()
+        self._place_cpu()
+        self.devices = budgets(profile, self.items)
+        self.fits = all(device.headroom_bytes >= 0 for device in self.devices)
+
+    # -- what each part weighs
+
+    def weights(self) -> tuple[int, int, int]:
+        """The target's (embedding, output head, decoder layers) bytes."""
+        return weight_parts(self.pair.target, self.quantization, self.dtype_bytes, self.head_quantized)
+
+    def _layer_bytes(self) -> int:
+        """One target layer's share on a GPU: weights, its full KV when on-chip, its retrieval
+        cache and chunk keys."""
+        body = self.weights()[2]
+        share = body + (self.full_kv if self.kv_on_chip else 0) + self._retrieval_bytes()
+        return math.ceil(share / self.pair.target.layers)
+
+    def _retrieval_bytes(self) -> int:
+        if self.retrieval is None:
+            return 0
+        budget, chunk = self.retrieval
+        return (min(budget, self.context) * self.kv_per_token
+                + chunk_key_bytes(self.pair.target, self.context, chunk, self.dtype_bytes))
+
+    def draft_device(self) -> str | None:
+        if self.draft is None:
+            return None
+        return f"cuda:{self.profile.gpus[-1].index}" if self.profile.gpus else "cpu"
+
+    def draft_dtype(self) -> str | None:
+        """Unquantized always: its weights are small, and quantizing it would only cost acceptance.
+        The compute dtype on a GPU, the published one on the CPU."""
+        if self.draft is None:
+            return None
+        return self.draft.dtype if self.draft_device() == "cpu" else compute_dtype(self.profile, self.draft)
+
+    def _draft_items(self, where: str) -> list[MemoryItem]:
+        draft, dtype = self.draft, self.draft_dtype()
+        size = DTYPE_BYTES[dtype]
+        tokens = min(self.context, DRAFT_SINKS + self.draft_window)
+        return [MemoryItem(f"draft weights ({dtype})", where, int(draft.params_b * 1e9 * size)),
+                MemoryItem(f"draft StreamingLLM cache ({tokens:,} tokens)", where, tokens * draft.kv_bytes_per_token(size)),
+                MemoryItem("draft activations", where, activation_bytes(draft, self.prefill_chunk, size))]
+
+    # -- placement
+
+    def _place_gpus(self) -> None:
+        """Fill the GPUs with the target's layers in order, the embedding on the first, the output
+        head (and the draft, if on a GPU) on the last, which takes whatever layers are left (the
+        budgets then tell whether they fit)."""
+        target, gpus = self.pair.target, self.profile.gpus
+        names = [f"cuda:{gpu.index}" for gpu in gpus]
+        embedding, head, _ = self.weights()
+        per_layer = self._layer_bytes()
+        staging = 0 if self.kv_on_chip else 2 * math.ceil(self.full_kv / target.layers)
+        running = activation_bytes(target, self.prefill_chunk, self.dtype_bytes) + staging
+        fixed = {name: [] for name in names}
+        if self.embedding_on_cpu:
+            self.items.append(MemoryItem("target embedding (on the CPU)", "cpu", embedding))
+        else:
+            fixed[names[0]].append(MemoryItem("target embedding", names[0], embedding))
+        head_label = f" ({self.quantization})" if self.head_quantized else ""
+        fixed[names[-1]].append(MemoryItem(f"target output head{head_label}", names[-1], head))
+        if self.draft is not None:
+            fixed[names[-1]] += self._draft_items(names[-1])
+        self.gpu_bytes_needed = (per_layer * target.layers + running + CUDA_CONTEXT_BYTES
+                                 + sum(item.bytes for items in fixed.values() for item in items))
+        remaining, first = target.layers, 0
+        layers_on: list[tuple[str, int, int]] = []  # (device, first layer, count)
+        for gpu, name in zip(gpus, names):
+            room = _usable(gpu) - CUDA_CONTEXT_BYTES - sum(item.bytes for item in fixed[name]) - running
+            count = min(remaining, max(0, room // per_layer)) if name != names[-1] else remaining
+            if count:
+                layers_on.append((name, first, count))
+                first, remaining = first + count, remaining - count
+        for name, start, count in layers_on:
+            self.items += self._layer_items(name, start, count, per_layer, staging)
+        for name in names:
+            if fixed[name] or any(device == name for device, _, _ in layers_on):
+                self.items += fixed[name] + [MemoryItem("CUDA context and allocator slack", name, CUDA_CONTEXT_BYTES)]
+        self.target_devices = tuple(name for name, _, _ in layers_on)
+        self.target_layers = tuple(count for _, _, count in layers_on)
+
+    def _layer_items(self, name: str, start: int, count: int, per_layer: int, staging: int) -> list[MemoryItem]:
+        target, share = self.pair.target, count / self.pair.target.layers
+        span = f"target layers {start}-{start + count - 1}"
+        label = self.dtype if self.quantization == "none" else self.quantization
+        body = self.weights()[2]
+        items = [MemoryItem(f"{span}: weights ({label})", name, int(body * share))]
+        if self.kv_on_chip:
+            items.append(MemoryItem(f"{span}: full KV ({self.context:,} tokens)", name, int(self.full_kv * share)))
+        if self.retrieval is not None:
+            budget, chunk = self.retrieval
+            items.append(MemoryItem(f"{span}: retrieval cache ({min(budget, self.context):,} tokens) and "
+                                    f"chunk keys ({chunk}-token chunks)", name, int(self._retrieval_bytes() * share)))
+        if staging:
+            items.append(MemoryItem(f"{span}: KV staging buffers (2 layers, double buffering)", name, staging))
+        items.append(MemoryItem(f"{span}: activations (prefill chunk {self.prefill_chunk:,})", name,
+                                activation_bytes(target, self.prefill_chunk, self.dtype_bytes)))
+        return items
+
+    def _place_cpu(self) -> None:
+        target = self.pair.target
+        if not self.profile.gpus:
+            label = self.dtype if self.quantization == "none" else self.quantization
+            self.items += [
+                MemoryItem(f"target weights ({label})", "cpu", sum(self.weights())),
+                MemoryItem(f"full KV ({self.context:,} tokens)", "cpu", self.full_kv),
+                MemoryItem(f"target activations (prefill chunk {self.prefill_chunk:,})", "cpu",
+                           activation_bytes(target, self.prefill_chunk, self.dtype_bytes))]
+            if self.retrieval is not None:
+                self.items.append(MemoryItem(f"retrieval cache and chunk keys ({self.retrieval[1]}-token chunks)",
+                                             "cpu", self._retrieval_bytes()))
+            self.target_devices, self.target_layers = ("cpu",), (target.layers,)
+        elif not self.kv_on_chip:
+            self.items.append(MemoryItem(f"full KV ({self.context:,} tokens, pinned)", "cpu", self.full_kv))
+        if self.draft is not None and not self.profile.gpus:
+            self.items += self._draft_items("cpu")
+
+    # -- reporting
+
+    def weights_label(self) -> str:
+        return self.dtype if self.quantization == "none" else self.quantization
+
+    def head_label(self) -> str:
+        return self.quantization if self.head_quantized else self.dtype
+
+    def embedding_device(self) -> str:
+        return "cpu" if self.embedding_on_cpu else self.target_devices[0]
+
+    def kv_device(self) -> str:
+        if not self.profile.gpus:
+            return "cpu"
+        return "+".join(self.target_devices) if self.kv_on_chip else "cpu-pinned"
+
+    def shortfall(self) -> str:
+        """Why this (the last, smallest) candidate does not fit, with the figures."""
+        over = [device for device in self.devices if device.headroom_bytes < 0]
+        if self.profile.gpus and (not over or over[0].device != "cpu"):
+            usable = sum(_usable(gpu) for gpu in self.profile.gpus)
+            head = " (the output head too)" if self.head_quantized else ""
+            embedding = " and the embedding on the CPU" if self.embedding_on_cpu else ""
+            return (f"{self.weights_label()} weights{head} need about {human_size(self.gpu_bytes_needed)} of GPU "
+                    f"memory even with the KV offloaded{embedding}; the GPUs offer {human_size(usable)} after the "
+                    f"margin")
+        device = over[0]
+        return (f"with {self.weights_label()} weights it needs {human_size(device.used_bytes)} of RAM; "
+                f"{human_size(device.capacity_bytes - device.margin_bytes)} of {human_size(device.capacity_bytes)} "
+                f"is usable")
+
+
+def budgets(profile: HardwareProfile, items: list[MemoryItem]) -> tuple[DeviceMemory, ...]:
+    """Every GPU's and the RAM's budget with `items` on them."""
+    budgets = []
+    for gpu in profile.gpus:
+        name = f"cuda:{gpu.index}"
+        budgets.append(DeviceMemory(name, gpu.vram_total_bytes, gpu.vram_total_bytes - _usable(gpu),
+                                    sum(item.bytes for item in items if item.where == name)))
+    ram = profile.ram_total_bytes
+    budgets.append(DeviceMemory("cpu", ram, int(ram * RAM_MARGIN_SHARE),
+                                sum(item.bytes for item in items if item.where == "cpu")))
+    return tuple(budgets)
+
+
+def _usable(gpu) -> int:
+    """VRAM the plan may fill: all but the margin (10%, or what others already hold if more)."""
+    margin = max(int(gpu.vram_total_bytes * VRAM_MARGIN_SHARE), gpu.vram_total_bytes - gpu.vram_free_bytes)
+    return gpu.vram_total_bytes - margin
+
+
+def slowest(layout: Layout, rate: str) -> float | None:
+    """The slowest GPU's measured rate among those holding the target (None if unmeasured)."""
+    rates = [getattr(gpu, rate) for gpu in layout.profile.gpus if f"cuda:{gpu.index}" in layout.target_devices]
+    return None if not rates or None in rates else min(rates)
