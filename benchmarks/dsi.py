@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
-from ..core.decoding import ChainDecoder, DecodeState, PlainDecoder
-from ..core.dsi_pool import thread_pool, wait_unless_cancelled
+from ..core.decoding import ChainDecoder, PlainDecoder
 from ..core.sampling import SamplingParams, make_generator
 from ..core.speculative.drafters import Proposal, QueryBlind
-from ..core.speculative.dsi import DsiDecoder
-from ..core.speculative.dsi_cost import si_seconds_per_token
+from ..core.speculative.dsi.cost import si_seconds_per_token
+from ..core.speculative.dsi.orchestrator import DsiDecoder
+from ..core.speculative.dsi.pool import thread_pool, wait_unless_cancelled
 from ..core.speculative.lookahead import MAX_DRAFT, FixedLookahead
+from ..core.speculative.types import DecodeState
 from .report import write_report
 
 TARGET_SECONDS = 0.02  # a consumer GPU step of an 8B target is 20-30 ms
@@ -142,8 +143,8 @@ def simulate_cell(draft_share: float, acceptance: float, pool, seed: int, reject
     plain = (before + after) / 2
     return {"draft_share": draft_share, "acceptance": acceptance, "tokens": tokens, "plain_s": plain,
             "plain_noise": abs(before - after) / plain, "si_s": si,
-            "si_lookahead": si_lookahead, "dsi_s": dsi, "dsi_lookahead": dsi_decoder.latencies.lookahead(),
-            "dsi_plain_task": dsi_decoder.latencies.plain_task(), "dsi_plain_steps": dsi_decoder.counts["plain_steps"],
+            "si_lookahead": si_lookahead, "dsi_s": dsi, "dsi_lookahead": dsi_decoder.policy.lookahead(),
+            "dsi_plain_task": dsi_decoder.policy.plain_task(), "dsi_plain_steps": dsi_decoder.counts["plain_steps"],
             "dsi_over_plain": plain / dsi, "dsi_over_si": si / dsi, "si_over_plain": plain / si}
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import embedded
 from .download import ProgressCallback, download_pair
-from .dsi_pool import TargetLoader
+from .speculative.dsi.pool import TargetLoader
 from .engine import Engine
 from .hardware import curve_key
 from .runtime import EngineSettings, settings_from_plan
@@ -78,7 +78,7 @@ def _plan(pair, registry: Registry, context: int):
     before any download, with the plan's reason and the nearest requests that fit (`PlanRefused`,
     an input error: exit code 2), never loaded in whatever precision happens to work."""
     from .hardware import load_or_probe
-    from .plan import make_plan
+    from .planning import make_plan
 
     return make_plan(load_or_probe(), pair, context, registry=registry)
 
@@ -104,7 +104,7 @@ def _load_model(path: Path, options: LoadOptions | None):
 
 def _document_store(weights_key: str, model: TransformersLM) -> DocumentStore:
     """`weights_key` names these exact weights; with the dtype it keys saved document caches."""
-    return DocumentStore(embedded.cache_root() / "documents", f"{weights_key}:{model.hf.dtype}", DOCUMENT_CACHE_BYTES)
+    return DocumentStore(embedded.cache_root() / "documents", f"{weights_key}:{model.dtype}", DOCUMENT_CACHE_BYTES)
 
 
 def _newest_weights(path: Path) -> int:

@@ -1,4 +1,4 @@
-"""DSI (speculative/dsi.py) on tiny random models: identical to plain greedy decoding and exact in
+"""DSI (speculative/dsi/) on tiny random models: identical to plain greedy decoding and exact in
 distribution when sampling, whatever order its target instances answer in."""
 
 import copy
@@ -15,13 +15,15 @@ from conftest import needs_cuda, tiny_llama
 from test_decoding import exact_sequence_probs, prompts, run
 from test_hierarchy import sampled_hierarchy
 from test_tree_decoding import noisy_copy
-from specchat.core.decoding import DecodeState, decode, prefill_all, triforce_drafter
-from specchat.core.dsi_pool import thread_pool, wait_unless_cancelled
+from specchat.core.decoding import decode, prefill_all, triforce_drafter
+from specchat.core.speculative.types import DecodeState
 from specchat.core.sampling import SamplingParams, make_generator
 from specchat.core.speculative.drafters import PromptLookupDrafter
 from specchat.benchmarks.dsi import CoinDrafter, WaitingTarget, ratio_noise, slower_beyond_noise, timed_run
-from specchat.core.speculative.dsi import (DECAY, NEAR_PATIENCE, PROBE_BACKOFF, PROBE_EVERY, PROBE_NEAR, PROBE_RARELY,
-                                    DsiDecoder, Latencies, resolve)
+from specchat.core.speculative.dsi.orchestrator import DsiDecoder, resolve
+from specchat.core.speculative.dsi.policy import (DECAY, NEAR_PATIENCE, PROBE_BACKOFF, PROBE_EVERY, PROBE_NEAR,
+                                                  PROBE_RARELY, DsiPolicy)
+from specchat.core.speculative.dsi.pool import thread_pool, wait_unless_cancelled
 from specchat.core.speculative.hierarchy import ModelDrafter
 
 
@@ -54,14 +56,14 @@ def alternating(decoder: DsiDecoder, period: int) -> DsiDecoder:
         state = decoder._state
         return state is None or (state.ids.shape[0] // period) % 2 == 0
 
-    decoder.latencies.pays = pays
+    decoder.policy.pays = pays
     return decoder
 
 
 def plain_tasks_at_even_positions(decoder: DsiDecoder) -> DsiDecoder:
     """A new frontier gets a plain task at once at even positions, and waits for a lookahead of
     drafts at odd ones, whatever the cost model would say: exactness must not depend on which."""
-    decoder.latencies.plain_task = lambda: decoder._state is None or decoder._state.ids.shape[0] % 2 == 0
+    decoder.policy.plain_task = lambda: decoder._state is None or decoder._state.ids.shape[0] % 2 == 0
     return decoder
 
 
@@ -129,7 +131,7 @@ def test_greedy_dsi_equals_greedy_plain_through_plain_steps_and_back():
 
 
 def test_the_instances_pay_by_the_cost_model_against_a_plain_step():
-    latencies = Latencies(instances=2)
+    latencies = DsiPolicy(instances=2)
     assert latencies.pays()  # nothing measured yet: the instances, as DSI was asked for
     latencies.observe_task(0.020)
     latencies.observe_handoff(0.0005)  # each task also waits 0.5 ms for its handoff and verdict
@@ -165,7 +167,7 @@ def test_the_instances_pay_by_the_cost_model_against_a_plain_step():
     assert latencies.probe_every() == PROBE_RARELY
     latencies.observe_local(0.200)  # a stall (measured only during plain steps: it must not move them)
     assert latencies.local == 0.0195 and not latencies.pays()
-    always = Latencies(instances=2, plain_steps=False)  # asked for every token from the instances
+    always = DsiPolicy(instances=2, plain_steps=False)  # asked for every token from the instances
     always.observe_task(0.020)
     always.observe_draft(0.020, 1)
     for _ in range(40):
@@ -176,7 +178,7 @@ def test_the_instances_pay_by_the_cost_model_against_a_plain_step():
 def test_a_few_failed_verdicts_show_the_instances_do_not_pay():
     """The prior is weak: where every draft fails, four verdicts (four tokens at a task's
     handoff over a plain step) move the orchestrator to plain steps."""
-    latencies = Latencies(instances=2)
+    latencies = DsiPolicy(instances=2)
     latencies.observe_task(0.0203)
     latencies.observe_handoff(0.0007)
     latencies.observe_draft(0.0004, 1)
@@ -236,7 +238,7 @@ def test_most_plain_steps_are_plain_decoding_with_no_lock_and_the_probes_measure
     prompt = prompts(0)["n-gram hits"]
     plain, _ = run(target, prompt, "plain", SamplingParams(), 64)
     decoder = DsiDecoder(PromptLookupDrafter(target.vocab_size, min_ngram=1), pool)
-    decoder.latencies.pays = lambda fresh=True: False
+    decoder.policy.pays = lambda fresh=True: False
     decoder._changed = lock = Counting()
     took_the_lock = []
     step = decoder.step
@@ -253,11 +255,11 @@ def test_most_plain_steps_are_plain_decoding_with_no_lock_and_the_probes_measure
     assert parallel == plain
     lean = took_the_lock.count(False)
     assert lean >= len(took_the_lock) // 2, took_the_lock  # at least every other one (was none)
-    assert decoder.latencies.local is not None  # measured over the lean steps
+    assert decoder.policy.local is not None  # measured over the lean steps
 
 
 def test_without_a_plain_task_where_blocks_would_wait_for_an_instance():
-    latencies = Latencies(instances=2)
+    latencies = DsiPolicy(instances=2)
     latencies.observe_task(0.020)
     latencies.observe_handoff(0.0005)
     latencies.observe_draft(0.0004, 1)  # 2% of the target: 2 x 16 drafts (the cap) take 13 ms < 20 ms
@@ -271,7 +273,7 @@ def test_without_a_plain_task_where_blocks_would_wait_for_an_instance():
         latencies.observe_verdict(1, 0)
     assert not latencies.pays()
     assert latencies.probe_every() == PROBE_NEAR  # so fast a drafter pays with one draft in ten accepted
-    seven = Latencies(instances=7)  # enough instances for one always to be free: the paper's DSI
+    seven = DsiPolicy(instances=7)  # enough instances for one always to be free: the paper's DSI
     seven.observe_task(0.020)
     seven.observe_draft(0.0004, 1)
     for _ in range(40):
@@ -280,7 +282,7 @@ def test_without_a_plain_task_where_blocks_would_wait_for_an_instance():
 
 
 def test_plain_steps_measure_a_draft_more_often_a_verdict_away_from_the_break_even():
-    latencies = Latencies(instances=2)
+    latencies = DsiPolicy(instances=2)
     latencies.observe_task(0.020)
     latencies.observe_local(0.020)
     latencies.observe_draft(0.014, 1)  # 70% of the target, and half a draft to restart after a rejection
@@ -301,14 +303,14 @@ def probe_intervals(acceptance: float, tiers: list[int], tokens: int) -> list[in
     taken from `tiers`."""
     pool = thread_pool([WaitingTarget(0.002) for _ in range(2)])
     decoder = DsiDecoder(CoinDrafter(0.0, acceptance, seed=0), pool)
-    decoder.latencies.pays = lambda fresh=True: False
+    decoder.policy.pays = lambda fresh=True: False
     tiers = iter(tiers)
-    decoder.latencies.probe_every = lambda fresh=True: next(tiers)
+    decoder.policy.probe_every = lambda fresh=True: next(tiers)
     intervals = []
     probe_beside = decoder._probe_beside
 
     def recorded():
-        intervals.append(decoder._run[1] + 1)
+        intervals.append(decoder.policy.lean_run[1] + 1)
         probe_beside()
 
     decoder._probe_beside = recorded
@@ -338,11 +340,11 @@ def test_a_verdict_counts_only_the_drafts_it_judged():
     decoder.drafts = [5, 6, 7, 8, 9, 10, 11, 12]
     decoder.q = list(torch.eye(model.vocab_size)[decoder.drafts])
     p = torch.eye(model.vocab_size)[[5, 3, 7, 8, 9, 10, 11, 12, 13]]  # the second draft is rejected
-    before = decoder.latencies.drafted, decoder.latencies.accepted
+    before = decoder.policy.drafted, decoder.policy.accepted
     step = decoder._verdict(state, p, budget=16)
     assert step.tokens == [5, 3] and step.accepted == 1
-    assert decoder.latencies.drafted == pytest.approx(DECAY * before[0] + 2)  # judged: the first two
-    assert decoder.latencies.accepted == pytest.approx(DECAY * before[1] + 1)
+    assert decoder.policy.drafted == pytest.approx(DECAY * before[0] + 2)  # judged: the first two
+    assert decoder.policy.accepted == pytest.approx(DECAY * before[1] + 1)
 
 
 @pytest.mark.slow
@@ -407,7 +409,7 @@ def test_a_cancelled_forward_leaves_the_instance_as_if_it_never_ran():
     rolls every layer back: its next task's logits equal a fresh instance's."""
     import threading
 
-    from specchat.core import dsi_pool
+    from specchat.core.speculative.dsi import pool as dsi_pool
     from specchat.core.interrupt import cancellable
 
     model = tiny_llama(3)
@@ -437,7 +439,7 @@ def test_greedy_dsi_over_cuda_processes_through_plain_steps_on_the_shared_target
     """The GPU worker path on one card, through plain steps: the engine's own target serves
     instance 0 from a thread while the decoder's plain steps run on it too (each thread with its
     own cache and cancel flag), and a spawned process holds the second copy."""
-    from specchat.core.dsi_pool import TargetLoader, process_pool
+    from specchat.core.speculative.dsi.pool import TargetLoader, process_pool
     from specchat.core.placement import LoadOptions
 
     tiny_llama(0, weight_scale=8.0).hf.save_pretrained(tmp_path)
@@ -473,7 +475,7 @@ def test_greedy_dsi_over_cuda_instances_equals_plain_on_a_document(embedded_dir)
 
     from conftest import DATA
     from specchat.app.documents import user_turn
-    from specchat.core.dsi_pool import TargetLoader
+    from specchat.core.speculative.dsi.pool import TargetLoader
     from specchat.core.engine import Engine, Finished, TextDelta
     from specchat.core.placement import LoadOptions
     from specchat.core.runtime import EngineSettings

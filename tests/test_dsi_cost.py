@@ -1,4 +1,4 @@
-"""DSI's cost model (core/speculative/dsi_cost.py) against the paper's claims: never slower than plain
+"""DSI's cost model (core/speculative/dsi/cost.py) against the paper's claims: never slower than plain
 decoding, never slower than SI where an instance is always free, and its lookahead example; and
 its closed form against the event model it stands for, summed run by run."""
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from specchat.core.speculative.dsi_cost import dsi_lookahead, dsi_seconds_per_token, si_seconds_per_token
+from specchat.core.speculative.dsi.cost import dsi_lookahead, dsi_seconds_per_token, si_seconds_per_token
 
 TARGET = 1.0
 DRAFT_COSTS = (0.0, 0.01, 0.05, 0.14, 0.3, 0.65, 1.0)  # a draft step over a verification

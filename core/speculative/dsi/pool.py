@@ -1,4 +1,4 @@
-"""Target instances for DSI (speculative/dsi.py): each a model with a cache of its own, served by a
+"""Target instances for DSI (orchestrator.py): each a model with a cache of its own, served by a
 thread (tests, the simulation) or a process of its own (one per GPU, or CPU processes standing in
 for GPUs).
 
@@ -22,17 +22,44 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
-from .errors import SpecchatError
-from .interrupt import Cancelled, cancel_flag, cancellable, roll_back, stoppable
-from .model import CausalLM
-from .speculative.hierarchy import common_prefix
+from ...errors import SpecchatError
+from ...interrupt import Cancelled, cancel_flag, cancellable, roll_back, stoppable
+from ...model import CausalLM
+from ..hierarchy import common_prefix
 
 PREFILL_CHUNK = 1024
 WAKE = -1  # the task id of `InstancePool.wake`'s message
+
+
+class TargetPool(Protocol):
+    """What the orchestrator needs of its target instances, each with a cache of its own."""
+    size: int
+
+    def idle(self) -> int:
+        """Instances with nothing to do."""
+        ...
+
+    def submit(self, tokens: torch.Tensor, count: int) -> int:
+        """Give `tokens` [E] to an idle instance: its logits after each of the last `count`
+        tokens. Returns the task's id."""
+        ...
+
+    def results(self, timeout: float | None) -> list[tuple[int, torch.Tensor, float]]:
+        """Finished tasks as (id, logits [count, vocab], seconds it ran), waiting up to
+        `timeout` seconds (None: until one finishes, or `wake`) for the first."""
+        ...
+
+    def wake(self) -> None:
+        """Make a waiting `results` return, from another thread."""
+        ...
+
+    def cancel(self, task_ids: set[int]) -> None:
+        """Stop these tasks where they are (their results never come)."""
+        ...
 
 
 def wait_unless_cancelled(seconds: float) -> None:
@@ -82,7 +109,7 @@ class TargetLoader:
     def __call__(self, device: str) -> CausalLM:
         import transformers
 
-        from .model import TransformersLM
+        from ...model import TransformersLM
 
         transformers.utils.logging.set_verbosity_error()  # a process's loading bars are noise
         transformers.utils.logging.disable_progress_bar()
@@ -124,7 +151,7 @@ def _serve(make_model: Callable[[str], CausalLM], device: str, threads: int, pre
 
 
 class InstancePool:
-    """The `TargetPool` of speculative/dsi.py over workers that each serve one instance."""
+    """A `TargetPool` over workers that each serve one instance."""
 
     def __init__(self, size: int, start: Callable[[int, object, object, object], threading.Thread],
                  make_queue: Callable[[], object], make_event: Callable[[], object]):

@@ -1,6 +1,6 @@
 """Expected seconds per token of speculative inference (SI) and of DSI, and DSI's lookahead.
 
-Pure arithmetic (no torch: the planner, core/plan.py, uses it and must stay torch-free). The model
+Pure arithmetic (no torch: the planner uses it and must stay torch-free). The model
 is the paper's (Timor et al., seed 002; algorithms.md section 6): a draft step takes `draft_s`
 (t1), a verification of a few tokens `target_s` (t2, memory-bound: the same for 1 or k + 1
 tokens), and each draft token is accepted with probability `acceptance` (a), independently.
