@@ -14,8 +14,7 @@ from typing import Callable, Generator, Iterator
 
 import torch
 
-from .decoding import DecodeState, Step, TriforceSettings, decode, make_decoder, prefill, triforce_decoder
-from .dsi_pool import InstancePool, process_pool
+from .decoding import TriforceSettings, decode, make_decoder, prefill, triforce_decoder
 from .errors import InputError, SpecchatError
 from .interrupt import Cancelled
 from .kv.document_store import DocumentStore
@@ -26,10 +25,12 @@ from .modes import MAX_DSI_WORKERS, REQUEST_MODES
 from .runtime import EngineSettings
 from .sampling import SamplingParams, make_generator
 from .speculative.drafters import PromptLookupDrafter
-from .speculative.dsi import DsiDecoder
+from .speculative.dsi.orchestrator import DsiDecoder
+from .speculative.dsi.pool import InstancePool, process_pool
 from .speculative.hierarchy import ModelDrafter
 from .speculative.step_times import StepTimes, default_relative
 from .speculative.tree import Tree
+from .speculative.types import DecodeState, Step
 from .textstream import TextStream
 
 
@@ -140,7 +141,7 @@ class Engine:
         self.prefixes = prefixes if prefixes is not None else PrefixStore(default_prefix_budget())  # recent answers
         self.documents = documents  # saved document caches on disk (None: off)
         self.stop_ids = _stop_ids(tokenizer, model)
-        self.plan = plan  # core.plan.Plan for this machine, when the model is a registry pair
+        self.plan = plan  # core.planning.Plan for this machine, when the model is a registry pair
         self.calibration_key = calibration_key  # its step times' name in the machine's profile ("": none)
         # One step at a time (a prefill chunk, a decoding step, the prefix store's bookkeeping):
         # two answers driven from two threads interleave step by step, each on its own cache and

@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_llama
 from specchat.core.sampling import SamplingParams, make_generator, warp
-from specchat.core.speculative.acceptance import (AcceptanceFileError, AcceptanceVector,
+from specchat.core.acceptance import (AcceptanceFileError, AcceptanceVector,
                                            calibration_sequences, measure_acceptance)
 
 SAMPLED = SamplingParams(temperature=1.0)
@@ -44,7 +44,7 @@ def test_truncated_cache_forward_and_trim():
     short = tiny_llama(0).truncated(1)
     ids, positions = ids_and_positions(8)
     cache = short.new_cache()
-    assert len(cache.hf.layers) == 1
+    assert len(cache.transformers_cache.layers) == 1
     reference = short.forward(ids, positions, cache)  # [8, vocab]
     cache.trim(5)
     again = short.forward(ids[5:], positions[5:], cache)

@@ -7,7 +7,8 @@ import torch
 
 from specchat.core.selftest import chi_square_p_value
 from conftest import tiny_llama
-from specchat.core.decoding import ChainDecoder, DecodeState, decode, make_decoder, prefill_all
+from specchat.core.decoding import ChainDecoder, decode, make_decoder, prefill_all
+from specchat.core.speculative.types import DecodeState
 from specchat.core.speculative.drafters import PromptLookupDrafter
 from specchat.core.speculative.lookahead import CostModelLookahead, FixedLookahead
 from specchat.core.sampling import SamplingParams, make_generator, warp

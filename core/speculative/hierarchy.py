@@ -13,7 +13,7 @@ text is distributed exactly as the target's, whatever the stages below it do.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,26 +25,9 @@ from .drafters import Proposal, QueryBlind
 from .verify import verify_chain
 
 if TYPE_CHECKING:
-    from ..decoding import DecodeState
+    from .types import DecodeState, Drafter
 
 PREFILL_CHUNK = 1024  # a separate draft model reads the prompt in chunks this long
-
-
-class Drafter(Protocol):
-    wants_queries: bool  # scores with the full verification's queries (TriForce's retrieval stage)
-
-    def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
-        """The full verification's queries of the last committed token it ran, per layer."""
-        ...
-
-    def draft(self, state: DecodeState, seq: torch.Tensor, max_tokens: int) -> Proposal | None:
-        """Up to `max_tokens` draft tokens continuing `seq` (the committed text, then any tokens
-        of stages above), or None. `state` holds the committed text, sampling and generator."""
-        ...
-
-    def counts(self) -> dict[str, dict[str, int]]:
-        """Per stage: forwards run, draft tokens verified, accepted (for the stats)."""
-        ...
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -115,7 +98,7 @@ class ModelDrafter(QueryBlind):
         return {self.name: {"forwards": self.follower.forwards if self.follower else 0}}
 
     def _start(self, state: DecodeState) -> CacheFollower:
-        config = self.model.hf.config
+        config = self.model.config
         if self.shares_target_kv:
             cache = StreamingCache.from_layers(config, state.cache.layers()[:self.model.num_layers],
                                                self.sinks, self.window, self.model.device)

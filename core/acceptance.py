@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
-from ..files import write_atomically
-from ..decoding import DecodeState, PlainDecoder, decode, prefill_all
-from ..model import CausalLM
-from ..sampling import SamplingParams, sample_without_replacement, warp
-from .verify import verify_node
+from .decoding import PlainDecoder, decode, prefill_all
+from .files import write_atomically
+from .model import CausalLM
+from .sampling import SamplingParams, sample_without_replacement, warp
+from .speculative.types import DecodeState
+from .speculative.verify import verify_node
 
 FORMAT_VERSION = 1  # bump when the file format or the meaning of p changes
 
