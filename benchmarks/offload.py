@@ -113,7 +113,7 @@ def run_offload_bench(capacity: int = 131072, sizes: tuple[int, ...] = (1, 7, 16
     context = capacity - max(sizes)
     generator = torch.Generator(device).manual_seed(0)
     target = random_model(LLAMA_31_8B, capacity, device, dtype)
-    config = target.hf.config
+    config = target.config
     cache = OffloadedCache(config, capacity, device, dtype)
     cache.fill(random_layers(config, context, device, dtype, generator), context)
     bandwidth = pinned_bandwidth(device)
@@ -129,19 +129,13 @@ def run_offload_bench(capacity: int = 131072, sizes: tuple[int, ...] = (1, 7, 16
                 "seconds": seconds, "vs_floor": seconds / floor,
                 "fetched_bytes_per_forward": (cache.fetched_bytes - before) / (repeats + 1)}
     cache.overlap = True
-    cache.cpu_attention = True  # attention over the stored KV on the CPU, merged by log-sum-exp
-    for n in (1, 7):
-        seconds = _timed_forward(target, cache, n, repeats=2)
-        verify[f"CPU attention n={n}"] = {"seconds": seconds, "vs_floor": seconds / floor,
-                                          "fetched_bytes_per_forward": 0}
-    cache.cpu_attention = False
 
     fetched_before_drafting = cache.fetched_bytes
     retrieval = RetrievalCache(config, list(random_layers(config, budget, device, dtype, generator)), context)
     drafting = {f"retrieval n={n}": _timed_forward(target, retrieval, n, repeats) for n in (1, 3)}
     draft = random_model(LLAMA_32_1B, capacity, device, dtype)
     streaming = StreamingCache.from_layers(
-        draft.hf.config, list(random_layers(draft.hf.config, draft_window + 4, device, dtype, generator)),
+        draft.config, list(random_layers(draft.config, draft_window + 4, device, dtype, generator)),
         sinks=4, window=draft_window)
     drafting["draft 1B streaming n=1"] = _timed_forward(draft, streaming, 1, repeats)
     fetched_while_drafting = cache.fetched_bytes - fetched_before_drafting

@@ -58,10 +58,10 @@ def stoppable(model, cache) -> bool:
     full-attention layers crops back exactly; an offloaded or sliding-window cache cannot be
     rolled back mid-forward, so its forwards always run whole."""
     if not (hasattr(model, "hf") and isinstance(cache, FullCache)
-            and all(isinstance(layer, GrowingLayer) for layer in cache.hf.layers)):
+            and all(isinstance(layer, GrowingLayer) for layer in cache.transformers_cache.layers)):
         return False
     with _installing:
-        for layer in model.hf.base_model.layers:
+        for layer in model.decoder_layers:
             # A marker on the layer itself: a layer-skip draft shares the target's layers, and
             # a deep copy of the model copies the hook and the marker together.
             if not getattr(layer, "_stops_when_cancelled", False):
@@ -74,7 +74,7 @@ def roll_back(cache, length: int) -> None:
     """Every layer of `cache` back to `length` positions: a forward stopped between layers left
     the first layers longer than the rest."""
     if isinstance(cache, FullCache):
-        for layer in cache.hf.layers:
+        for layer in cache.transformers_cache.layers:
             excess = layer.get_seq_length() - length
             if excess > 0:
                 layer.crop(-excess)

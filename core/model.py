@@ -30,8 +30,16 @@ os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 
 
 class CausalLM(Protocol):
+    """What the engine, the caches and the decoders may know of a model: nothing reaches past it
+    into transformers (the `.hf` module stays inside this file)."""
+
     vocab_size: int  # logits width; may exceed the tokenizer's vocabulary (padded embeddings)
     context_length: int  # most positions the model was trained for
+    eos_token_ids: tuple[int, ...]  # the ids that end a turn
+    num_layers: int
+    device: torch.device  # where a forward computes (its first layers' device)
+    dtype: torch.dtype  # the compute dtype of its weights
+    config: object  # the transformers config: the shapes a cache is built from
 
     def new_cache(self) -> FullCache: ...
 
@@ -136,6 +144,24 @@ class TransformersLM:
     def device(self) -> torch.device:
         return compute_device(self.hf)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.dtype
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    @property
+    def decoder_layers(self) -> torch.nn.ModuleList:
+        """The decoder layers in order, for hooks that run between them (core/interrupt.py)."""
+        return self.hf.base_model.layers
+
+    def to(self, device: str | torch.device) -> "TransformersLM":
+        """Move every weight to `device` (tests and the self-test; loading places weights itself)."""
+        self.hf.to(device)
+        return self
+
     def new_cache(self) -> FullCache | OffloadedCache:
         if self.offload_capacity is not None:
             return OffloadedCache(self.hf.config, self.offload_capacity, self.device, self.hf.dtype)
@@ -149,7 +175,7 @@ class TransformersLM:
                 input_ids=ids[None].to(self.hf.get_input_embeddings().weight.device),
                 position_ids=positions[None].to(self.device),
                 attention_mask=mask,
-                past_key_values=cache.hf,
+                past_key_values=cache.transformers_cache,
                 use_cache=True,
                 logits_to_keep=1 if last_only else 0,
             )

@@ -324,7 +324,7 @@ def greedy_identity(engine, mode: str, reference: PlainReference) -> CheckResult
         gap, rounding = _logit_gap(engine, prompt + plain.token_ids[:at], plain.token_ids[at], result.token_ids[at])
         if abs(gap) <= rounding:
             return True, (f"identical up to a near tie {where}: their logits differ by {gap:.2g}, within the "
-                          f"{rounding:.2g} that rounding in {engine.model.hf.dtype} can flip); {drafts}")
+                          f"{rounding:.2g} that rounding in {engine.model.dtype} can flip); {drafts}")
         return False, f"differs from plain {where}, logit gap {gap:.2g}); {drafts}"
     return _timed(f"greedy-{mode}", f"greedy {label} equals plain decoding on the shipped document", body)
 
@@ -338,7 +338,7 @@ def _logit_gap(engine, ids: list[int], chosen: int, other: int) -> tuple[float, 
     model = engine.model
     logits = prefill_all(model, model.new_cache(), torch.tensor(ids, dtype=torch.long),
                          engine.settings.prefill_chunk).float()
-    rounding = TIE_ULPS * torch.finfo(model.hf.dtype).eps * float(logits.abs().max())
+    rounding = TIE_ULPS * torch.finfo(model.dtype).eps * float(logits.abs().max())
     return float(logits[chosen] - logits[other]), rounding
 
 
@@ -384,7 +384,7 @@ def cuda_forward() -> CheckResult:
             return skip
         cpu = tiny_llama()
         cuda = tiny_llama()
-        cuda.hf.to("cuda")
+        cuda.to("cuda")
         ids = (torch.arange(40) * 7 % 97).to(torch.long)
         expected = cpu.forward(ids, torch.arange(40), cpu.new_cache())
         got = cuda.forward(ids, torch.arange(40), cuda.new_cache())
@@ -402,10 +402,10 @@ def offloaded_cache() -> CheckResult:
         from .kv.offload import OffloadedCache
 
         model = tiny_llama()
-        model.hf.to("cuda")
+        model.to("cuda")
         ids = (torch.arange(50) * 7 % 97).to(torch.long)
         full = model.new_cache()
-        offloaded = OffloadedCache(model.hf.config, 64, "cuda", model.hf.dtype)
+        offloaded = OffloadedCache(model.config, 64, "cuda", model.dtype)
         error = 0.0
         for cache in (full, offloaded):
             model.forward(ids[:30], torch.arange(30), cache)

@@ -95,19 +95,19 @@ def hf_cache(hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Dyna
 class FullCache:
     def __init__(self, hf_config):
         self.config = hf_config
-        self.hf = _growing_cache(hf_config)
+        self.transformers_cache = _growing_cache(hf_config)
 
     @classmethod
     def from_layers(cls, hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> FullCache:
         """A cache holding the given per-layer (keys, values), each [1, kv_heads, length, head_dim]."""
         cache = cls(hf_config)
-        cache.hf = hf_cache(hf_config, layers)
+        cache.transformers_cache = hf_cache(hf_config, layers)
         return cache
 
     def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) of the first `length` positions (all by default), as views."""
         length = self.length if length is None else length
-        return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in self.hf.layers]
+        return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in self.transformers_cache.layers]
 
     def layer_shape(self, length: int) -> tuple[int, ...]:
         """The shape of one layer's keys (and values) for `length` positions, from the config."""
@@ -130,7 +130,7 @@ class FullCache:
     @property
     def length(self) -> int:
         """Number of positions whose keys and values are stored."""
-        return self.hf.get_seq_length()
+        return self.transformers_cache.get_seq_length()
 
     def trim(self, length: int) -> None:
         """Roll back to the first `length` positions (drops rejected draft tokens)."""
@@ -138,9 +138,9 @@ class FullCache:
         if excess < 0:
             raise ValueError(f"cannot trim a cache of {self.length} positions to {length}")
         if excess:
-            self.hf.crop(-excess)
+            self.transformers_cache.crop(-excess)
 
     def keep(self, positions: torch.Tensor) -> None:
         """Keep only `positions` (ascending), moved to consecutive slots: after a tree
         verification, the accepted path's entries follow the prefix."""
-        keep_slots(self.hf, positions)
+        keep_slots(self.transformers_cache, positions)

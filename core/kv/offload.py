@@ -2,8 +2,7 @@
 algorithms.md section 5), for contexts whose KV does not fit next to the weights.
 
 On a CUDA device the KV lives in pinned host memory, head-major ([kv_heads, capacity, head_dim]
-per layer: each head's prefix is one contiguous block, so streaming is one DMA per head and the
-CPU can attend over it in place, kv/split_attention.py). Two GPU
+per layer: each head's prefix is one contiguous block, so streaming is one DMA per head). Two GPU
 buffers take turns: while layer i attends over one, layer i+1's KV is copied into the other on a
 side stream (double buffering), and the last layer's turn prefetches layer 0 for the next forward.
 The new entries of each forward are written back to host memory asynchronously. A full
@@ -20,14 +19,12 @@ from typing import Iterable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .queries import cpu_prefix
-
 
 class OffloadedCache:
     """Same interface as `FullCache` (`length`, `trim`, `keep`, `layers`, `hf`), fixed capacity."""
 
     def __init__(self, hf_config, capacity: int, device: torch.device | str, dtype: torch.dtype,
-                 overlap: bool = True, cpu_attention: bool = False):
+                 overlap: bool = True):
         self.config = hf_config
         self.device = torch.device(device)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -41,10 +38,7 @@ class OffloadedCache:
         self.fetched_bytes = 0  # host-to-device traffic, so tests and benchmarks can account for it
         # overlap=False copies each layer when it is needed (TriForce's reference): a baseline.
         self._streamer = _Streamer(self, shape, dtype, overlap) if streamed else None
-        # Attention over the stored prefix computed on the CPU where it lies, merged with the new
-        # tokens' on the GPU (queries.py): nothing streamed. The plan picks it where it measures faster.
-        self.cpu_attention = cpu_attention
-        self.hf = _StreamedKV(self)
+        self.transformers_cache = _StreamedKV(self)
 
     @property
     def length(self) -> int:
@@ -125,9 +119,7 @@ class OffloadedCache:
         layer's keys and values for attention."""
         start, end = self._length, self._length + keys.shape[2]
         self._check_room(end)
-        if self.cpu_attention:
-            result = self._attend_on_cpu(layer, start, end, keys, values)
-        elif self._streamer is not None:
+        if self._streamer is not None:
             result = self._streamer.attend(layer, start, end, keys, values)
         else:
             host_k, host_v = self._host[layer]
@@ -137,18 +129,6 @@ class OffloadedCache:
         if layer == self.num_layers - 1:
             self._length = end
         return result
-
-
-    def _attend_on_cpu(self, layer: int, start: int, end: int, keys: torch.Tensor, values: torch.Tensor):
-        if layer == 0:
-            self._settle()  # the previous forward's new entries are in host memory before the CPU reads them
-        host_k, host_v = self._host[layer]
-        _write_back(host_k[:, start:end], keys[0])
-        _write_back(host_v[:, start:end], values[0])
-        if self._streamer is not None:
-            self._streamer.written.record(torch.cuda.current_stream(self.device))
-        cpu_prefix.set((host_k[:, :start], host_v[:, :start]))
-        return keys, values
 
 
 def _write_back(host: torch.Tensor, new: torch.Tensor) -> None:

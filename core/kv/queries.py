@@ -17,18 +17,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .past_attention import NewTokenMask, past_and_new_attention
-from .split_attention import attention_with_lse, merge
 
 ATTENTION = "specchat_sdpa"
 
 _recording: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
     "specchat_queries", default=None)
-
-
-# Set by an offloaded cache that leaves the attention over its CPU-resident prefix to the CPU:
-# (keys, values) [kv_heads, prefix, head_dim] in host memory, for the layer about to attend.
-cpu_prefix: contextvars.ContextVar[tuple[torch.Tensor, torch.Tensor] | None] = contextvars.ContextVar(
-    "specchat_cpu_prefix", default=None)
 
 
 # Set by `new_tokens_see_the_past` for a multi-token forward in which every new token sees every
@@ -70,10 +63,6 @@ def _sdpa_recording_queries(module, query, key, value, attention_mask, **kwargs)
     recorded = _recording.get()
     if recorded is not None:
         recorded[module.layer_idx] = query.detach()  # [1, heads, n, head_dim], after RoPE
-    prefix = cpu_prefix.get()
-    if prefix is not None:
-        cpu_prefix.set(None)
-        return _split_attention(module, query, key, value, attention_mask, prefix), None
     visible = _past_visible.get()
     if visible is not None and _splittable(module, query, key, kwargs):
         scale = kwargs.get("scaling")
@@ -128,23 +117,6 @@ def _grouped_attention(module, query, key, value, attention_mask, scaling) -> to
     mask = None if attention_mask is None else attention_mask.repeat(1, 1, groups, 1)
     out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, n, dim).transpose(1, 2).contiguous()
-
-
-def _split_attention(module, query, key, value, attention_mask, prefix) -> torch.Tensor:
-    """Attention over a CPU-resident prefix (on the CPU) and this forward's new keys (on the
-    device), merged by log-sum-exp (kv/split_attention.py). Returns [1, n, heads, head_dim]."""
-    prefix_keys, prefix_values = prefix
-    n, start = query.shape[2], prefix_keys.shape[1]
-    if attention_mask is None:  # transformers' causal shortcut
-        allowed = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
-    else:
-        tail = attention_mask[0, 0, :, start:start + n]
-        allowed = tail if tail.dtype == torch.bool else tail == 0
-    scale = module.scaling
-    new_out, new_lse = attention_with_lse(query[0], key[0], value[0], scale, allowed)
-    old_out, old_lse = attention_with_lse(query[0].cpu(), prefix_keys, prefix_values, scale)
-    out = merge(old_out.to(query.device), old_lse.to(query.device), new_out, new_lse)
-    return out.to(query.dtype).transpose(0, 1)[None]
 
 
 AttentionInterface.register(ATTENTION, _sdpa_recording_queries)

@@ -59,7 +59,7 @@ class RetrievalCache:
 
     def __init__(self, hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]], base_length: int):
         self.config = hf_config
-        self.hf = hf_cache(hf_config, layers)
+        self.transformers_cache = hf_cache(hf_config, layers)
         self.base_length = base_length
         self.base_slots = layers[0][0].shape[2]
 
@@ -88,7 +88,7 @@ class RetrievalCache:
 
     @property
     def length(self) -> int:
-        return self.base_length + self.hf.get_seq_length() - self.base_slots
+        return self.base_length + self.transformers_cache.get_seq_length() - self.base_slots
 
     def keep(self, positions: torch.Tensor) -> None:
         """Keep only `positions` (ascending, every one before `base_length` included) in
@@ -99,11 +99,11 @@ class RetrievalCache:
             raise ValueError("a retrieval cache keeps everything before its build")
         slots = torch.cat([torch.arange(self.base_slots),
                            self.base_slots + positions[self.base_length:] - self.base_length])
-        keep_slots(self.hf, slots)
+        keep_slots(self.transformers_cache, slots)
 
     def trim(self, length: int) -> None:
         if length < self.base_length:
             raise ValueError(f"a retrieval cache built at {self.base_length} cannot roll back to {length}")
         excess = self.length - length
         if excess:
-            self.hf.crop(-excess)
+            self.transformers_cache.crop(-excess)

@@ -25,7 +25,7 @@ class StreamingCache:
             raise ValueError(f"a streaming cache needs sinks >= 0 and window >= 1, got {sinks}, {window}")
         self.config = hf_config
         self.sinks, self.window = sinks, window
-        self.hf = hf_cache(hf_config, layers or [])
+        self.transformers_cache = hf_cache(hf_config, layers or [])
         self._positions = positions if positions is not None else torch.empty(0, dtype=torch.long)
 
     @classmethod
@@ -48,13 +48,13 @@ class StreamingCache:
 
     @property
     def slots(self) -> int:
-        return self.hf.get_seq_length()
+        return self.transformers_cache.get_seq_length()
 
     def trim(self, length: int) -> None:
         self._sync_positions()
         kept = int((self._positions < length).sum())
         if kept < self.slots:
-            self.hf.crop(kept - self.slots)
+            self.transformers_cache.crop(kept - self.slots)
         self._positions = self._positions[:kept]
 
     def compact(self) -> None:
@@ -63,7 +63,7 @@ class StreamingCache:
         if self.slots <= self.sinks + self.window:
             return
         kept = torch.cat([torch.arange(self.sinks), torch.arange(self.slots - self.window, self.slots)])
-        keep_slots(self.hf, kept)
+        keep_slots(self.transformers_cache, kept)
         self._positions = self._positions[kept]
 
     def _sync_positions(self) -> None:

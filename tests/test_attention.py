@@ -1,33 +1,9 @@
-"""Attention split over two key sets and merged by log-sum-exp equals attention over all keys."""
+"""specchat's attention (kv/queries.py, kv/past_attention.py) equals transformers' SDPA: grouped heads
+folded instead of copied, and the past attended without a mask and merged with the new tokens'."""
 
 import pytest
 import torch
 from conftest import CUDA, needs_cuda
-
-from specchat.core.kv.split_attention import attention_with_lse, merge
-
-
-def test_two_parts_merge_into_full_attention_with_grouped_heads_and_a_causal_tail():
-    generator = torch.Generator().manual_seed(0)
-    heads, kv_heads, n, prefix, dim = 8, 2, 5, 37, 16
-    queries = torch.randn(heads, n, dim, generator=generator, dtype=torch.float64)
-    keys = torch.randn(kv_heads, prefix + n, dim, generator=generator, dtype=torch.float64)
-    values = torch.randn(kv_heads, prefix + n, dim, generator=generator, dtype=torch.float64)
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    allowed = torch.cat([torch.ones(n, prefix, dtype=torch.bool), causal], dim=1)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        queries[None], keys[None], values[None], attn_mask=allowed, scale=dim ** -0.5, enable_gqa=True)[0]
-    cpu_part = attention_with_lse(queries, keys[:, :prefix], values[:, :prefix], dim ** -0.5)
-    new_part = attention_with_lse(queries, keys[:, prefix:], values[:, prefix:], dim ** -0.5, causal)
-    torch.testing.assert_close(merge(*cpu_part, *new_part), expected, rtol=1e-12, atol=1e-12)
-
-
-def test_a_part_no_query_sees_contributes_nothing():
-    queries, keys, values = torch.randn(2, 3, 4), torch.randn(1, 6, 4), torch.randn(1, 6, 4)
-    hidden = attention_with_lse(queries, keys, values, 0.5, torch.zeros(3, 6, dtype=torch.bool))
-    visible = attention_with_lse(queries, keys, values, 0.5)
-    assert torch.isneginf(hidden[1]).all()
-    torch.testing.assert_close(merge(*visible, *hidden), visible[0])
 
 
 @pytest.mark.parametrize("tree", [False, True])
