@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from ..core.errors import InputError, SpecchatError, first_line
 from ..core.modes import MAX_DSI_WORKERS, REQUEST_MODES
+from .session import context_of, cut_off_note, load, model_id, registry, sampling_params
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             return _calibrate(args)
         if args.command == "bench":
             from .bench_cmd import run as run_bench
-            return run_bench(args, _load, _check_draft_layers)
+            return run_bench(args, load, _check_draft_layers)
         if args.command in ("profile", "plan"):
             from .plan_cmd import run_plan, run_profile
             return run_profile(args) if args.command == "profile" else run_plan(args)
@@ -188,11 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             from .terminal import run_chat, read_chat_document
             document = read_chat_document(args)  # a bad file fails before the model loads
-            return run_chat(_load(args), args, document)
+            return run_chat(load(args), args, document)
         hosts = allowed_hosts(args)  # a bad name, registry or --models-file fails here, before the server
         registry(args)
         from .ui import launch
-        launch(lambda model, progress: _load(args, model, progress=progress), model_id(args), getattr(args, "models_file", None),
+        launch(lambda model, progress: load(args, model, progress=progress), model_id(args), getattr(args, "models_file", None),
                host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
                open_browser=not getattr(args, "no_browser", False),
                api_key=getattr(args, "api_key", None) or os.environ.get("SPECCHAT_API_KEY") or None,
@@ -222,67 +223,12 @@ def _set_vram_limit(args) -> None:
     vram_limit_bytes()
 
 
-def model_id(args) -> str:
-    """`--model` may come before or after the subcommand."""
-    return getattr(args, "model", "embedded")
-
-
-def context_of(args) -> int | None:
-    """`--context` in tokens, None when not given."""
-    from .plan_cmd import parse_context
-
-    return parse_context(args.context) if hasattr(args, "context") else None
-
-
 def allowed_hosts(args) -> list[str]:
     """--allow-host names and $SPECCHAT_ALLOWED_HOSTS, checked before the server starts."""
     from .security import allowed_host
 
     given = [*getattr(args, "allow_host", []), *os.environ.get("SPECCHAT_ALLOWED_HOSTS", "").split(",")]
     return [allowed_host(name) for name in given if name.strip()]
-
-
-def sampling_params(args):
-    from ..core.sampling import SamplingParams
-
-    try:
-        return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    except ValueError as error:
-        raise InputError(str(error)) from None
-
-
-def registry(args):
-    """The registry with `--models-file` (given before or after the subcommand) merged in."""
-    from ..core.registry import load_registry
-
-    return load_registry(getattr(args, "models_file", None))
-
-
-def _load(args, model: str | None = None, progress=None):
-    """The engine for `model` (default: `--model`); progress lines go to stderr, and to
-    `progress` when given (the app's status line)."""
-    from .models_cmd import ProgressLine
-
-    reg = registry(args)  # a bad registry fails before transformers is imported
-    _quiet_transformers()
-    from ..core.loading import load_engine
-
-    def report(message: str) -> None:
-        print(message, file=sys.stderr)
-        if progress is not None:
-            progress(message)
-
-    # --context is for the model named at the start; a pair the app switches to later loads whole.
-    context = context_of(args) if model in (None, model_id(args)) else None
-    return load_engine(model or model_id(args), progress=report,
-                       registry=reg, download_progress=ProgressLine(), context=context)
-
-
-def _quiet_transformers() -> None:
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 def _generate(args) -> int:
@@ -311,7 +257,7 @@ def _generate(args) -> int:
         raise InputError("--cache-document needs a non-empty --document FILE")
     from ..core.engine import Finished, Notice, TextDelta
 
-    engine = _load(args)
+    engine = load(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     prompt_ids = engine.chat_ids(system + [{"role": "user", "content": content}])
     triforce = _check_triforce(engine, triforce, args.triforce_verify, len(prompt_ids))
@@ -342,14 +288,6 @@ def _generate(args) -> int:
               f"{stats.mean_accepted_per_forward:.2f} tokens per target forward, mode {result.mode}"
               f"{cut_off_note(result)}]", file=sys.stderr)
     return 0
-
-
-def cut_off_note(result) -> str:
-    """For an answer's end line: which limit cut it off, since finish_reason "length" says it for
-    both (the answer limit, or the model's context with no room left)."""
-    if result.finish_reason != "length":
-        return ""
-    return ", cut off: the context is full" if result.context_full else ", cut off at the answer limit"
 
 
 def triforce_settings(args):
@@ -416,7 +354,7 @@ def _calibrate(args) -> int:
     params = sampling_params(args)
     if args.width < 1 or args.max_new_tokens < 1:
         raise InputError("--width and --max-new-tokens must be at least 1")
-    engine = _load(args)
+    engine = load(args)
     from ..core.calibration import calibrate
     from ..core.step_calibration import calibrated_step_times
 

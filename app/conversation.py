@@ -11,7 +11,7 @@ An assistant message: {"role": "assistant", "content": str, "partial": bool, "st
 Either kind may carry "left_out": True: the user chose to leave it out of what the model reads, to
 make room (it stays in the chat; a left-out question's document is still read).
 `settings`: the sampling and decoding settings the conversation last answered with, restored when
-it is reopened (names as in `ui_chat.Settings`).
+it is reopened (names as in `chat_view.Settings`).
 """
 
 from __future__ import annotations

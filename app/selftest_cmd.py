@@ -25,7 +25,7 @@ def run(args, load=None) -> int:
     from ..core.selftest import all_passed, run_selftest
 
     if load is None:
-        from .cli import _load as load
+        from .session import load
     engine = load(args)
     if not args.json:
         print(f"Self-test of {engine.name}:")

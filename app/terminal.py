@@ -7,6 +7,7 @@ import sys
 from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
 from ..core.errors import InputError, SpecchatError
 from .documents import document_tokens, read_document_or_text, user_turn
+from .session import cut_off_note, sampling_params
 
 HELP = "Type a message. /reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops an answer."
 
@@ -25,8 +26,6 @@ def read_chat_document(args) -> str | None:
 def run_chat(engine, args, document: str | None = None, stdin=sys.stdin, stdout=sys.stdout) -> int:
     """The conversation opens with `document` (if any) ahead of the first question; each turn
     resends the whole conversation and the engine reuses the KV of what it has seen."""
-    from .cli import sampling_params
-
     params = sampling_params(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     saved_tokens = document_tokens(engine, system, document) if document and args.cache_document else 0
@@ -55,8 +54,6 @@ def run_chat(engine, args, document: str | None = None, stdin=sys.stdin, stdout=
 def _answer(engine, messages, args, params, stdout, saved_tokens: int = 0) -> str | None:
     """Stream one answer; returns its text (partial if stopped), or None if it could not start.
     Any failure ends the turn, never the conversation."""
-    from .cli import cut_off_note
-
     text, reading = "", False
     stdout.write("specchat> ")
     events = None

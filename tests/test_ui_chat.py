@@ -11,7 +11,8 @@ from conftest import DATA, holding
 from specchat.app.conversation import model_messages
 from specchat.app.engine_handle import EngineHandle
 from specchat.app.history import HistoryStore
-from specchat.app.ui_chat import KEPT_SETTINGS, ChatLogic, Settings
+from specchat.app.chat_view import KEPT_SETTINGS, Settings
+from specchat.app.ui_chat import ChatLogic
 from specchat.core.loading import load_engine
 
 SETTINGS = Settings(system="", preset="free", temperature=0.0, top_p=1.0, top_k=0, seed=None,
@@ -58,7 +59,7 @@ def test_stop_keeps_the_answer_so_far(logic):
 
 
 def test_a_cut_label_says_how_much_of_the_document_goes_and_never_zero():
-    from specchat.app.ui_chat import _cut_labels
+    from specchat.app.chat_over_limit import _cut_labels
 
     assert "(25% of the document) from its start" in _cut_labels(250, {"tokens": 1000})["start"]
     assert "Cut 3 tokens (under 1% of the document)" in _cut_labels(3, {"tokens": 19_000})["end"]

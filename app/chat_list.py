@@ -1,0 +1,82 @@
+"""The chat tab's list of saved conversations: open, the newest at a page load, rename, delete and
+bring back, export. Each returns the `View` of what changed, as the chat's other handlers do."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from ..core.errors import InputError
+from .chat_view import KEPT_SETTINGS, View
+from .conversation import Conversation
+from .exports import write_export
+from .history import HistoryStore
+from .speculation_view import colored_tokens, ending, stage_table, stats_line
+
+
+class ConversationList:
+    def __init__(self, store: HistoryStore):
+        self.store = store
+
+    def choices(self) -> list[tuple[str, str]]:
+        """(label, id) of each saved conversation, newest first: titles that repeat get their time,
+        and labels that still repeat a number."""
+        summaries = self.store.list()
+        titles = collections.Counter(summary.title for summary in summaries)
+        labels = [summary.title if titles[summary.title] == 1 else
+                  f"{summary.title} · {time.strftime('%b %d, %H:%M', time.localtime(summary.updated))}"
+                  for summary in summaries]
+        repeats, seen = collections.Counter(labels), collections.Counter()
+        for index, label in enumerate(labels):
+            seen[label] += 1
+            if repeats[label] > 1:
+                labels[index] = f"{label} ({seen[label]})"
+        return [(label, summary.id) for label, summary in zip(labels, summaries)]
+
+    def open(self, conversation_id: str | None) -> View:
+        if not conversation_id:
+            return View()
+        conversation = self.store.load(conversation_id)
+        last = next((m for m in reversed(conversation.messages) if m["role"] == "assistant"), None)
+        stats = last.get("stats") if last else None
+        return View(conversation=conversation, over_limit="", system=conversation.system, preset=conversation.preset,
+                    settings={name: value for name, value in conversation.settings.items() if name in KEPT_SETTINGS},
+                    stats=stats_line(stats, last.get("mode", ""), last.get("new_tokens"), ending(last)) if stats else "",
+                    stages=stage_table(stats) if stats else "",
+                    tokens=colored_tokens(last.get("origins") or []) if last else "")
+
+    def newest(self) -> View:
+        problems = self.store.take_problems()
+        choices = self.choices()
+        view = self.open(choices[0][1]) if choices else View(clear_conversation=True)
+        view.status = " ".join(f"⚠️ {problem}" for problem in problems) or None
+        view.conversations_changed = True
+        return view
+
+    def rename(self, conversation: Conversation | None, title: str) -> View:
+        if conversation is None:
+            raise InputError("start the conversation before naming it")
+        self.store.rename(conversation.id, title)
+        conversation.title = title.strip()
+        return View(conversation=conversation, conversations_changed=True, status=f"Renamed to “{conversation.title}”.")
+
+    def delete(self, conversation: Conversation | None) -> View:
+        """Delete the conversation; it can be brought back (`undelete`) until the app restarts."""
+        if conversation is None or not conversation.messages:
+            return View(status="Nothing to delete: this conversation is not saved yet.")
+        self.store.delete(conversation.id)
+        view = self.newest()
+        view.status = f"Deleted “{conversation.title}”."
+        view.deleted = conversation.id
+        return view
+
+    def undelete(self, conversation_id: str | None) -> View:
+        if not conversation_id:
+            return View(status="Nothing to bring back.")
+        self.store.undelete(conversation_id)
+        view = self.open(conversation_id)
+        view.conversations_changed, view.deleted, view.status = True, "", "Brought back."
+        return view
+
+    def export(self, conversation: Conversation | None) -> list[str]:
+        return write_export(conversation)

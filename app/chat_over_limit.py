@@ -1,0 +1,191 @@
+"""The choices offered when a question does not fit the model's context: cut the document, leave
+earlier turns out, a shorter answer limit, summarize the document in parts, or switch to a pair
+with a longer context. Nothing is cut or left out without one of them being chosen."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import TYPE_CHECKING, Iterator
+
+from ..core.errors import InputError
+from .chat_view import Settings, View
+from .context_meter import CUT_MARGIN, CUTS, Meter, cut_document, split_document
+from .conversation import Conversation, title_from
+from .documents import user_turn
+from .engine_handle import EngineHandle
+from .read_progress import ReadProgress
+
+if TYPE_CHECKING:
+    from .ui_chat import ChatLogic
+
+PART_ANSWER_TOKENS = 256  # each part's summary, when a document is summarized in parts (an eighth of a short context)
+PART_SYSTEM = ("You summarize one part of a longer document faithfully: its main points in order, with names, "
+               "numbers and dates exact, adding nothing it does not say.")
+
+
+def offer(handle: EngineHandle, registry_file: str | None, meter: Meter, attachment: dict | None,
+          conversation: Conversation | None) -> View:
+    """The view that says by how much the question is over and offers the choices that apply."""
+    engine = handle.get()
+    text = (f"**This does not fit.** The prompt is {meter.prompt:,} tokens and the answer limit keeps "
+            f"{meter.reserve:,} for the answer, but {engine.name} reads at most {meter.context:,}: "
+            f"{meter.excess:,} too many. Nothing is cut or left out without your choice:")
+    earlier = _earlier_messages(conversation)
+    return View(over_limit=text, attachment=attachment,
+                cuts=_cut_labels(meter.excess, attachment) if attachment is not None else None,
+                answer_room=meter.answer_room, can_leave_out=bool(earlier),
+                in_parts=attachment is not None and meter.document > meter.context // 2,
+                longer_pairs=longer_pairs(registry_file, meter.needed, handle.model),
+                status="⚠️ Too long for this model: see the choices below.")
+
+
+def longer_pairs(registry_file: str | None, needed: int, current: str) -> list[tuple[str, str]]:
+    """Pairs whose context holds `needed` tokens and that this machine can run (the plan's
+    verdict at their full context, as the Models tab shows it)."""
+    from ..core.registry import load_registry
+    from .models_cmd import listing_profile, plan_fit
+
+    registry = load_registry(registry_file)
+    candidates = [pair for pair in registry.pairs.values() if pair.context_length >= needed and pair.id != current]
+    if not candidates:
+        return []
+    profile = listing_profile()
+    return [(f"{pair.name} ({pair.context_length:,} tokens)", pair.id) for pair in candidates
+            if plan_fit(pair, profile, registry).fits]
+
+
+def cut(chat: ChatLogic, where: str, message: str, attachment: dict | None, pasted: str,
+        conversation: Conversation | None, settings: Settings) -> View:
+    """Cut the document by what is too much, from its start, middle or end."""
+    attachment = chat.with_pasted(attachment, pasted)
+    if attachment is None:
+        raise InputError("there is no document to cut")
+    meter = chat.meter(conversation, attachment, "", message, settings)
+    text, removed = cut_document(chat.handle.get().tokenizer, attachment["text"], meter.excess, where)
+    shorter = chat.attach(attachment["name"], text, f"cut {removed:,} tokens from the {where}")
+    return View(attachment=shorter, pasted="", over_limit="",
+                status=f"Cut {removed:,} tokens from the {where} of the document.")
+
+
+def leave_out_turns(chat: ChatLogic, message: str, attachment: dict | None, pasted: str,
+                    conversation: Conversation | None, settings: Settings) -> View:
+    """Leave the oldest messages out of what the model reads until the next question fits; every
+    document stays, and the messages stay in the chat, marked."""
+    attachment = chat.with_pasted(attachment, pasted)
+    earlier = _earlier_messages(conversation)
+    for count in range(1, len(earlier) + 1):
+        for message_index in earlier[:count]:
+            conversation.messages[message_index]["left_out"] = True
+        if not chat.meter(conversation, attachment, "", message, settings).over:
+            chat.store.save(conversation)
+            return View(conversation=conversation, over_limit="",
+                        status=f"Left {count} earlier message{'s' if count > 1 else ''} out of what the model "
+                               "reads (documents stay).")
+    for message_index in earlier:
+        conversation.messages[message_index].pop("left_out", None)
+    raise InputError("leaving out every earlier turn is still not enough: cut the document, shorten the "
+                     "answer limit, or start a new conversation")
+
+
+def summarize_in_parts(chat: ChatLogic, message: str, attachment: dict | None, pasted: str,
+                       conversation: Conversation | None, settings: Settings, session: str = "") -> Iterator[View]:
+    """For a document the model cannot read whole: summarize each part that fits, then ask the
+    question about those summaries, which the chat labels as such (not the whole text)."""
+    attachment = chat.with_pasted(attachment, pasted)
+    if attachment is None:
+        raise InputError("there is no document to summarize in parts")
+    engine = chat.handle.get()
+    summary_tokens = min(PART_ANSWER_TOKENS, engine.context_length // 8)
+    overhead = len(engine.chat_ids(_part_messages("", 99, 99)))
+    parts = split_document(engine.tokenizer, attachment["text"],
+                           engine.context_length - summary_tokens - overhead - CUT_MARGIN)
+    question = (message or "").strip()
+    unread = dataclasses.replace(chat.meter(conversation, None, "", question, settings), document=0)
+    if unread.needed + len(parts) * (summary_tokens + CUT_MARGIN) > engine.context_length:
+        raise InputError(f"even the summaries of its {len(parts)} parts would not fit beside the conversation: "
+                         "cut the document first, or start a new conversation")
+    shown_turn = chat.shown_turn(conversation, question, attachment)
+    summaries = []
+    with chat.waiting(session) as stopped:  # Stop between two parts' jobs too
+        for number, part in enumerate(parts, 1):
+            doing = f"⏳ *Summarizing part {number} of {len(parts)} (the document is too long to read whole)…*"
+            yield View(conversation=shown_turn, streaming=True, message="", over_limit="", pending=doing, status="")
+            summary = yield from _part_summary(chat, part, number, len(parts), summary_tokens, settings,
+                                               session, shown_turn, doing, stopped)
+            if summary is None or stopped.is_set():
+                yield View(conversation=conversation, clear_conversation=conversation is None, message=question,
+                           status="Stopped while summarizing the parts: your question and document are kept.")
+                return
+            summaries.append(f"Part {number} of {len(parts)}, summarized:\n{summary.strip()}")
+    combined = chat.attach(title_from("", attachment), "\n\n".join(summaries),
+                           f"summaries of its {len(parts)} parts, not the whole text")
+    yield from chat.send(question, combined, "", conversation, settings, session)
+
+
+def _part_summary(chat: ChatLogic, part: str, number: int, count: int, summary_tokens: int, settings: Settings,
+                  session: str, shown_turn: Conversation, doing: str, stopped: threading.Event) -> Iterator[View]:
+    """One part's summary (None when stopped), the bubble showing the part's read meanwhile."""
+    from ..core.engine import Finished, PrefillProgress
+
+    ticket = chat.submit(session, _part_messages(part, number, count), summary_tokens, settings)
+    if stopped.is_set():  # a Stop that came before the ticket could be cancelled
+        ticket.cancel()
+    reading = ReadProgress()
+    try:
+        for event in ticket:
+            if isinstance(event, PrefillProgress):
+                progress = reading.update(event.done, event.total, time.monotonic())
+                yield View(conversation=shown_turn, streaming=True, pending=f"{doing}\n\n{progress}")
+            elif isinstance(event, Finished):
+                return None if event.result.finish_reason == "cancelled" else event.result.text
+        return None  # taken out of the line by Stop before it started
+    finally:
+        chat.release(session, ticket)
+
+
+def shorter_answer(chat: ChatLogic, message: str, attachment: dict | None, pasted: str,
+                   conversation: Conversation | None, settings: Settings) -> View:
+    """Lower the answer limit to what the prompt leaves."""
+    meter = chat.meter(conversation, chat.with_pasted(attachment, pasted), "", message, settings)
+    if not meter.answer_room:
+        raise InputError("no useful answer fits after this prompt: cut the document or leave out earlier turns")
+    return View(over_limit="", settings={"max_new_tokens": meter.answer_room},
+                status=f"The answer limit is now {meter.answer_room:,} tokens for this conversation.")
+
+
+def switch_pair(handle: EngineHandle, registry_file: str | None, pair_id: str | None) -> View:
+    from ..core.download import model_status
+    from ..core.files import human_size
+    from ..core.registry import load_registry
+
+    if not pair_id:
+        return View(status="Choose a pair first.")
+    pair = load_registry(registry_file).get(pair_id)
+    missing = pair.source == "hub" and not all(model_status(model).complete for model in pair.models)
+    if missing:
+        return View(status=f"{pair.name} is not downloaded yet: download it ({human_size(pair.download_bytes)}) "
+                           "in the Models & hardware tab, then switch. Your question and document are kept.")
+    handle.switch(pair_id)
+    return View(over_limit="", status=f"Loading {pair.name}… send again when it is ready; your question "
+                                      "and document are kept.")
+
+
+def _part_messages(part: str, number: int, count: int) -> list[dict]:
+    return [{"role": "system", "content": PART_SYSTEM},
+            {"role": "user", "content": user_turn(f"Summarize part {number} of {count} of a longer document.", part)}]
+
+
+def _earlier_messages(conversation: Conversation | None) -> list[int]:
+    """The indexes of the messages that can still be left out of what the model reads, oldest first."""
+    if conversation is None:
+        return []
+    return [index for index, message in enumerate(conversation.messages) if not message.get("left_out")]
+
+
+def _cut_labels(excess: int, attachment: dict) -> dict[str, str]:
+    """Each cut's button label, saying how much of the document goes."""
+    share = min(1.0, excess / max(attachment["tokens"], 1))
+    percent = "under 1%" if share < 0.005 else f"{share:.0%}"  # "0%" would read as cutting nothing
+    return {where: f"✂ Cut {excess:,} tokens ({percent} of the document) from its {where}" for where in CUTS}

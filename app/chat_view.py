@@ -1,0 +1,78 @@
+"""What the chat tab's handlers take and give: the `Settings` of a question, and the `View` of what
+a handler changed, which `ui.py` draws onto the page's components."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.errors import InputError, SpecchatError
+from .conversation import Conversation, shown_messages
+
+KEPT_SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "mode")
+
+
+@dataclass(frozen=True)
+class Settings:
+    system: str
+    preset: str
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: str | float | None  # blank or None: a fresh seed each time
+    max_new_tokens: int
+    mode: str
+
+    def kept(self) -> dict:
+        """The settings a conversation keeps and brings back when reopened (the system prompt and
+        preset are fields of their own)."""
+        return {name: getattr(self, name) for name in KEPT_SETTINGS}
+
+    def sampling(self):
+        from ..core.sampling import SamplingParams
+
+        try:
+            seed = None if str(self.seed or "").strip() == "" else int(str(self.seed).strip())
+            return SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p), seed)
+        except ValueError as error:
+            problem = str(error) if "must" in str(error) else f"the seed must be a whole number, got {self.seed!r}"
+            raise InputError(problem) from None
+
+
+@dataclass
+class View:
+    """What a handler changed; None: leave the component as it is."""
+    conversation: Conversation | None = None
+    status: str | None = None
+    message: str | None = None
+    attachment: dict | None = None
+    clear_attachment: bool = False
+    pasted: str | None = None
+    stats: str | None = None
+    stages: str | None = None
+    tokens: str | None = None
+    over_limit: str | None = None  # the over-limit choice's text; "" hides it
+    cuts: dict[str, str] | None = None  # where -> the cut's button label; None: no document to cut
+    answer_room: int = 0  # a shorter answer limit that fits, offered as a choice; 0: none does
+    can_leave_out: bool = False  # earlier turns can be left out to make room
+    in_parts: bool = False  # the document can be summarized in parts
+    longer_pairs: list[tuple[str, str]] | None = None
+    streaming: bool = False
+    pending: str = ""  # shown in the streaming answer's bubble until its first word (Markdown of ours)
+    conversations_changed: bool = False
+    clear_conversation: bool = False  # show an empty, new conversation
+    # An opened conversation's own system prompt and preset, shown in the settings: otherwise the
+    # page's (after a reload, the defaults) would replace them at its next question.
+    system: str | None = None
+    preset: str | None = None
+    settings: dict | None = None  # an opened conversation's own settings (`KEPT_SETTINGS`), likewise
+    deleted: str | None = None  # the id of a conversation just deleted, offered to undo; "": none now
+
+
+def problem_text(error: Exception) -> str:
+    """An error as one line for the page, never a traceback."""
+    text = str(error) if isinstance(error, SpecchatError) else f"unexpected error: {type(error).__name__}: {error}"
+    return f"⚠️ {text}"
+
+
+def shown(conversation: Conversation | None, streaming: bool = False, pending: str = "") -> list[dict]:
+    return shown_messages(conversation, streaming=streaming, pending=pending) if conversation else []

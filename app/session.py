@@ -1,0 +1,72 @@
+"""What the CLI's subcommands, the terminal chat and the page share: the model to load and the
+sampling settings read from parsed arguments, the engine loaded with progress lines, and the note
+on a cut-off answer. It imports nothing from cli.py, so the subcommands depend on it, not on cli."""
+
+from __future__ import annotations
+
+import sys
+
+from ..core.errors import InputError
+
+
+def model_id(args) -> str:
+    """`--model` may come before or after the subcommand."""
+    return getattr(args, "model", "embedded")
+
+
+def context_of(args) -> int | None:
+    """`--context` in tokens, None when not given."""
+    from .plan_cmd import parse_context
+
+    return parse_context(args.context) if hasattr(args, "context") else None
+
+
+def sampling_params(args):
+    from ..core.sampling import SamplingParams
+
+    try:
+        return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+
+
+def registry(args):
+    """The registry with `--models-file` (given before or after the subcommand) merged in."""
+    from ..core.registry import load_registry
+
+    return load_registry(getattr(args, "models_file", None))
+
+
+def load(args, model: str | None = None, progress=None):
+    """The engine for `model` (default: `--model`); progress lines go to stderr, and to
+    `progress` when given (the app's status line)."""
+    from .models_cmd import ProgressLine
+
+    reg = registry(args)  # a bad registry fails before transformers is imported
+    quiet_transformers()
+    from ..core.loading import load_engine
+
+    def report(message: str) -> None:
+        print(message, file=sys.stderr)
+        if progress is not None:
+            progress(message)
+
+    # --context is for the model named at the start; a pair the app switches to later loads whole.
+    context = context_of(args) if model in (None, model_id(args)) else None
+    return load_engine(model or model_id(args), progress=report,
+                       registry=reg, download_progress=ProgressLine(), context=context)
+
+
+def quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def cut_off_note(result) -> str:
+    """For an answer's end line: which limit cut it off, since finish_reason "length" says it for
+    both (the answer limit, or the model's context with no room left)."""
+    if result.finish_reason != "length":
+        return ""
+    return ", cut off: the context is full" if result.context_full else ", cut off at the answer limit"

@@ -1,0 +1,229 @@
+"""The chat tab's layout, and a handler's `View` drawn onto it. `ChatPage` names every component
+the wiring (`ui.py`) reads or draws on; `render` returns a view's values keyed by component, so that
+each output is matched by name, never by its place in a list."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import gradio as gr
+
+from ..core.modes import REQUEST_MODES
+from .chat_view import KEPT_SETTINGS, Settings, View, shown
+from .context_meter import ANSWER_STEP, CUTS
+from .conversation import attachment_label
+from .documents import DOCUMENT_SUFFIXES
+from .presets import PRESETS
+
+MODES = list(REQUEST_MODES)
+
+
+@dataclass(frozen=True)
+class ChatPage:
+    conversation: gr.State
+    attachment: gr.State
+    deleted: gr.State  # the conversation just deleted, for Undo
+    dark: gr.Button
+    new: gr.Button
+    undo: gr.Button
+    preset: gr.Dropdown
+    conversations: gr.Radio
+    title: gr.Textbox
+    rename: gr.Button
+    delete: gr.Button
+    export: gr.Button
+    exported: gr.File
+    model_line: gr.Markdown
+    get_pair: gr.Button
+    chatbot: gr.Chatbot
+    status: gr.Markdown
+    over_group: gr.Group
+    over_text: gr.Markdown
+    shorter: gr.Button
+    leave_out: gr.Button
+    in_parts: gr.Button
+    cut_buttons: dict[str, gr.Button]  # by where the cut is (`CUTS`)
+    pairs_row: gr.Row
+    longer_pairs: gr.Dropdown
+    switch: gr.Button
+    message: gr.MultimodalTextbox
+    send: gr.Button
+    stop: gr.Button
+    attachment_line: gr.Markdown
+    meter: gr.Markdown
+    stats: gr.Markdown
+    pasted: gr.Textbox
+    detach: gr.Button
+    color: gr.Checkbox
+    stages: gr.Markdown
+    tokens: gr.HTML
+    # The settings, named as `Settings`' fields.
+    system: gr.Textbox
+    temperature: gr.Slider
+    top_p: gr.Slider
+    top_k: gr.Number
+    max_new_tokens: gr.Slider
+    seed: gr.Textbox
+    mode: gr.Radio
+
+    @property
+    def settings_inputs(self) -> list:
+        """The components of a `Settings`, in the order of its fields."""
+        return [getattr(self, field.name) for field in dataclasses.fields(Settings)]
+
+    @property
+    def send_inputs(self) -> list:
+        """What a question is sent with: the box, the document (attached or pasted), the
+        conversation, the settings."""
+        return [self.message, self.attachment, self.pasted, self.conversation, *self.settings_inputs]
+
+    @property
+    def meter_inputs(self) -> list:
+        return [self.conversation, self.attachment, self.pasted, self.message, *self.settings_inputs]
+
+    @property
+    def kept_settings(self) -> dict:
+        return {name: getattr(self, name) for name in KEPT_SETTINGS}
+
+    @property
+    def outputs(self) -> list:
+        """The components a `View` is drawn on: every chat handler's outputs."""
+        return [self.conversation, self.chatbot, self.status, self.message, self.attachment, self.attachment_line,
+                self.pasted, self.stats, self.stages, self.tokens, self.over_group, self.over_text, self.shorter,
+                self.leave_out, self.in_parts, *self.cut_buttons.values(), self.pairs_row, self.longer_pairs,
+                self.conversations, self.title, self.system, self.preset, *self.kept_settings.values(),
+                self.deleted, self.undo]
+
+
+def render(page: ChatPage, view: View, choices: Callable[[], list[tuple[str, str]]]) -> dict:
+    """The view drawn onto the page: a value for each of `page.outputs`, keyed by component;
+    `gr.update()` keeps what the view leaves as None. `choices`: the conversations' list."""
+    drawn = dict.fromkeys(page.outputs, gr.update())
+    chat = view.conversation
+    if view.clear_conversation:
+        drawn |= {page.conversation: None, page.chatbot: [], page.title: ""}
+    elif chat is not None:
+        drawn |= {page.conversation: chat, page.chatbot: shown(chat, view.streaming, view.pending),
+                  page.title: chat.title}
+    if view.conversations_changed:
+        drawn[page.conversations] = gr.update(choices=choices(), value=chat.id if chat else None)
+    if view.attachment is not None or view.clear_attachment:
+        drawn[page.attachment] = view.attachment
+        drawn[page.attachment_line] = attachment_label(view.attachment) if view.attachment else ""
+    if view.message is not None:
+        drawn[page.message] = {"text": view.message, "files": []}
+    for component, value in ((page.status, view.status), (page.pasted, view.pasted), (page.stats, view.stats),
+                             (page.stages, view.stages), (page.tokens, view.tokens), (page.system, view.system),
+                             (page.deleted, view.deleted)):
+        if value is not None:
+            drawn[component] = value
+    over = view.over_limit
+    if over is not None:
+        drawn |= {page.over_group: gr.update(visible=bool(over)), page.over_text: over,
+                  page.shorter: gr.update(visible=bool(over and view.answer_room),
+                                          value=f"Answer in up to {view.answer_room:,} tokens (what fits)"),
+                  page.leave_out: gr.update(visible=bool(over and view.can_leave_out)),
+                  page.in_parts: gr.update(visible=bool(over and view.in_parts))}
+        drawn |= {button: gr.update(visible=bool(over and view.cuts), value=(view.cuts or {}).get(where, ""))
+                  for where, button in page.cut_buttons.items()}
+    if view.longer_pairs is not None:
+        drawn |= {page.pairs_row: gr.update(visible=bool(view.longer_pairs)),
+                  page.longer_pairs: gr.update(choices=view.longer_pairs, value=None)}
+    if view.preset is not None and view.preset in PRESETS:
+        drawn[page.preset] = view.preset
+    saved = view.settings or {}
+    drawn |= {component: saved[name] for name, component in page.kept_settings.items() if name in saved}
+    if view.deleted is not None:
+        drawn[page.undo] = gr.update(visible=bool(view.deleted))
+    return drawn
+
+
+def chat_page(model_line: Callable[[], str]) -> ChatPage:
+    """The page's header and its Chat tab (call inside the `gr.Blocks`); `model_line` draws the
+    model's line at each page load."""
+    conversation = gr.State(None)
+    attachment = gr.State(None)
+    deleted = gr.State("")
+    with gr.Row():
+        gr.Markdown("## specchat\nLong-document chat, sped up by lossless speculative decoding.")
+        dark = gr.Button("🌓 Dark mode", size="sm", scale=0, elem_id="dark-mode")
+    with gr.Tab("Chat"):
+        with gr.Row(elem_id="chat-row"):
+            with gr.Column(scale=1, min_width=220, elem_id="sidebar"):
+                new = gr.Button("+ New conversation", size="sm", elem_id="new-conversation")
+                undo = gr.Button("↶ Undo the delete", size="sm", visible=False, elem_id="undo-delete")
+                preset = gr.Dropdown([(p.label, key) for key, p in PRESETS.items()], value="free",
+                                     label="Preset", elem_id="preset")
+                conversations = gr.Radio([], label="Conversations", elem_id="conversations")
+                title = gr.Textbox(label="Name", placeholder="Rename this conversation", elem_id="title")
+                with gr.Row():
+                    rename = gr.Button("Rename", size="sm", elem_id="rename")
+                    delete = gr.Button("Delete", size="sm", variant="stop", elem_id="delete")
+                export = gr.Button("Export (Markdown + JSON)", size="sm", elem_id="export")
+                exported = gr.File(label="Exported", file_count="multiple", visible=False, elem_id="exported")
+            with gr.Column(scale=4, min_width=320, elem_id="main-column"):
+                with gr.Row():
+                    shown_model = gr.Markdown(model_line, elem_id="model-line")
+                    get_pair = gr.Button("⬇ Download it and switch to it", size="sm", scale=0, min_width=200,
+                                         visible=False, elem_id="get-recommended")
+                chatbot = gr.Chatbot(label="Chat", height=460, elem_id="chat", editable="user",
+                                     buttons=["copy", "copy_all"])
+                status = gr.Markdown("", elem_id="status")
+                with gr.Group(visible=False, elem_id="over-limit") as over_group:
+                    over_text = gr.Markdown("")
+                    with gr.Row():
+                        shorter = gr.Button("Answer in fewer tokens", size="sm", visible=False, elem_id="shorter-answer")
+                        leave_out = gr.Button("✂ Leave earlier messages out (documents stay)", size="sm",
+                                              visible=False, elem_id="leave-out")
+                        in_parts = gr.Button("📚 Summarize it in parts, then answer from the summaries "
+                                             "(not a whole-document reading)", size="sm", visible=False,
+                                             elem_id="in-parts")
+                    with gr.Row():
+                        cut_buttons = {where: gr.Button(f"Cut the {where}", size="sm", visible=False,
+                                                        elem_id=f"cut-{where}") for where in CUTS}
+                    with gr.Row(visible=False) as pairs_row:
+                        longer_pairs = gr.Dropdown([], label="Longer-context pairs that fit this machine", scale=3,
+                                                   elem_id="longer-pairs")
+                        switch = gr.Button("Switch to this pair", size="sm", scale=1, elem_id="switch-pair")
+                with gr.Row():
+                    # 📎 and drag-and-drop attach a document right at the box (`attach_dropped`).
+                    message = gr.MultimodalTextbox(
+                        placeholder="Ask about your document, or just chat (the clip attaches a file; "
+                                    "so does dropping one here)",
+                        show_label=False, scale=6, elem_id="message", autofocus=True, sources=["upload"],
+                        file_types=list(DOCUMENT_SUFFIXES), file_count="single", submit_btn=False)
+                    send = gr.Button("Send", variant="primary", scale=0, min_width=90, elem_id="send")
+                    stop = gr.Button("Stop", variant="stop", scale=0, min_width=90, elem_id="stop")
+                attachment_line = gr.Markdown("", elem_id="attachment")
+                meter = gr.Markdown("", elem_id="meter")
+                stats = gr.Markdown("", elem_id="stats")
+                with gr.Accordion("Paste a document", open=False):
+                    pasted = gr.Textbox(label=f"Paste a document's text here (or attach a file with the clip by the message box: "
+                                              f"{', '.join(DOCUMENT_SUFFIXES)})", lines=6, elem_id="document")
+                    detach = gr.Button("Remove the document", size="sm", elem_id="detach")
+                with gr.Accordion("Speculation view", open=False, elem_id="speculation"):
+                    color = gr.Checkbox(label="Color the answer's tokens by origin", value=False, elem_id="color-tokens")
+                    stages = gr.Markdown("", elem_id="stages")
+                    tokens = gr.HTML("", visible=False, elem_id="tokens")
+                with gr.Accordion("Settings", open=False, elem_id="settings"):
+                    system = gr.Textbox("", label="System prompt", lines=3, elem_id="system")
+                    with gr.Row():
+                        temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature (0 = greedy)")
+                        top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
+                        top_k = gr.Number(0, label="Top-k (0 = off)", precision=0, minimum=0)
+                    with gr.Row():
+                        max_new_tokens = gr.Slider(ANSWER_STEP, 4096, value=512, step=ANSWER_STEP,
+                                                   label="Answer limit (tokens)", elem_id="max-new-tokens")
+                        seed = gr.Textbox("", label="Seed (blank = random)", elem_id="seed")
+                    mode = gr.Radio(MODES, value="auto", label="Decoding", elem_id="mode")
+    return ChatPage(
+        conversation=conversation, attachment=attachment, deleted=deleted, dark=dark, new=new, undo=undo,
+        preset=preset, conversations=conversations, title=title, rename=rename, delete=delete, export=export,
+        exported=exported, model_line=shown_model, get_pair=get_pair, chatbot=chatbot, status=status,
+        over_group=over_group, over_text=over_text, shorter=shorter, leave_out=leave_out, in_parts=in_parts,
+        cut_buttons=cut_buttons, pairs_row=pairs_row, longer_pairs=longer_pairs, switch=switch, message=message,
+        send=send, stop=stop, attachment_line=attachment_line, meter=meter, stats=stats, pasted=pasted,
+        detach=detach, color=color, stages=stages, tokens=tokens, system=system, temperature=temperature,
+        top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed, mode=mode)
