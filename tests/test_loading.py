@@ -6,7 +6,7 @@ import pytest
 from conftest import DATA
 from specchat.core import hardware, loading
 from specchat.core.hardware import HardwareProfile
-from specchat.core.plan import PlanRefused
+from specchat.core.planning import PlanRefused
 
 
 def test_a_pair_that_does_not_fit_is_refused_before_any_download(monkeypatch):
