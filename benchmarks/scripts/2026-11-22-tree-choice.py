@@ -5,7 +5,8 @@ Writes bench/2026-11-22-h100-vs-cpu-tree-choice.json. Run from the repository ro
 import json
 from dataclasses import asdict
 
-from specchat.core.speculative.optimizer import ForwardTimes, choose_tree
+from specchat.core.speculative.forward_times import ForwardTimes
+from specchat.core.speculative.optimizer import choose_tree
 
 old = json.load(open("bench/2026-11-22-h100-vs-cpu-tree-choice.json"))
 acceptance = old["acceptance"]

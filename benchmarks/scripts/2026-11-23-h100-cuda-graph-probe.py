@@ -12,7 +12,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specchat.core.bench_offload import LLAMA_31_8B, random_model
+from specchat.benchmarks.offload import LLAMA_31_8B, random_model
 from specchat.core.kv import queries
 
 masks_seen = []
@@ -53,7 +53,7 @@ for context in (1024, 32768):
         static_ids, static_positions = ids[context:context + 1][None].cuda(), torch.tensor([[context]], device="cuda")
 
         def step():
-            return model.hf(input_ids=static_ids, position_ids=static_positions, past_key_values=cache.hf,
+            return model.hf(input_ids=static_ids, position_ids=static_positions, past_key_values=cache.transformers_cache,
                             use_cache=True).logits
 
         masks_seen.clear()

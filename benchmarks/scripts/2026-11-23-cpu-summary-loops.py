@@ -1,6 +1,6 @@
 """How much the embedded model repeats itself in a document summary, greedy vs sampled
 (the document presets' sampling settings, app/presets.py). CPU, 300 new tokens, auto mode.
-Run: SPECCHAT_CALIBRATE=0 python bench/2026-11-23-cpu-summary-loops.py DOC... > bench/2026-11-23-cpu-summary-loops.json"""
+Run: SPECCHAT_CALIBRATE=0 python benchmarks/scripts/2026-11-23-cpu-summary-loops.py DOC... > bench/2026-11-23-cpu-summary-loops.json"""
 import json
 import sys
 from specchat.core.loading import load_engine

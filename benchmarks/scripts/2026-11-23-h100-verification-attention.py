@@ -15,7 +15,7 @@ import torch
 import transformers
 from torch.profiler import ProfilerActivity, profile
 
-from specchat.core.bench_offload import LLAMA_31_8B, random_model
+from specchat.benchmarks.offload import LLAMA_31_8B, random_model
 from specchat.core.kv import queries
 from specchat.core.speculative.tree import Tree
 

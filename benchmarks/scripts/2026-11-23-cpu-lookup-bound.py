@@ -31,7 +31,7 @@ Then, in plain steps' time (forwards only), against plain decoding's one forward
   agreeing part and verifying it costs at least t(agreeing + 1).
 The answer's first token comes from the prefill, so every figure counts the other tokens.
 Writes bench/<today>-cpu-lookup-bound.json.
-Run: .venv/bin/python bench/2026-11-23-cpu-lookup-bound.py
+Run: .venv/bin/python benchmarks/scripts/2026-11-23-cpu-lookup-bound.py
 """
 
 import json
@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 
 from specchat.app.documents import user_turn
-from specchat.core.bench import _answer, device_label
+from specchat.benchmarks.decode import _answer
+from specchat.benchmarks.report import device_label
 from specchat.core.decoding import DecodeState, make_decoder
 from specchat.core.loading import load_engine
 from specchat.core.sampling import SamplingParams

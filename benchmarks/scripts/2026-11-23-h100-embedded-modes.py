@@ -183,7 +183,7 @@ def bench(out_dir: Path, max_new_tokens: int, repeats: int, budget_s: float,
 
     from specchat.app.documents import user_turn
     from specchat.core import embedded
-    from specchat.core.bench import decode_speeds
+    from specchat.benchmarks.decode import decode_speeds
     from specchat.core.engine import Engine, default_prefix_budget
     from specchat.core.kv.prefix_store import PrefixStore
     from specchat.core.loading import load_engine
@@ -211,7 +211,7 @@ def bench(out_dir: Path, max_new_tokens: int, repeats: int, budget_s: float,
         engine = Engine(model, engine.tokenizer, engine.name, settings=_dc.replace(engine.settings, step_times=times))
     loaded_s = time.perf_counter() - began
     plan = engine.plan
-    print(f"loaded in {loaded_s:.1f} s on {engine.model.device} {engine.model.hf.dtype}, auto = {engine.auto_mode}")
+    print(f"loaded in {loaded_s:.1f} s on {engine.model.device} {engine.model.dtype}, auto = {engine.auto_mode}")
 
     prompts = {path.name: engine.chat_ids([{"role": "user", "content": user_turn(QUESTION, path.read_text())}])
                for path in documents}
@@ -219,7 +219,7 @@ def bench(out_dir: Path, max_new_tokens: int, repeats: int, budget_s: float,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
         "transformers": transformers.__version__, "manifest": json.loads(MANIFEST.read_text()),
-        "model": engine.name, "model_device": str(engine.model.device), "dtype": str(engine.model.hf.dtype),
+        "model": engine.name, "model_device": str(engine.model.device), "dtype": str(engine.model.dtype),
         "placed_by": placed_by, "load_seconds": round(loaded_s, 1), "auto_mode": engine.auto_mode,
         "plan": None if plan is None else {key: value for key, value in dataclasses.asdict(plan).items()
                                            if key in ("mode", "weights", "target_devices", "kv_device",

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from specchat.core.bench_offload import LLAMA_31_8B, random_model
+from specchat.benchmarks.offload import LLAMA_31_8B, random_model
 from specchat.core.kv import queries
 from specchat.core.kv.past_attention import NewTokenMask, past_and_new_attention
 from specchat.core.speculative.tree import Tree
@@ -76,7 +76,7 @@ def enqueue_and_wall(n, shape, mode):
         with queries.new_tokens_see_the_past(device_mask, n):
             out = model.hf(input_ids=ids[CONTEXT:CONTEXT + n][None].cuda(), position_ids=positions[None].cuda(),
                            attention_mask=device_mask,
-                           past_key_values=cache.hf, use_cache=True)
+                           past_key_values=cache.transformers_cache, use_cache=True)
         queued = time.perf_counter()
         out.logits[0].float().cpu()
         done = time.perf_counter()
@@ -101,7 +101,7 @@ try:
         static_ids, static_positions = ids[CONTEXT:CONTEXT + 1][None].cuda(), torch.tensor([[CONTEXT]], device="cuda")
 
         def step():
-            return model.hf(input_ids=static_ids, position_ids=static_positions, past_key_values=cache.hf,
+            return model.hf(input_ids=static_ids, position_ids=static_positions, past_key_values=cache.transformers_cache,
                             use_cache=True).logits
 
         eager = step()[0, -1].float()

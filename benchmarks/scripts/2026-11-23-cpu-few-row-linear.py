@@ -2,7 +2,7 @@
 `FewRowLinear` as it is now, as it was before 2026-11-23's change (weight-first for 2-4 rows
 only, output left a transposed view), and with transformers' own `F.linear` everywhere; then
 greedy plain decoding of a 2.3K-token document with each. Rounds alternate the variants, so
-the machine's drift touches them alike. Run: .venv/bin/python bench/2026-11-23-cpu-few-row-linear.py
+the machine's drift touches them alike. Run: .venv/bin/python benchmarks/scripts/2026-11-23-cpu-few-row-linear.py
 """
 
 import json
@@ -14,7 +14,8 @@ import torch
 
 from specchat.app.documents import user_turn
 from specchat.core import cpu_linear
-from specchat.core.bench import _answer, device_label
+from specchat.benchmarks.decode import _answer
+from specchat.benchmarks.report import device_label
 from specchat.core.loading import load_engine
 
 SIZES = [1, 2, 3, 4, 5, 6, 8, 12, 17]
