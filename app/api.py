@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.engine import Finished, TextDelta
 from ..core.errors import InputError, SpecchatError
+from ..core.request import Request as AnswerRequest  # fastapi's Request is the HTTP one
 from ..core.sampling import SamplingParams
 from .engine_handle import EngineHandle
 from .engine_queue import Busy
@@ -136,7 +137,7 @@ def _job(options: Options):
     """The answer as a job for the engine thread: tokenizing included, off the event loop."""
     def job(engine, cancel) -> Iterator:
         prompt_ids = engine.chat_ids(options.conversation)
-        events = engine.generate(prompt_ids, options.max_tokens, options.sampling, "auto", cancel)
+        events = engine.generate(prompt_ids, AnswerRequest(options.max_tokens, options.sampling), cancel)
         return _until_stop(events, StopText(options.stops), cancel) if options.stops else events
     return job
 

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from ..core.errors import InputError, SpecchatError, first_line
 from ..core.modes import MAX_DSI_WORKERS, REQUEST_MODES
-from .session import context_of, cut_off_note, load, model_id, registry, sampling_params
+from .session import context_of, cut_off_note, load, model_id, registry, request_from_args, sampling_params
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
@@ -256,6 +256,7 @@ def _generate(args) -> int:
     if args.cache_document and not (document and document.strip()):
         raise InputError("--cache-document needs a non-empty --document FILE")
     from ..core.engine import Finished, Notice, TextDelta
+    from ..core.request import TreeDraft
 
     engine = load(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -265,9 +266,10 @@ def _generate(args) -> int:
     draft = _draft(engine, args.draft_layers) if args.mode == "tree" else None
     plan = _plan_tree_draft(engine, draft, params, len(prompt_ids)) if draft is not None else None
     result = None
-    for event in engine.generate(prompt_ids, args.max_new_tokens, params, args.mode, document_tokens=saved_tokens,
-                                 triforce=triforce, tree_draft=plan.tree_draft if plan else None,
-                                 dsi_workers=args.dsi_workers, dsi_plain_steps=not args.dsi_always):
+    tree_draft = TreeDraft(*plan.tree_draft) if plan is not None and plan.tree_draft else None
+    # TriForce's stages apply wherever the mode can be TriForce (auto included).
+    options = tree_draft if args.mode == "tree" else triforce if args.mode in ("auto", "triforce") else None
+    for event in engine.generate(prompt_ids, request_from_args(args, params, saved_tokens, options)):
         if isinstance(event, Notice):
             print(f"specchat: note: {event.text}", file=sys.stderr)
         elif isinstance(event, TextDelta) and not args.json:

@@ -30,6 +30,17 @@ def sampling_params(args):
         raise InputError(str(error)) from None
 
 
+def request_from_args(args, sampling, document_tokens: int = 0, options=None):
+    """The engine request of `generate` and the terminal chat: --max-new-tokens, --mode, the
+    sampling options (`sampling_params`), and dsi mode's --dsi-workers and --dsi-always; other
+    modes' options (a tree draft, TriForce's stages) as `options`."""
+    from ..core.request import DsiOptions, Request
+
+    if args.mode == "dsi":
+        options = DsiOptions(args.dsi_workers, plain_steps=not args.dsi_always)
+    return Request(args.max_new_tokens, sampling, args.mode, options, document_tokens)
+
+
 def registry(args):
     """The registry with `--models-file` (given before or after the subcommand) merged in."""
     from ..core.registry import load_registry

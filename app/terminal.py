@@ -7,7 +7,7 @@ import sys
 from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
 from ..core.errors import InputError, SpecchatError
 from .documents import document_tokens, read_document_or_text, user_turn
-from .session import cut_off_note, sampling_params
+from .session import cut_off_note, request_from_args, sampling_params
 
 HELP = "Type a message. /reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops an answer."
 
@@ -58,9 +58,7 @@ def _answer(engine, messages, args, params, stdout, saved_tokens: int = 0) -> st
     stdout.write("specchat> ")
     events = None
     try:
-        events = engine.generate(engine.chat_ids(messages), args.max_new_tokens, params, args.mode,
-                                 document_tokens=saved_tokens, dsi_workers=args.dsi_workers,
-                                 dsi_plain_steps=not args.dsi_always)
+        events = engine.generate(engine.chat_ids(messages), request_from_args(args, params, saved_tokens))
         for event in events:
             if isinstance(event, TextDelta):
                 if reading:  # clear the progress note

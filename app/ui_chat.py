@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..core.errors import SpecchatError
+from ..core.request import Request
 from . import chat_over_limit as over_limit
 from .chat_list import ConversationList
 from .chat_view import Settings, View, problem_text
@@ -365,13 +366,11 @@ def _answer_job(messages: list[dict], max_new_tokens: int, sampling, mode: str, 
     conversation opens with, whose KV is saved to disk, so that the conversation reopened after
     a restart does not read it again."""
     def job(engine, cancel) -> Iterator:
-        from ..core.engine import resolve_mode
-
         system = messages[:1] if messages and messages[0]["role"] == "system" else []
         saved = document_tokens(engine, system, document) if document else 0
-        events = engine.generate(engine.chat_ids(messages), max_new_tokens, sampling, mode, cancel,
-                                 document_tokens=saved)
-        yield _Started(resolve_mode(mode, engine.auto_mode))
+        events = engine.generate(engine.chat_ids(messages), Request(max_new_tokens, sampling, mode, document_tokens=saved),
+                                 cancel)
+        yield _Started(engine.resolve_mode(mode))
         yield from events
     return job
 

@@ -16,6 +16,7 @@ import torch
 
 from ..core.calibration import layer_skip_draft, plan_tree_draft
 from ..core.engine import Engine, Finished
+from ..core.request import Request, TreeDraft
 from ..core.sampling import SamplingParams
 from ..core.speculative.tree import Tree
 from ..core.speculative.tree_dp import best_scores, chain_trees
@@ -76,8 +77,8 @@ def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
 
 def _answer(engine: Engine, prompt_ids: list[int], max_new_tokens: int, run: tuple):
     mode, tree_draft, *triforce = run
-    events = engine.generate(prompt_ids, max_new_tokens, SamplingParams(), mode,
-                             triforce=triforce[0] if triforce else None, tree_draft=tree_draft)
+    options = TreeDraft(*tree_draft) if tree_draft else triforce[0] if triforce else None
+    events = engine.generate(prompt_ids, Request(max_new_tokens, SamplingParams(), mode, options))
     return next(e.result for e in events if isinstance(e, Finished))
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..core.engine import Engine, Finished
+from ..core.request import Request
 from ..core.kv.document_store import DocumentStore
 from ..core.kv.prefix_store import PrefixStore, common_prefix_length
 from ..core.sampling import SamplingParams
@@ -44,8 +45,8 @@ def run_prefill_bench(engine: Engine, messages_for, max_new_tokens: int, out_dir
 
     def answer(target: Engine, messages: list[dict], document_tokens: int = 0):
         ids = target.chat_ids(messages)
-        return ids, next(e.result for e in target.generate(ids, max_new_tokens, SamplingParams(), "plain",
-                                                          document_tokens=document_tokens)
+        return ids, next(e.result for e in target.generate(ids, Request(max_new_tokens, SamplingParams(), "plain",
+                                                                          document_tokens=document_tokens))
                          if isinstance(e, Finished))
 
     first_messages = messages_for("Summarize this document in two sentences.", [])

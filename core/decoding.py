@@ -17,7 +17,6 @@ from .interrupt import stop_between_layers
 from .kv.full import FullCache
 from .kv.queries import record_queries
 from .model import CausalLM
-from .modes import MODES
 from .sampling import sample, warp
 from .speculative.drafters import PromptLookupDrafter, QueryBlind
 from .speculative.hierarchy import ModelDrafter, RetrievalStage
@@ -206,17 +205,13 @@ class _NoDraft(QueryBlind):
 
 
 def make_decoder(mode: str, vocab_size: int, relative_time: Callable[[int, int], float] = default_relative,
-                 chain_drafts: int = MAX_DRAFT, tree_draft: tuple[CausalLM, Tree] | None = None, lookup_tree_depth: int = 8,
-                 triforce: Callable[[], Decoder] | None = None, dsi: Callable[[], Decoder] | None = None) -> Decoder:
-    """A fresh decoder for one answer. Chain mode drafts by prompt lookup as long as the cost
-    model (`relative_time`, t(n) at a context) says pays; tree mode grows `tree_draft`'s template
-    with its draft model when one is given, else prompt-lookup branches up to `lookup_tree_depth`;
-    `triforce` and `dsi` build those decoders (they need models and instances this file does not hold)."""
-    if mode in ("triforce", "dsi"):
-        build = triforce if mode == "triforce" else dsi
-        if build is None:
-            raise ValueError(f"{mode} mode needs its settings and models")
-        return build()
+                 chain_drafts: int = MAX_DRAFT, tree_draft: tuple[CausalLM, Tree] | None = None,
+                 lookup_tree_depth: int = 8) -> Decoder:
+    """A fresh decoder for one answer in a mode that needs no models but the target's: chain mode
+    drafts by prompt lookup as long as the cost model (`relative_time`, t(n) at a context) says
+    pays; tree mode grows `tree_draft`'s template with its draft model when one is given, else
+    prompt-lookup branches up to `lookup_tree_depth`. (TriForce and DSI: `triforce_decoder` here,
+    the engine's DsiRuntime.)"""
     if mode == "plain":
         return PlainDecoder()
     if mode == "chain":
@@ -227,7 +222,7 @@ def make_decoder(mode: str, vocab_size: int, relative_time: Callable[[int, int],
         return TreeDecoder(ModelTreeDrafter(*tree_draft))
     if mode == "tree":
         return TreeDecoder(PromptLookupTreeDrafter(PromptLookupDrafter(vocab_size), max_depth=lookup_tree_depth))
-    raise ValueError(f"unknown decoding mode {mode!r} (choose from {', '.join(MODES)})")
+    raise ValueError(f"{mode!r} is not a prompt-lookup mode (plain, chain or tree)")
 
 
 def prefill(model: CausalLM, cache: FullCache, ids: torch.Tensor, chunk_size: int, decoder: Decoder | None = None,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Generator, Iterator
 
@@ -21,21 +20,13 @@ from .kv.document_store import DocumentStore
 from .kv.full import FullCache
 from .kv.prefix_store import PrefixStore
 from .model import CausalLM
-from .modes import MAX_DSI_WORKERS, REQUEST_MODES
+from .request import ModeOptions, Request
 from .runtime import EngineSettings
-from .sampling import SamplingParams, make_generator
-from .speculative.drafters import PromptLookupDrafter
-from .speculative.dsi.orchestrator import DsiDecoder
-from .speculative.dsi.pool import InstancePool, process_pool
-from .speculative.hierarchy import ModelDrafter
+from .sampling import make_generator
+from .speculative.dsi.runtime import DsiRuntime
 from .speculative.step_times import StepTimes, default_relative
-from .speculative.tree import Tree
-from .speculative.types import DecodeState, Step
+from .speculative.types import DecodeState, Decoder, Step
 from .textstream import TextStream
-
-
-DSI_WORKERS = 2  # CPU processes standing in for GPUs, unless the request asks for more
-DSI_START = 4  # DSI's lookahead until latencies are measured, where the plan predicts none
 
 
 def default_prefix_budget() -> int:
@@ -113,18 +104,9 @@ class Notice:
 Event = PrefillProgress | TextDelta | Finished | Notice
 
 
-def resolve_mode(mode: str, auto: str = "chain") -> str:
-    """`auto` is the mode the plan chose for this machine (`Engine.auto_mode`); without a plan
-    (a local model directory) it is chain speculation with prompt lookup, which falls back to
-    plain steps when nothing matches."""
-    if mode not in REQUEST_MODES:
-        raise InputError(f"unknown mode {mode!r}: choose from {', '.join(REQUEST_MODES)}")
-    return auto if mode == "auto" else mode
-
-
 class Engine:
     """Built once from its settings (runtime.py) and never reconfigured: per-answer choices are
-    arguments of `generate`."""
+    a `Request` to `generate`."""
 
     def __init__(self, model: CausalLM, tokenizer, name: str, prefixes: PrefixStore | None = None,
                  documents: DocumentStore | None = None, settings: EngineSettings = EngineSettings(),
@@ -147,9 +129,13 @@ class Engine:
         # two answers driven from two threads interleave step by step, each on its own cache and
         # decoder. The app runs every answer on one engine thread (app/engine_queue.py) anyway.
         self._lock = threading.Lock()
-        self.target_loader = target_loader  # builds a copy of the target on a device (DSI's instances)
-        self._dsi_pool: tuple[tuple[str, ...], InstancePool] | None = None  # (devices, their instances)
-        self._dsi_busy = False  # one DSI answer at a time: its tasks' results come from one pool
+        # DSI's target instances, each a copy of the target that `target_loader` builds on a device.
+        self.dsi = DsiRuntime(model, target_loader, name, draft, settings.dsi_devices, settings.prefill_chunk,
+                              (settings.triforce.sinks, settings.triforce.window), settings.dsi_lookahead)
+        # What builds each mode's decoder for one answer, from the request's options for that mode.
+        self._decoders: dict[str, Callable[[ModeOptions | None], Decoder]] = {
+            "plain": self._lookup_decoder("plain"), "chain": self._lookup_decoder("chain"),
+            "tree": self._lookup_decoder("tree"), "triforce": self._triforce_decoder, "dsi": self._dsi_decoder}
 
     @property
     def auto_mode(self) -> str:
@@ -171,30 +157,23 @@ class Engine:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int = 256,
-                 sampling: SamplingParams = SamplingParams(), mode: str = "auto",
-                 cancel: threading.Event | None = None, document_tokens: int = 0,
-                 triforce: TriforceSettings | None = None,
-                 tree_draft: tuple[CausalLM, Tree] | None = None, dsi_workers: int | None = None,
-                 dsi_plain_steps: bool = True) -> Iterator[Event]:
-        """Stream events for one answer. Raises `InputError` before any work for a bad request.
+    def resolve_mode(self, mode: str) -> str:
+        """The mode a request's `mode` runs in here: `auto` is the plan's."""
+        return self.auto_mode if mode == "auto" else mode
 
-        `document_tokens`: the prompt's first tokens hold a document whose KV should be saved to
-        disk for later runs (needs a document store). `triforce`: this answer's TriForce stages
-        (default: the engine's settings); `tree_draft`: a draft model and tree template for tree
-        mode (default: prompt-lookup branches). `dsi_workers`: CPU processes standing in for GPUs
-        in dsi mode, where the plan names no GPUs for it (default 2); `dsi_plain_steps=False`:
-        every token from the instances, even where plain steps would be faster (to measure DSI).
-        """
-        mode = resolve_mode(mode, self.auto_mode)
-        max_new_tokens = self._check_request(prompt_ids, max_new_tokens)
-        triforce = triforce or self.settings.triforce
-        devices = self._dsi_devices(dsi_workers) if mode == "dsi" else ()
-        decoder = self._decoder(mode, triforce, tree_draft, devices, dsi_plain_steps)
+    def generate(self, prompt_ids: list[int], request: Request = Request(),
+                 cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Stream events for one answer; `cancel` set stops it at the next step (or between two
+        layers of the prefill). Raises `InputError` before any work for a prompt that does not fit."""
+        mode = self.resolve_mode(request.mode)
+        options = request.options_for(mode)
+        max_new_tokens = self._check_request(prompt_ids, request.max_new_tokens)
+        decoder = self._decoders[mode](options)
+        triforce = options if isinstance(options, TriforceSettings) else self.settings.triforce
         # DSI's instances run in parallel: t(n) of one forward after another does not price it.
-        prediction = _Prediction(None if mode == "dsi" else self.settings.step_times, self.model, triforce)
-        events = self._generate(prompt_ids, max_new_tokens, sampling, mode, decoder, prediction, cancel,
-                                document_tokens)
+        times = None if decoder is self.dsi.answering else self.settings.step_times
+        events = self._generate(prompt_ids, max_new_tokens, request.sampling, mode, decoder,
+                                _Prediction(times, self.model, triforce), cancel, request.document_tokens)
         # The lock is held while the engine computes, never across a yield: a caller that stops
         # listening without closing this generator cannot keep the engine from others.
         try:
@@ -208,14 +187,11 @@ class Engine:
         finally:
             with self._lock:
                 events.close()  # the answer's KV is kept for the next turn now, not when collected
-                if mode == "dsi":
-                    self._dsi_busy = False
+                self.dsi.release(decoder)
 
     def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> int:
         if not prompt_ids:
             raise InputError("the prompt is empty: type a question or give a prompt file")
-        if max_new_tokens < 1:
-            raise InputError(f"max new tokens must be at least 1, got {max_new_tokens}")
         room = self.context_length - len(prompt_ids)
         if room < 1:
             raise InputError(
@@ -224,47 +200,21 @@ class Engine:
                 f"{1 - room} tokens")
         return min(max_new_tokens, room)
 
-    def _decoder(self, mode: str, triforce: TriforceSettings, tree_draft, dsi_devices: tuple[str, ...],
-                 dsi_plain_steps: bool):
-        settings = self.settings
-        relative = settings.step_times.relative if settings.step_times else default_relative
-        return make_decoder(mode, self.model.vocab_size, relative, settings.chain_drafts, tree_draft,
-                            settings.tree_depth, lambda: triforce_decoder(self.model, triforce, self.draft),
-                            lambda: self._dsi_decoder(dsi_devices, dsi_plain_steps))
+    def _lookup_decoder(self, mode: str) -> Callable[[ModeOptions | None], Decoder]:
+        """Plain, chain or tree (prompt-lookup branches, or the request's tree draft)."""
+        def build(tree_draft) -> Decoder:
+            settings = self.settings
+            relative = settings.step_times.relative if settings.step_times else default_relative
+            draft = (tree_draft.model, tree_draft.template) if tree_draft is not None else None
+            return make_decoder(mode, self.model.vocab_size, relative, settings.chain_drafts, draft,
+                                settings.tree_depth)
+        return build
 
-    def _dsi_devices(self, workers: int | None) -> tuple[str, ...]:
-        """Where DSI's target instances run: the plan's GPUs, else CPU processes."""
-        if self.target_loader is None:
-            raise InputError(f"dsi mode needs a model loaded from disk; {self.name} was built in memory")
-        if self.settings.dsi_devices and workers is None:
-            return self.settings.dsi_devices
-        workers = DSI_WORKERS if workers is None else workers
-        if not 1 <= workers <= MAX_DSI_WORKERS:
-            raise InputError(f"dsi mode runs 1 to {MAX_DSI_WORKERS} worker processes, not {workers}")
-        return ("cpu",) * workers
+    def _triforce_decoder(self, settings: TriforceSettings | None) -> Decoder:
+        return triforce_decoder(self.model, settings or self.settings.triforce, self.draft)
 
-    def _dsi_decoder(self, devices: tuple[str, ...], plain_steps: bool) -> DsiDecoder:
-        """Instances are started once (each loads the target) and kept for later answers on
-        the same devices. The drafter: the pair's draft model, else prompt lookup."""
-        with self._lock:
-            if self._dsi_busy:
-                raise InputError("another dsi answer is running: one at a time")
-            if self._dsi_pool is None or self._dsi_pool[0] != devices:
-                if self._dsi_pool is not None:
-                    self._dsi_pool[1].close()
-                    self._dsi_pool = None
-                # On GPUs the engine's own target is the first instance; CPU processes stand in
-                # for GPUs, so there every instance is a process of its own.
-                local = self.model if devices[0] != "cpu" else None
-                pool = process_pool(self.target_loader, list(devices), self.settings.prefill_chunk, local)
-                weakref.finalize(self, pool.close)  # the processes end with the engine
-                self._dsi_pool = (devices, pool)
-            self._dsi_busy = True
-        triforce = self.settings.triforce
-        drafter = (ModelDrafter(self.draft, triforce.sinks, triforce.window, False, "pair") if self.draft is not None
-                   else PromptLookupDrafter(self.model.vocab_size, min_ngram=1))
-        return DsiDecoder(drafter, self._dsi_pool[1], start=self.settings.dsi_lookahead or DSI_START,
-                          plain_steps=plain_steps)
+    def _dsi_decoder(self, options) -> Decoder:
+        return self.dsi.decoder(options.workers, options.plain_steps) if options else self.dsi.decoder()
 
     def _generate(self, prompt_ids, max_new_tokens, sampling, mode, decoder, prediction, cancel,
                   document_tokens) -> Iterator[Event]:

@@ -19,6 +19,7 @@ from importlib import resources
 import torch
 
 from .errors import first_line
+from .request import Request
 from .sampling import SamplingParams, sample_without_replacement, warp
 from .speculative import verify
 from .speculative.tree import Tree
@@ -345,8 +346,8 @@ def _logit_gap(engine, ids: list[int], chosen: int, other: int) -> tuple[float, 
 def _greedy(engine, prompt: list[int], mode: str, new_tokens: int, triforce=None):
     from .engine import Finished
 
-    finished = [event for event in engine.generate(prompt, new_tokens, SamplingParams(), mode, triforce=triforce)
-                if isinstance(event, Finished)]
+    request = Request(new_tokens, SamplingParams(), mode, triforce if mode in ("auto", "triforce") else None)
+    finished = [event for event in engine.generate(prompt, request) if isinstance(event, Finished)]
     return finished[-1].result
 
 

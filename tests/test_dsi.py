@@ -25,6 +25,7 @@ from specchat.core.speculative.dsi.policy import (DECAY, NEAR_PATIENCE, PROBE_BA
                                                   PROBE_RARELY, DsiPolicy)
 from specchat.core.speculative.dsi.pool import thread_pool, wait_unless_cancelled
 from specchat.core.speculative.hierarchy import ModelDrafter
+from specchat.core.request import Request
 
 
 class Slow:
@@ -490,7 +491,7 @@ def test_greedy_dsi_over_cuda_instances_equals_plain_on_a_document(embedded_dir)
 
     def answer(mode, sampling=SamplingParams(), stop_after=None):
         cancel, produced = threading.Event(), 0
-        for event in engine.generate(prompt, 96, sampling, mode, cancel=cancel):
+        for event in engine.generate(prompt, Request(96, sampling, mode), cancel=cancel):
             if isinstance(event, TextDelta):
                 produced += len(event.token_ids)
                 if stop_after is not None and produced >= stop_after:
@@ -509,6 +510,6 @@ def test_greedy_dsi_over_cuda_instances_equals_plain_on_a_document(embedded_dir)
         assert counts["instances"] == 2 and counts["accepted"] > 0, (name, counts)
     assert stopped.finish_reason == "cancelled" and stopped.token_ids == plain.token_ids[:len(stopped.token_ids)]
     assert sampled.finish_reason in ("stop", "length") and sampled.new_tokens > 0
-    pool = engine._dsi_pool[1]
+    pool = engine.dsi.pool
     assert all(count > 0 for count in pool.finished), pool.finished  # the spawned process verified too
     pool.close()

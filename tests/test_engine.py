@@ -10,6 +10,7 @@ from specchat.core.engine import Finished, PrefillProgress, TextDelta
 from specchat.core.loading import load_engine
 from specchat.core.errors import InputError
 from specchat.core.sampling import SamplingParams
+from specchat.core.request import Request
 
 
 def excerpt(name: str, chars: int) -> str:
@@ -20,7 +21,7 @@ def excerpt(name: str, chars: int) -> str:
 
 def answer(engine, content, mode, max_new_tokens=96, cancel=None, params=SamplingParams()):
     ids = engine.chat_ids([{"role": "user", "content": content}])
-    events = list(engine.generate(ids, max_new_tokens, params, mode, cancel))
+    events = list(engine.generate(ids, Request(max_new_tokens, params, mode), cancel))
     assert isinstance(events[-1], Finished)
     return events, events[-1].result
 
@@ -66,7 +67,7 @@ def test_cancel_stops_the_answer(embedded_engine):
     cancel = threading.Event()
     ids = embedded_engine.chat_ids([{"role": "user", "content": "Tell me a long story about a dragon."}])
     tokens, result = 0, None
-    for event in embedded_engine.generate(ids, 200, SamplingParams(), "plain", cancel):
+    for event in embedded_engine.generate(ids, Request(200, SamplingParams(), "plain"), cancel):
         if isinstance(event, TextDelta):
             tokens += len(event.token_ids)
             cancel.set()  # as a stop button would, while the answer streams
@@ -83,21 +84,21 @@ def test_stops_at_end_of_turn(embedded_engine):
 
 def test_bad_requests_are_refused_before_any_work(embedded_engine):
     with pytest.raises(InputError, match="empty"):
-        next(embedded_engine.generate([], 10))
+        next(embedded_engine.generate([], Request(10)))
     too_long = [1] * (embedded_engine.context_length + 5)
     with pytest.raises(InputError, match="at least 6 tokens"):
-        next(embedded_engine.generate(too_long, 10))
+        next(embedded_engine.generate(too_long, Request(10)))
     with pytest.raises(InputError, match="unknown mode"):
-        next(embedded_engine.generate([1, 2], 10, mode="fast"))
+        next(embedded_engine.generate([1, 2], Request(10, mode="fast")))
 
 
 def test_answer_is_cut_at_the_context_end_and_says_so(tiny_model_dir):
     """finish_reason "length" for both limits (a public contract); `context_full` tells them apart."""
     engine = load_engine(str(tiny_model_dir))
     ids = [5] * (engine.context_length - 3)
-    *_, finished = engine.generate(ids, 50, SamplingParams(), "plain")
+    *_, finished = engine.generate(ids, Request(50, SamplingParams(), "plain"))
     result = finished.result
     assert (result.finish_reason, result.new_tokens, result.context_full) == ("length", 3, True)
-    *_, finished = engine.generate(ids[:20], 3, SamplingParams(), "plain")  # the answer limit, with room left
+    *_, finished = engine.generate(ids[:20], Request(3, SamplingParams(), "plain"))  # the answer limit, with room left
     result = finished.result
     assert (result.finish_reason, result.new_tokens, result.context_full) == ("length", 3, False)

@@ -19,6 +19,7 @@ from specchat.core.engine import Finished, TextDelta
 from specchat.core.errors import SpecchatError
 from specchat.core.loading import load_engine
 from specchat.core.sampling import SamplingParams
+from specchat.core.request import Request
 
 WAIT = 10  # seconds: every wait in these tests is bounded
 
@@ -197,12 +198,12 @@ def test_an_abandoned_generator_does_not_hold_the_engine(tiny_engine):
     """`Engine.generate` used directly (CLI, terminal chat): a paused generator nobody closes
     must not keep another thread's answer waiting (the lock is never held across a yield)."""
     ids = tiny_engine.chat_ids([{"role": "user", "content": "hello"}])
-    paused = tiny_engine.generate(ids, 20, SamplingParams(), "plain")
+    paused = tiny_engine.generate(ids, Request(20, SamplingParams(), "plain"))
     next(paused)
     gc.disable()  # no collector to close it for us
     try:
         done = []
-        other = threading.Thread(target=lambda: done.extend(tiny_engine.generate(ids, 3, SamplingParams(), "plain")))
+        other = threading.Thread(target=lambda: done.extend(tiny_engine.generate(ids, Request(3, SamplingParams(), "plain"))))
         other.start()
         other.join(WAIT)
         assert done and isinstance(done[-1], Finished)
@@ -230,15 +231,15 @@ def test_out_of_memory_ends_the_answer_clearly_and_the_engine_recovers(tiny_engi
     monkeypatch.setattr(tiny_engine.model, "forward", failing_at(3))  # the prefill and a step went well
     events = []
     with pytest.raises(SpecchatError, match="the GPU ran out of memory while writing the answer: try a shorter"):
-        for event in tiny_engine.generate(ids, 10, SamplingParams(), "plain"):
+        for event in tiny_engine.generate(ids, Request(10, SamplingParams(), "plain")):
             events.append(event)
     assert any(isinstance(event, TextDelta) for event in events)
     assert tiny_engine.prefixes.best_length(ids) == 0  # the failed answer's KV was not kept
     monkeypatch.setattr(tiny_engine.model, "forward", failing_at(1))
     with pytest.raises(SpecchatError, match="while reading the prompt: try a shorter document or a smaller pair"):
-        list(tiny_engine.generate(ids, 10, SamplingParams(), "plain"))
+        list(tiny_engine.generate(ids, Request(10, SamplingParams(), "plain")))
     monkeypatch.setattr(tiny_engine.model, "forward", forward)
-    *_, finished = tiny_engine.generate(ids, 5, SamplingParams(), "plain")
+    *_, finished = tiny_engine.generate(ids, Request(5, SamplingParams(), "plain"))
     assert finished.result.new_tokens >= 1 and finished.result.finish_reason in ("stop", "length")
 
 

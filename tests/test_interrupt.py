@@ -15,6 +15,7 @@ from specchat.core.kv.offload import OffloadedCache
 from specchat.core.kv.prefix_store import PrefixStore
 from specchat.core.runtime import EngineSettings
 from specchat.core.sampling import SamplingParams
+from specchat.core.request import Request
 
 LAYERS = 16  # a stop lands within one of them: about a sixteenth of a chunk
 
@@ -36,7 +37,7 @@ def fresh_engine(deep, chunk: int) -> Engine:
 
 def answer(engine, prompt, cancel=None):
     """(events, each with the time it came, the final result) of a short greedy answer."""
-    timed = [(event, time.perf_counter()) for event in engine.generate(prompt, 6, SamplingParams(), "plain", cancel)]
+    timed = [(event, time.perf_counter()) for event in engine.generate(prompt, Request(6, SamplingParams(), "plain"), cancel)]
     assert isinstance(timed[-1][0], Finished)
     return timed, timed[-1][0].result
 
@@ -59,7 +60,7 @@ def test_a_stop_during_the_prompt_read_ends_it_within_a_layer_not_a_chunk(deep):
         cancel.set()
 
     read = []
-    for event in engine.generate(prompt, 6, SamplingParams(), "plain", cancel):
+    for event in engine.generate(prompt, Request(6, SamplingParams(), "plain"), cancel):
         if isinstance(event, PrefillProgress):
             read.append(event.done)
             if event.done == 2 * chunk:

@@ -13,6 +13,7 @@ from specchat.core.kv.retrieval import RetrievalCache
 from specchat.core.kv.streaming import StreamingCache
 from specchat.core.sampling import SamplingParams
 from specchat.core.tree_choice import triforce_tree
+from specchat.core.request import Request
 
 PASSPHRASE = "violet kangaroo 7342"
 BUDGET = 1024
@@ -28,7 +29,7 @@ def needle_prompt(engine) -> list[int]:
 
 
 def answer(engine, ids, mode, triforce=None):
-    events = list(engine.generate(ids, 40, SamplingParams(), mode, triforce=triforce))
+    events = list(engine.generate(ids, Request(40, SamplingParams(), mode, triforce)))
     assert isinstance(events[-1], Finished)
     return events[-1].result
 

@@ -21,6 +21,7 @@ from specchat.core.kv.prefix_store import PrefixStore, common_prefix_length
 from specchat.core.model import TransformersLM
 from specchat.core.placement import LoadOptions
 from specchat.core.sampling import SamplingParams
+from specchat.core.request import Request
 
 UNLIMITED = 10**12
 
@@ -94,7 +95,7 @@ def engine_with(parts, budget=UNLIMITED, documents=None, settings=EngineSettings
 
 
 def run(engine, messages, mode="plain", max_new_tokens=12, params=SamplingParams(), **kwargs):
-    events = list(engine.generate(engine.chat_ids(messages), max_new_tokens, params, mode, **kwargs))
+    events = list(engine.generate(engine.chat_ids(messages), Request(max_new_tokens, params, mode, **kwargs)))
     assert isinstance(events[-1], Finished)
     return events[-1].result, [event for event in events if isinstance(event, Notice)]
 
@@ -132,7 +133,7 @@ def test_a_stopped_prefill_is_picked_up_where_it_stopped(tiny_engine_parts):
     engine = engine_with(tiny_engine_parts, settings=EngineSettings(prefill_chunk=16))
     cancel = threading.Event()
     ids = engine.chat_ids(conversation("")[:1])
-    for event in engine.generate(ids, 8, SamplingParams(), "plain", cancel):
+    for event in engine.generate(ids, Request(8, SamplingParams(), "plain"), cancel):
         if isinstance(event, PrefillProgress):
             cancel.set()
     again, _ = run(engine, conversation("")[:1], max_new_tokens=8)

@@ -6,6 +6,7 @@ from specchat.core.engine import Finished
 from specchat.core.loading import load_engine
 from specchat.core.sampling import SamplingParams
 from specchat.core.step_calibration import contexts_for
+from specchat.core.request import Request
 
 
 def test_first_use_calibrates_once_and_answers_carry_a_prediction(tiny_model_dir, tmp_path, monkeypatch):
@@ -18,7 +19,7 @@ def test_first_use_calibrates_once_and_answers_carry_a_prediction(tiny_model_dir
     assert [t.context for t in times.curves] == contexts_for(engine.context_length) == [119, 239]
     ids = engine.chat_ids([{"role": "user", "content": "Say something, then say it again. " * 3}])
     for mode in ("plain", "chain"):
-        result = [e for e in engine.generate(ids, 12, SamplingParams(), mode) if isinstance(e, Finished)][0].result
+        result = [e for e in engine.generate(ids, Request(12, SamplingParams(), mode)) if isinstance(e, Finished)][0].result
         assert result.stats.predicted_tokens_per_second > 0
         assert "predicted_tokens_per_second" in result.to_json()["stats"]
 
@@ -34,5 +35,5 @@ def test_calibration_off_leaves_the_stated_default_and_no_prediction(tiny_model_
     engine = load_engine(str(tiny_model_dir), progress=lambda line: None)
     assert engine.settings.step_times is None
     ids = engine.chat_ids([{"role": "user", "content": "Hello"}])
-    result = [e for e in engine.generate(ids, 5, SamplingParams(), "chain") if isinstance(e, Finished)][0].result
+    result = [e for e in engine.generate(ids, Request(5, SamplingParams(), "chain")) if isinstance(e, Finished)][0].result
     assert result.stats.predicted_tokens_per_second is None

@@ -6,6 +6,7 @@ import sys
 from specchat.core.loading import load_engine
 from specchat.core.sampling import SamplingParams
 from specchat.core.engine import Finished
+from specchat.core.request import Request
 from specchat.app.presets import PRESETS
 from specchat.app.documents import user_turn
 
@@ -24,7 +25,7 @@ for path in docs:
     ids = engine.chat_ids(messages)
     for label, params in [("greedy", SamplingParams(0.0, 0, 1.0, None))] + [
             (f"T{t} p{p} s{s}", SamplingParams(t, 0, p, s)) for t, p in ((0.3, 0.9), (0.7, 0.9)) for s in (1, 2)]:
-        for event in engine.generate(ids, 300, params, "auto"):
+        for event in engine.generate(ids, Request(300, params, "auto")):
             if isinstance(event, Finished):
                 r = event.result
         rows.append({"document": path.split("/")[-1], "sampling": label, "new_tokens": r.new_tokens,

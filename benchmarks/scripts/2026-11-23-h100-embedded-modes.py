@@ -189,6 +189,7 @@ def bench(out_dir: Path, max_new_tokens: int, repeats: int, budget_s: float,
     from specchat.core.loading import load_engine
     from specchat.core.model import TransformersLM
     from specchat.core.placement import LoadOptions
+    from specchat.core.request import Request
     from specchat.core.sampling import SamplingParams
 
     engine = load_engine("embedded", progress=print)
@@ -247,7 +248,7 @@ def bench(out_dir: Path, max_new_tokens: int, repeats: int, budget_s: float,
     for where in placements:
         place(where)
         for mode in MODES:
-            for _ in engine.generate(prompts[documents[0].name], 16, SamplingParams(), mode):
+            for _ in engine.generate(prompts[documents[0].name], Request(16, SamplingParams(), mode)):
                 pass
     print(f"warmed up at {time.perf_counter() - began:.1f} s")
 
@@ -263,7 +264,7 @@ def bench(out_dir: Path, max_new_tokens: int, repeats: int, budget_s: float,
             # H100 (allocator growth, new kernel shapes). In VRAM it also leaves the prompt's KV in
             # the prefix store, so every measured answer then starts the same way (all but the
             # last prompt token reused) and plain's first run is no odd one out.
-            for _ in engine.generate(ids, 4, SamplingParams(), "plain"):
+            for _ in engine.generate(ids, Request(4, SamplingParams(), "plain")):
                 pass
             rows = decode_speeds(engine, ids, max_new_tokens, runs, repeats=repeats)
             plain = rows["plain"]["tokens_per_second"]
