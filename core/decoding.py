@@ -14,7 +14,7 @@ from typing import Callable, Generator, Iterator
 import torch
 
 from .interrupt import stop_between_layers
-from .kv.full import FullCache
+from .kv.cache import KVCache
 from .kv.queries import record_queries
 from .model import CausalLM
 from .sampling import sample, warp
@@ -225,7 +225,7 @@ def make_decoder(mode: str, vocab_size: int, relative_time: Callable[[int, int],
     raise ValueError(f"{mode!r} is not a prompt-lookup mode (plain, chain or tree)")
 
 
-def prefill(model: CausalLM, cache: FullCache, ids: torch.Tensor, chunk_size: int, decoder: Decoder | None = None,
+def prefill(model: CausalLM, cache: KVCache, ids: torch.Tensor, chunk_size: int, decoder: Decoder | None = None,
             cancel: threading.Event | None = None) -> Generator[int, None, torch.Tensor]:
     """Run the prompt through the model in chunks, after the prefix `cache` already holds,
     yielding the positions done after each; returns the last position's logits [vocab].
@@ -248,7 +248,7 @@ def prefill(model: CausalLM, cache: FullCache, ids: torch.Tensor, chunk_size: in
     return logits[-1]
 
 
-def prefill_all(model: CausalLM, cache: FullCache, ids: torch.Tensor, chunk_size: int,
+def prefill_all(model: CausalLM, cache: KVCache, ids: torch.Tensor, chunk_size: int,
                 decoder: Decoder | None = None) -> torch.Tensor:
     """`prefill` for callers that need no progress: the last position's logits [vocab]."""
     chunks = prefill(model, cache, ids, chunk_size, decoder)

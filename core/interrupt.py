@@ -57,7 +57,7 @@ def stoppable(model, cache) -> bool:
     (once per layer, whichever thread comes first) where they may. Only a full cache of
     full-attention layers crops back exactly; an offloaded or sliding-window cache cannot be
     rolled back mid-forward, so its forwards always run whole."""
-    if not (hasattr(model, "hf") and isinstance(cache, FullCache)
+    if not (hasattr(model, "decoder_layers") and isinstance(cache, FullCache)
             and all(isinstance(layer, GrowingLayer) for layer in cache.transformers_cache.layers)):
         return False
     with _installing:

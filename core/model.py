@@ -16,6 +16,7 @@ import torch
 from .cpu_linear import use_few_row_linear
 from .hardware import cap_cuda_allocator
 from .host_embedding import compute_device, embedding_on_cpu
+from .kv.cache import KVCache
 from .kv.full import FullCache
 from .kv.offload import OffloadedCache
 from .kv.queries import ATTENTION, new_tokens_see_the_past
@@ -41,9 +42,9 @@ class CausalLM(Protocol):
     dtype: torch.dtype  # the compute dtype of its weights
     config: object  # the transformers config: the shapes a cache is built from
 
-    def new_cache(self) -> FullCache: ...
+    def new_cache(self) -> KVCache: ...
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: FullCache,
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """Run `ids` [n] at `positions` [n] after what `cache` holds, appending their KV.
 

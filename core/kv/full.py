@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 GROWTH = 1.25  # spare capacity on growth: amortized O(1) per token, at most 25% unused memory
 MIN_GROWTH = 256  # positions
@@ -83,6 +83,13 @@ def _growing_cache(hf_config) -> DynamicCache:
     return cache
 
 
+def held_bytes(cache: Cache) -> int:
+    """Bytes of the keys and values a transformers cache's layers hold (a layer that never ran
+    holds none); a `GrowingLayer`'s spare capacity is not counted."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
+               for t in (layer.keys, layer.values))
+
+
 @torch.inference_mode()
 def hf_cache(hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     """A transformers cache holding the given per-layer (keys, values)."""
@@ -93,6 +100,8 @@ def hf_cache(hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Dyna
 
 
 class FullCache:
+    """A `KVCache` whose slots are the positions 0 .. length-1."""
+
     def __init__(self, hf_config):
         self.config = hf_config
         self.transformers_cache = _growing_cache(hf_config)
@@ -121,7 +130,9 @@ class FullCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for keys, values in self.layers() for t in (keys, values))
+        """Bytes of the keys and values held, on every device; the spare capacity of the layers'
+        buffers (up to 25% more, at least 256 positions) is reserved but not counted."""
+        return held_bytes(self.transformers_cache)
 
     def clone_prefix(self, length: int) -> FullCache:
         """An independent copy of the first `length` positions."""

@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class OffloadedCache:
-    """Same interface as `FullCache` (`length`, `trim`, `keep`, `layers`, `hf`), fixed capacity."""
+    """A `KVCache` of fixed capacity whose slots are the positions 0 .. length-1, like `FullCache`."""
 
     def __init__(self, hf_config, capacity: int, device: torch.device | str, dtype: torch.dtype,
                  overlap: bool = True):
@@ -62,6 +62,9 @@ class OffloadedCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the keys and values held, in host memory: what a full verification streams.
+        Reserved but not counted: host memory for `capacity` positions and, on a GPU, the two
+        staging buffers (one layer each)."""
         return sum(2 * keys[:, :self._length].numel() * keys.element_size() for keys, _ in self._host)
 
     def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:

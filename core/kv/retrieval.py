@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from .full import hf_cache, keep_slots
+from .cache import KVCache
+from .full import held_bytes, hf_cache, keep_slots
 
 
 def select_positions(queries: torch.Tensor, keys: torch.Tensor, budget: int, chunk_size: int,
@@ -51,8 +52,8 @@ def select_positions(queries: torch.Tensor, keys: torch.Tensor, budget: int, chu
 
 
 class RetrievalCache:
-    """Retrieved slots for the first `base_length` positions (different per KV head), then every
-    position after them in order (the tokens drafted and committed since the build).
+    """A `KVCache`: retrieved slots for the first `base_length` positions (different per KV head),
+    then every position after them in order (the tokens drafted and committed since the build).
 
     It only rolls back to `base_length` or later: it is rebuilt from the full cache whenever the
     committed text moves on, so rollback never reaches into the retrieved part."""
@@ -81,7 +82,7 @@ class RetrievalCache:
         return cls(hf_config, layers, full_layers[0][0].shape[2])
 
     @classmethod
-    def from_full(cls, full, queries: dict[int, torch.Tensor], budget: int, chunk_size: int, recent: int,
+    def from_full(cls, full: KVCache, queries: dict[int, torch.Tensor], budget: int, chunk_size: int, recent: int,
                   device: torch.device) -> RetrievalCache:
         """`build` over a `FullCache` or an `OffloadedCache`."""
         return cls.build(full.config, full.layers(), queries, budget, chunk_size, recent, device)
@@ -89,6 +90,17 @@ class RetrievalCache:
     @property
     def length(self) -> int:
         return self.base_length + self.transformers_cache.get_seq_length() - self.base_slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the keys and values held (the retrieved slots and those after them), on every
+        device; the spare capacity of the layers' buffers is reserved but not counted."""
+        return held_bytes(self.transformers_cache)
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values) [1, kv_heads, slots, head_dim]: the `base_slots` retrieved
+        (their positions differ per KV head), then one slot per position from `base_length` on."""
+        return [(layer.keys, layer.values) for layer in self.transformers_cache.layers]
 
     def keep(self, positions: torch.Tensor) -> None:
         """Keep only `positions` (ascending, every one before `base_length` included) in

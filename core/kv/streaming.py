@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from .full import hf_cache, keep_slots
+from .full import held_bytes, hf_cache, keep_slots
 
 
 class StreamingCache:
-    """Slots hold sorted positions: the sinks, then the window, then the newest tokens; `compact`
-    drops the middle. `trim(n)` rolls back to the first n positions (dropping the slots at or
-    after n), which works at any length since slots are sorted."""
+    """A `KVCache` whose slots hold sorted positions: the sinks, then the window, then the newest
+    tokens; `compact` drops the middle. `trim(n)` rolls back to the first n positions (dropping
+    the slots at or after n), which works at any length since slots are sorted."""
 
     def __init__(self, hf_config, sinks: int, window: int,
                  layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -50,12 +50,37 @@ class StreamingCache:
     def slots(self) -> int:
         return self.transformers_cache.get_seq_length()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the keys and values in its slots, on every device; the spare capacity of the
+        layers' buffers (which compaction does not shrink) is reserved but not counted."""
+        return held_bytes(self.transformers_cache)
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values) [1, kv_heads, slots, head_dim], in the order of their positions."""
+        return [(layer.keys, layer.values) for layer in self.transformers_cache.layers]
+
     def trim(self, length: int) -> None:
         self._sync_positions()
         kept = int((self._positions < length).sum())
         if kept < self.slots:
             self.transformers_cache.crop(kept - self.slots)
         self._positions = self._positions[:kept]
+
+    def keep(self, positions: torch.Tensor) -> None:
+        """Keep only `positions` (ascending), renumbered 0, 1, ...: the leading ones that already
+        are 0, 1, ... keep what the cache holds of them (a dropped span stays dropped); each
+        after them must be held, and moves to the next number (a tree's accepted path)."""
+        self._sync_positions()
+        positions = positions.to(torch.long)
+        unchanged = int((positions == torch.arange(positions.shape[0])).cumprod(0).sum())
+        moved = positions[unchanged:]
+        if not torch.isin(moved, self._positions).all():
+            raise ValueError("a streaming cache keeps only positions it holds")
+        prefix_slots = int((self._positions < unchanged).sum())
+        slots = torch.cat([torch.arange(prefix_slots), torch.searchsorted(self._positions, moved)])
+        keep_slots(self.transformers_cache, slots)
+        self._positions = torch.cat([self._positions[:prefix_slots], torch.arange(unchanged, positions.shape[0])])
 
     def compact(self) -> None:
         """Drop everything but the sinks and the window (called between drafts, never mid-draft)."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..kv.full import FullCache
+from ..kv.cache import KVCache
 from ..model import CausalLM
 from ..sampling import SamplingParams
 
@@ -38,7 +38,7 @@ class Step:
 @dataclass
 class DecodeState:
     model: CausalLM
-    cache: FullCache
+    cache: KVCache
     ids: torch.Tensor  # [L] prompt and committed tokens
     params: SamplingParams
     generator: torch.Generator

@@ -1,0 +1,44 @@
+"""The interface every KV cache implements (`FullCache`, `OffloadedCache`, `RetrievalCache`,
+`StreamingCache`): what the model adapter, the decoders and the drafters may ask of a cache.
+
+Positions are token positions in the text; slots are where a cache keeps entries. They coincide
+in a full or offloaded cache; a streaming or retrieval cache holds fewer slots than positions.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from transformers.cache_utils import Cache
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    config: object
+    """The transformers config the cache's shapes come from."""
+
+    transformers_cache: Cache
+    """The transformers Cache handed to the model's forward, which appends the new tokens' entries."""
+
+    @property
+    def length(self) -> int:
+        """Positions covered: one past the last position whose keys and values are held."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the keys and values held now, on every device (spare reserved capacity not counted)."""
+        ...
+
+    def trim(self, length: int) -> None:
+        """Drop everything after the first `length` positions (rejected draft tokens)."""
+        ...
+
+    def keep(self, positions: torch.Tensor) -> None:
+        """Keep only `positions` (ascending), renumbered 0, 1, ...: a tree's accepted path after its prefix."""
+        ...
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) [1, kv_heads, slots, head_dim] of every slot held, as views."""
+        ...
