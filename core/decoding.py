@@ -6,7 +6,6 @@ between steps: the cache holds every committed token but the last, whose logits 
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterator
@@ -15,7 +14,6 @@ import torch
 
 from .interrupt import stop_between_layers
 from .kv.cache import KVCache
-from .kv.queries import record_queries
 from .model import CausalLM
 from .sampling import sample, warp
 from .speculative.drafters import PromptLookupDrafter, QueryBlind
@@ -69,8 +67,11 @@ class ChainDecoder(StepsOnly):
         draft = proposal.tokens if proposal is not None else state.ids[:0]
         start = state.ids.shape[0] - 1
         inputs = torch.cat([state.ids[-1:], draft])
-        with record_queries() if observe else contextlib.nullcontext() as queries:
-            logits = state.model.forward(inputs, torch.arange(start, start + inputs.shape[0]), state.cache)
+        positions = torch.arange(start, start + inputs.shape[0])
+        if observe:
+            logits, queries = state.model.forward_with_queries(inputs, positions, state.cache)
+        else:
+            logits = state.model.forward(inputs, positions, state.cache)
         p = warp(logits, state.params)
         if draft.numel():
             verdict = verify_chain(draft, proposal.q, p, state.generator)
@@ -118,9 +119,11 @@ class TreeDecoder(StepsOnly):
                 return self._plain.step(state, budget)
             proposal = TreeProposal(Tree((-1,)), state.ids[-1:], None)  # a plain step, queries recorded
         tree, start = proposal.tree, state.ids.shape[0] - 1
-        with record_queries() if observe else contextlib.nullcontext() as queries:
-            logits = state.model.forward(proposal.tokens, tree.positions(start), state.cache,
-                                         mask=tree.attention_mask(start))
+        positions, mask = tree.positions(start), tree.attention_mask(start)
+        if observe:
+            logits, queries = state.model.forward_with_queries(proposal.tokens, positions, state.cache, mask=mask)
+        else:
+            logits = state.model.forward(proposal.tokens, positions, state.cache, mask=mask)
         verdict = verify_tree(tree, proposal.tokens, warp(logits, state.params), proposal.q, state.generator)
         state.cache.keep(torch.cat([torch.arange(start), start + torch.tensor([0] + verdict.path)]))
         if observe:
@@ -239,9 +242,12 @@ def prefill(model: CausalLM, cache: KVCache, ids: torch.Tensor, chunk_size: int,
     observe = decoder is not None and decoder.drafter_wants_queries
     for start in range(cache.length, ids.shape[0], chunk_size):
         end = min(ids.shape[0], start + chunk_size)
-        with (stop_between_layers(model, cache, cancel),
-              record_queries() if observe and end == ids.shape[0] else contextlib.nullcontext() as queries):
-            logits = model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
+        with stop_between_layers(model, cache, cancel):
+            if observe and end == ids.shape[0]:  # the last prompt token's queries
+                logits, queries = model.forward_with_queries(ids[start:end], torch.arange(start, end), cache,
+                                                             last_only=True)
+            else:
+                logits = model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
         yield end
     if observe:
         decoder.observe_queries({layer: q[0, :, -1] for layer, q in queries.items()})

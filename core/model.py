@@ -19,7 +19,7 @@ from .host_embedding import compute_device, embedding_on_cpu
 from .kv.cache import KVCache
 from .kv.full import FullCache
 from .kv.offload import OffloadedCache
-from .kv.queries import ATTENTION, new_tokens_see_the_past
+from .kv.queries import ATTENTION, new_tokens_see_the_past, record_queries
 
 if TYPE_CHECKING:
     from .placement import LoadOptions
@@ -52,6 +52,13 @@ class CausalLM(Protocol):
         new tokens attend causally. Returns fp32 logits [n, vocab_size] ([1, vocab_size] when
         `last_only`, which spares the vocabulary projection during prefill).
         """
+        ...
+
+    def forward_with_queries(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                             mask: torch.Tensor | None = None, last_only: bool = False
+                             ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`forward`, and each layer's queries after RoPE, {layer: [1, heads, n, head_dim]}: the
+        retrieval cache scores its chunks with them (kv/retrieval.py)."""
         ...
 
 
@@ -182,3 +189,10 @@ class TransformersLM:
             )
         logits = out.logits[0].float().cpu()  # verification and sampling run on the CPU
         return torch.nn.functional.pad(logits, (0, self._pad), value=-torch.inf) if self._pad else logits
+
+    def forward_with_queries(self, ids, positions, cache, mask=None, last_only=False):
+        # transformers keeps the queries inside its attention call: kv/queries.py's attention
+        # records them while asked, for this forward only.
+        with record_queries() as queries:
+            logits = self.forward(ids, positions, cache, mask, last_only)
+        return logits, dict(queries)

@@ -8,7 +8,6 @@ from conftest import needs_cuda, tiny_llama
 from test_decoding import prompts, run
 from specchat.core.decoding import TriforceSettings, triforce_decoder
 from specchat.core.kv.offload import OffloadedCache
-from specchat.core.kv.queries import record_queries
 from specchat.core.kv.retrieval import RetrievalCache, select_positions
 from specchat.core.kv.streaming import StreamingCache, streaming_positions
 from specchat.core.sampling import SamplingParams
@@ -97,8 +96,7 @@ def test_retrieval_cache_attends_its_selection_and_rolls_back_to_its_build():
     model = tiny_llama(2)
     ids, new = torch.arange(3, 60) % 97, torch.tensor([1, 2, 3, 4])
     cache = model.new_cache()
-    with record_queries() as queries:
-        model.forward(ids, torch.arange(len(ids)), cache)
+    _, queries = model.forward_with_queries(ids, torch.arange(len(ids)), cache)
     queries = {layer: q[0, :, -1] for layer, q in queries.items()}
     retrieval = RetrievalCache.build(model.hf.config, cache.layers(), queries, budget=24, chunk_size=4, recent=8)
     assert retrieval.length == len(ids) and 16 < retrieval.base_slots <= 24
@@ -120,8 +118,7 @@ def test_a_retrieval_cache_after_keep_attends_like_a_full_cache_after_keep():
     model = tiny_llama(2)
     ids, tree = torch.arange(3, 40) % 97, torch.tensor([7, 8, 9, 10])
     full = model.new_cache()
-    with record_queries() as queries:
-        model.forward(ids, torch.arange(len(ids)), full)
+    _, queries = model.forward_with_queries(ids, torch.arange(len(ids)), full)
     queries = {layer: q[0, :, -1] for layer, q in queries.items()}
     retrieval = RetrievalCache.build(model.hf.config, full.layers(), queries, budget=64, chunk_size=4, recent=8)
     path = torch.tensor(list(range(len(ids))) + [len(ids), len(ids) + 2])  # drop the tree's second node

@@ -12,7 +12,6 @@ from conftest import tiny_llama
 from specchat.core.kv.cache import KVCache
 from specchat.core.kv.full import FullCache
 from specchat.core.kv.offload import OffloadedCache
-from specchat.core.kv.queries import record_queries
 from specchat.core.kv.retrieval import RetrievalCache
 from specchat.core.kv.streaming import StreamingCache
 
@@ -32,8 +31,7 @@ def built(kind: str):
         cache = OffloadedCache(model.config, 64, "cpu", model.dtype)
     elif kind == "retrieval":
         full = model.new_cache()
-        with record_queries() as queries:
-            model.forward(ids, torch.arange(len(ids)), full)
+        _, queries = model.forward_with_queries(ids, torch.arange(len(ids)), full)
         queries = {layer: q[0, :, -1] for layer, q in queries.items()}
         cache = RetrievalCache.build(model.config, full.layers(), queries, budget=24, chunk_size=4, recent=8)
     else:

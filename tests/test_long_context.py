@@ -8,7 +8,6 @@ import torch
 from conftest import DATA
 from specchat.core.decoding import TriforceSettings
 from specchat.core.engine import Finished
-from specchat.core.kv.queries import record_queries
 from specchat.core.kv.retrieval import RetrievalCache
 from specchat.core.kv.streaming import StreamingCache
 from specchat.core.sampling import SamplingParams
@@ -69,9 +68,8 @@ def test_triforce_and_the_retrieval_cache_on_a_7k_document_with_a_needle(embedde
     taken = engine.prefixes.take(ids + plain.token_ids + [0])
     cache = taken[0]
     cache.trim(len(ids) - 1)
-    with record_queries() as queries:
-        model.forward(torch.tensor([ids[-1]] + plain.token_ids[:-1]),
-                      torch.arange(len(ids) - 1, len(ids) - 1 + len(plain.token_ids)), cache)
+    _, queries = model.forward_with_queries(torch.tensor([ids[-1]] + plain.token_ids[:-1]),
+                                            torch.arange(len(ids) - 1, len(ids) - 1 + len(plain.token_ids)), cache)
     full = {"queries": queries}
     config = model.hf.config
 

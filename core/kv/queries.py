@@ -3,6 +3,8 @@
 transformers hands attention functions the rotated queries, but keeps them to itself. specchat
 registers an SDPA attention under its own name that records them while `record_queries` is
 active and otherwise does exactly what transformers' SDPA does (same kernel, same mask builder).
+Only the model adapter records (`CausalLM.forward_with_queries`): the decoders get the queries as
+a return value, never through this module's context variable.
 """
 
 from __future__ import annotations
