@@ -7,6 +7,7 @@ transformers, so drafters, verifiers and tests can swap in any model (tiny rando
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -92,6 +93,10 @@ class TransformersLM:
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         # Positions of full KV kept in (pinned) CPU memory and streamed per layer; None: on the device.
         self.offload_capacity = offload_capacity
+        # transformers 5.24 renamed `past_key_values` to `cache` and warns on every forward with
+        # the old name (a line per token); older 5.x knows only the old name.
+        forward_parameters = inspect.signature(self.hf.forward).parameters
+        self._cache_argument = "cache" if "cache" in forward_parameters else "past_key_values"
 
     @classmethod
     def from_pretrained(cls, path: Path | str, options: LoadOptions | None = None,
@@ -183,8 +188,8 @@ class TransformersLM:
                 input_ids=ids[None].to(self.hf.get_input_embeddings().weight.device),
                 position_ids=positions[None].to(self.device),
                 attention_mask=mask,
-                past_key_values=cache.transformers_cache,
                 use_cache=True,
+                **{self._cache_argument: cache.transformers_cache},
                 logits_to_keep=1 if last_only else 0,
             )
         logits = out.logits[0].float().cpu()  # verification and sampling run on the CPU

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import DATA
-from live_server import running_specchat, specchat_process
+from live_server import running_servers_log_tail, running_specchat, specchat_process
 from pdf_fixture import write_pdf
 from specchat.app.presets import PRESETS
 
@@ -112,7 +112,8 @@ def wait_until_finished(page, new_answer, what="the answer to finish", timeout=1
         shown = answers(page)
         last = shown.last.inner_text()[-300:] if shown.count() else ""
         pytest.fail(f"timed out waiting for {what}: {shown.count()} answers shown, the last ending "
-                    f"{last!r}; the figures line read {stats(page)!r}")
+                    f"{last!r}; the figures line read {stats(page)!r}; the server printed last:\n"
+                    f"{running_servers_log_tail()}")
 
 
 def open_accordion(page, label):
