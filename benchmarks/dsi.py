@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..core.decoding import ChainDecoder, PlainDecoder
+from ..core.runtime import EngineSettings
 from ..core.sampling import SamplingParams, make_generator
 from ..core.speculative.drafters import Proposal, QueryBlind
 from ..core.speculative.dsi.cost import si_seconds_per_token
@@ -168,7 +169,7 @@ def run_dsi_simulation(out_dir: Path, instances: tuple[int, ...] = INSTANCES, dr
                        acceptances=ACCEPTANCES, rejections: int = REJECTIONS, progress=print) -> list[Path]:
     grids = {}
     for count in instances:
-        pool = thread_pool([WaitingTarget(TARGET_SECONDS) for _ in range(count)])
+        pool = thread_pool([WaitingTarget(TARGET_SECONDS) for _ in range(count)], EngineSettings().prefill_chunk)
         cells = []
         for share in draft_shares:
             for acceptance in acceptances:

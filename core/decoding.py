@@ -166,29 +166,32 @@ class TriforceSettings:
     tree: Tree | None = None  # the final verification checks this Sequoia tree, grown by the retrieval stage
 
 
-def triforce_decoder(target: CausalLM, settings: TriforceSettings,
-                     pair_draft: CausalLM | None = None) -> ChainDecoder | TreeDecoder:
+def triforce_decoder(target: CausalLM, settings: TriforceSettings, pair_draft: CausalLM | None = None, *,
+                     prefill_chunk: int) -> ChainDecoder | TreeDecoder:
     """draft -> target over a retrieval cache -> target over the full cache (the final chain);
     with `settings.tree`, the retrieval stage grows that tree and the full cache verifies it."""
     if settings.tree is not None:
         return TreeDecoder(RetrievalTreeDrafter(target, settings.tree, settings.budget, settings.chunk_size,
                                                 settings.recent))
-    return ChainDecoder(triforce_drafter(target, settings, pair_draft), FixedLookahead(settings.gamma2))
+    return ChainDecoder(triforce_drafter(target, settings, pair_draft, prefill_chunk=prefill_chunk),
+                        FixedLookahead(settings.gamma2))
 
 
-def triforce_drafter(target: CausalLM, settings: TriforceSettings, pair_draft: CausalLM | None = None) -> Drafter:
+def triforce_drafter(target: CausalLM, settings: TriforceSettings, pair_draft: CausalLM | None = None, *,
+                     prefill_chunk: int) -> Drafter:
     """The hierarchy below the full verification: the first stage, verified by the target over
-    a retrieval cache."""
+    a retrieval cache. A draft model reads the prompt `prefill_chunk` tokens per forward."""
     first: Drafter
     if settings.draft == "lookup":
         first = PromptLookupDrafter(target.vocab_size)
     elif settings.draft.startswith("skip"):
         layers = int(settings.draft[len("skip"):])
-        first = ModelDrafter(target.truncated(layers), settings.sinks, settings.window, True, settings.draft)
+        first = ModelDrafter(target.truncated(layers), settings.sinks, settings.window, True, settings.draft,
+                             prefill_chunk)
     elif settings.draft == "pair":
         if pair_draft is None:
             raise ValueError("the triforce draft 'pair' needs a pair with a draft model")
-        first = ModelDrafter(pair_draft, settings.sinks, settings.window, False, "pair")
+        first = ModelDrafter(pair_draft, settings.sinks, settings.window, False, "pair", prefill_chunk)
     elif settings.draft == "":
         first = _NoDraft()
     else:

@@ -130,7 +130,7 @@ class Engine:
         # decoder. The app runs every answer on one engine thread (app/engine_queue.py) anyway.
         self._lock = threading.Lock()
         # DSI's target instances, each a copy of the target that `target_loader` builds on a device.
-        self.dsi = DsiRuntime(model, target_loader, name, draft, settings.dsi_devices, settings.prefill_chunk,
+        self.dsi = DsiRuntime(model, target_loader, name, settings.prefill_chunk, draft, settings.dsi_devices,
                               (settings.triforce.sinks, settings.triforce.window), settings.dsi_lookahead)
         # What builds each mode's decoder for one answer, from the request's options for that mode.
         self._decoders: dict[str, Callable[[ModeOptions | None], Decoder]] = {
@@ -211,7 +211,8 @@ class Engine:
         return build
 
     def _triforce_decoder(self, settings: TriforceSettings | None) -> Decoder:
-        return triforce_decoder(self.model, settings or self.settings.triforce, self.draft)
+        return triforce_decoder(self.model, settings or self.settings.triforce, self.draft,
+                                prefill_chunk=self.settings.prefill_chunk)
 
     def _dsi_decoder(self, options) -> Decoder:
         return self.dsi.decoder(options.workers, options.plain_steps) if options else self.dsi.decoder()

@@ -11,19 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .decoding import TriforceSettings
-from .planning import RETRIEVAL_SIBLING_ACCEPTANCE, Plan
+from .planning import PREFILL_CHUNK_CPU, RETRIEVAL_SIBLING_ACCEPTANCE, Plan
 from .speculative.lookahead import MAX_DRAFT
 from .speculative.step_times import StepTimes
 from .speculative.tree_dp import cached_best_tree
 
-PREFILL_CHUNK = 1024  # without a plan (a local model directory)
 LOOKUP_TREE_DEPTH = 8
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     auto_mode: str = "chain"  # what `auto` runs here
-    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per forward
+    # Prompt tokens per forward, for the target and every model that reads the prompt beside it
+    # (a pair's draft, DSI's instances); without a plan (a local model directory), the plan's CPU chunk.
+    prefill_chunk: int = PREFILL_CHUNK_CPU
     chain_drafts: int = MAX_DRAFT  # most draft tokens per chain verification (the cost model picks fewer)
     tree_size: int = 16  # a draft model's tree: nodes, root included
     tree_depth: int = LOOKUP_TREE_DEPTH  # ... and levels (prompt-lookup trees: levels)

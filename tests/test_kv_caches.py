@@ -12,7 +12,9 @@ from specchat.core.kv.retrieval import RetrievalCache, select_positions
 from specchat.core.kv.streaming import StreamingCache, streaming_positions
 from specchat.core.sampling import SamplingParams
 from specchat.core.speculative.tree import Tree
+from specchat.core.runtime import EngineSettings
 
+PREFILL_CHUNK = EngineSettings().prefill_chunk  # the engine's, where a test builds a decoder itself
 
 
 def masked_logits(model, ids, visible: torch.Tensor, new: torch.Tensor):
@@ -178,5 +180,5 @@ def test_greedy_triforce_over_an_offloaded_cache_equals_plain_on_cuda(tree):
     model.offload_capacity = 128
     settings = TriforceSettings(draft="skip1", budget=24, chunk_size=4, recent=8, stride=8, sinks=2, window=16,
                                 tree=tree)
-    speculative, _ = run(model, prompt, "triforce", SamplingParams(), 30, triforce_decoder(model, settings))
+    speculative, _ = run(model, prompt, "triforce", SamplingParams(), 30, triforce_decoder(model, settings, prefill_chunk=PREFILL_CHUNK))
     assert speculative == plain

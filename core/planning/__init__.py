@@ -8,6 +8,7 @@ bytes; speculation.py and dsi.py are the cost models; reasons.py words the choic
 from .memory import (
     DRAFT_SINKS,
     NF4_BITS,
+    PREFILL_CHUNK_CPU,
     PREFILL_CHUNK_GPU,
     QUANTIZATIONS,
     RAM_MARGIN_SHARE,
@@ -22,7 +23,7 @@ from .speculation import RETRIEVAL_SIBLING_ACCEPTANCE
 from .types import Alternative, DeviceMemory, MemoryItem, Overrides, Plan, PlanRefused
 
 __all__ = [
-    "DRAFT_SINKS", "DSI_MARGIN", "NF4_BITS", "PREFILL_CHUNK_GPU", "QUANTIZATIONS", "RAM_MARGIN_SHARE",
+    "DRAFT_SINKS", "DSI_MARGIN", "NF4_BITS", "PREFILL_CHUNK_CPU", "PREFILL_CHUNK_GPU", "QUANTIZATIONS", "RAM_MARGIN_SHARE",
     "RETRIEVAL_CHUNK_OFFLOADED", "RETRIEVAL_SIBLING_ACCEPTANCE", "VRAM_MARGIN_SHARE", "Alternative",
     "DeviceMemory", "MemoryItem", "Overrides", "Plan", "PlanRefused", "activation_bytes", "make_plan",
     "weight_parts",

@@ -30,7 +30,9 @@ from .tree_dp import best_scores
 if TYPE_CHECKING:  # core.model imports transformers: seconds that `models list` and `plan` need not pay
     from ..model import CausalLM
 
-PREFILL_CHUNK = 1024  # bounds the activations of the context prefill, as the engine's prefill does
+# Tokens per forward while filling the context a measurement runs after: bounds the activations
+# (a measurement detail; the engine's own prompt reads use its settings' prefill_chunk).
+FILL_CHUNK = 1024
 
 
 def speedup(expected_tokens: float, verify_time: float, draft_steps: int,
@@ -72,8 +74,8 @@ def measure_forward_times(model: CausalLM, context: int, sizes: list[int],
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(model.vocab_size, (context + sizes[-1],), generator=generator)
     cache = model.new_cache()
-    for start in range(0, context, PREFILL_CHUNK):
-        end = min(context, start + PREFILL_CHUNK)
+    for start in range(0, context, FILL_CHUNK):
+        end = min(context, start + FILL_CHUNK)
         model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
 
     def timed(n: int) -> tuple[float, torch.device]:

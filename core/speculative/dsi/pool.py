@@ -29,9 +29,8 @@ import torch
 from ...errors import SpecchatError
 from ...interrupt import Cancelled, cancel_flag, cancellable, roll_back, stoppable
 from ...model import CausalLM
-from ..hierarchy import common_prefix
+from ..token_cache import TokenCache
 
-PREFILL_CHUNK = 1024
 WAKE = -1  # the task id of `InstancePool.wake`'s message
 
 
@@ -71,32 +70,22 @@ def wait_unless_cancelled(seconds: float) -> None:
         raise Cancelled
 
 
-class CacheInstance:
-    def __init__(self, model: CausalLM, prefill_chunk: int = PREFILL_CHUNK):
-        self.model = model
-        self.cache = model.new_cache()
-        self.ids = torch.empty(0, dtype=torch.long)  # whose KV the cache holds
-        self.prefill_chunk = prefill_chunk
-        stoppable(model, self.cache)  # stops inside a forward where the cache can be rolled back
+class CacheInstance(TokenCache):
+    """A target instance: the model over a new cache of its own, read in prefill chunks, whose
+    forwards a cancelled task stops between layers (core/interrupt.py)."""
 
-    def run(self, tokens: torch.Tensor, count: int) -> torch.Tensor:
-        """Logits after each of the last `count` of `tokens`: [count, vocab]. Raises
-        `Cancelled` (the cache then holds what finished) when the task is cancelled."""
-        context = tokens.shape[0] - count
-        kept = common_prefix(self.ids, tokens[:context])
-        self.cache.trim(kept)
-        self.ids = tokens[:kept]
+    def __init__(self, model: CausalLM, prefill_chunk: int):
+        super().__init__(model, model.new_cache(), prefill_chunk=prefill_chunk)
+        stoppable(model, self.cache)
+
+    def logits(self, tokens: torch.Tensor, count: int) -> torch.Tensor:
+        """As `TokenCache.logits`; a cancelled task raises `Cancelled` with the cache holding
+        exactly the prompt chunks that finished."""
         try:
-            for start in range(kept, context, self.prefill_chunk):
-                end = min(context, start + self.prefill_chunk)
-                self.model.forward(tokens[start:end], torch.arange(start, end), self.cache, last_only=True)
-                self.ids = tokens[:end]
-            logits = self.model.forward(tokens[context:], torch.arange(context, tokens.shape[0]), self.cache)
+            return super().logits(tokens, count)
         except Cancelled:
             roll_back(self.cache, self.ids.shape[0])
             raise
-        self.ids = tokens
-        return logits
 
 
 @dataclass(frozen=True)
@@ -142,7 +131,7 @@ def _serve(make_model: Callable[[str], CausalLM], device: str, threads: int, pre
             cancel.clear()  # set only for this instance's task, and never once its result is read
             started = time.perf_counter()
             try:  # numpy arrays cross the process boundary as plain bytes (no shared-memory handles)
-                result = instance.run(torch.from_numpy(tokens), count).numpy()
+                result = instance.logits(torch.from_numpy(tokens), count).numpy()
             except Cancelled:
                 result = None
             except Exception as error:
@@ -246,19 +235,19 @@ _open_pools: weakref.WeakSet[InstancePool] = weakref.WeakSet()
 atexit.register(lambda: [pool.close() for pool in list(_open_pools)])
 
 
-def thread_pool(models: list[CausalLM]) -> InstancePool:
+def thread_pool(models: list[CausalLM], prefill_chunk: int) -> InstancePool:
     """One thread per model (in this process): the tests' and the simulation's instances."""
     def start(index, inbox, outbox, cancel):
         model = models[index]
         thread = threading.Thread(target=_serve, daemon=True, name=f"dsi-instance-{index}",
-                                  args=(lambda device: model, "cpu", 0, PREFILL_CHUNK, index, inbox, outbox, cancel))
+                                  args=(lambda device: model, "cpu", 0, prefill_chunk, index, inbox, outbox, cancel))
         thread.start()
         return thread
 
     return InstancePool(len(models), start, queue.Queue, threading.Event)
 
 
-def process_pool(loader: Callable[[str], CausalLM], devices: list[str], prefill_chunk: int = PREFILL_CHUNK,
+def process_pool(loader: Callable[[str], CausalLM], devices: list[str], prefill_chunk: int,
                  local: CausalLM | None = None) -> InstancePool:
     """One spawned process per device ("cpu" entries: CPU processes standing in for GPUs), each
     loading its own copy of the target; CPU processes share the cores evenly. `local`: the

@@ -21,7 +21,7 @@ START_LOOKAHEAD = 4  # until latencies are measured, where the plan predicts non
 
 class DsiRuntime:
     def __init__(self, target: CausalLM, loader: Callable[[str], CausalLM] | None, name: str,
-                 draft: CausalLM | None = None, plan_devices: tuple[str, ...] = (), prefill_chunk: int = 1024,
+                 prefill_chunk: int, draft: CausalLM | None = None, plan_devices: tuple[str, ...] = (),
                  draft_cache: tuple[int, int] = (4, 256), lookahead: int | None = None):
         self.target, self.loader, self.name = target, loader, name
         self.draft = draft  # the pair's draft model drafts when there is one, else prompt lookup
@@ -58,7 +58,7 @@ class DsiRuntime:
                 weakref.finalize(self, self.pool.close)  # the processes end with their owner
                 self._devices = devices
             sinks, window = self.draft_cache
-            drafter = (ModelDrafter(self.draft, sinks, window, False, "pair") if self.draft is not None
+            drafter = (ModelDrafter(self.draft, sinks, window, False, "pair", self.prefill_chunk) if self.draft is not None
                        else PromptLookupDrafter(self.target.vocab_size, min_ngram=1))
             self._answering = DsiDecoder(drafter, self.pool, start=self.lookahead, plain_steps=plain_steps)
             return self._answering
