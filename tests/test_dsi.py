@@ -26,6 +26,9 @@ from specchat.core.speculative.dsi.policy import (DECAY, NEAR_PATIENCE, PROBE_BA
 from specchat.core.speculative.dsi.pool import thread_pool, wait_unless_cancelled
 from specchat.core.speculative.hierarchy import ModelDrafter
 from specchat.core.request import Request
+from specchat.core.runtime import EngineSettings
+
+PREFILL_CHUNK = EngineSettings().prefill_chunk  # the engine's, where a test builds a decoder itself
 
 
 class Slow:
@@ -47,7 +50,7 @@ class Slow:
 
 
 def instances(model, count, seconds=0.01, jitter=0.0):
-    return thread_pool([Slow(copy.deepcopy(model), seconds, jitter, seed) for seed in range(count)])
+    return thread_pool([Slow(copy.deepcopy(model), seconds, jitter, seed) for seed in range(count)], PREFILL_CHUNK)
 
 
 def alternating(decoder: DsiDecoder, period: int) -> DsiDecoder:
@@ -95,7 +98,7 @@ def test_greedy_dsi_equals_greedy_plain(drafter, workers, jitter):
         for name, prompt in prompts(seed).items():
             plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
             source = (PromptLookupDrafter(target.vocab_size, min_ngram=1) if drafter == "lookup"
-                      else ModelDrafter(noisy_copy(seed, 0.3, weight_scale=8.0), 2, 16, False, "pair"))
+                      else ModelDrafter(noisy_copy(seed, 0.3, weight_scale=8.0), 2, 16, False, "pair", PREFILL_CHUNK))
             decoder = DsiDecoder(source, pool, plain_steps=False)
             if seed == 1:
                 plain_tasks_at_even_positions(decoder)
@@ -121,7 +124,7 @@ def test_greedy_dsi_equals_greedy_plain_through_plain_steps_and_back():
         for name, prompt in prompts(seed).items():
             plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
             for source in (PromptLookupDrafter(target.vocab_size, min_ngram=1),
-                           ModelDrafter(noisy_copy(seed, 0.3, weight_scale=8.0), 2, 16, False, "pair")):
+                           ModelDrafter(noisy_copy(seed, 0.3, weight_scale=8.0), 2, 16, False, "pair", PREFILL_CHUNK)):
                 decoder = alternating(DsiDecoder(source, pool), 3)
                 parallel, _ = run_dsi(target, prompt, SamplingParams(), 40, decoder)
                 assert parallel == plain, (seed, name, type(source).__name__)
@@ -302,7 +305,7 @@ def probe_intervals(acceptance: float, tiers: list[int], tokens: int) -> list[in
     """The lean runs' lengths (each ends in a probe) over `tokens` plain steps, a zero-latency
     drafter right with probability `acceptance`, the instances never paying and each probe's tier
     taken from `tiers`."""
-    pool = thread_pool([WaitingTarget(0.002) for _ in range(2)])
+    pool = thread_pool([WaitingTarget(0.002) for _ in range(2)], PREFILL_CHUNK)
     decoder = DsiDecoder(CoinDrafter(0.0, acceptance, seed=0), pool)
     decoder.policy.pays = lambda fresh=True: False
     tiers = iter(tiers)
@@ -365,7 +368,7 @@ def test_sampled_dsi_over_the_hierarchy_samples_from_the_target(period, params=S
     drafted = accepted = plain_steps = 0
     for sample in range(1200):
         run_params = SamplingParams(params.temperature, params.top_k, params.top_p, seed=sample)
-        decoder = DsiDecoder(triforce_drafter(target, settings, draft), pool, plain_steps=False)
+        decoder = DsiDecoder(triforce_drafter(target, settings, draft, prefill_chunk=PREFILL_CHUNK), pool, plain_steps=False)
         if period is None:
             plain_tasks_at_even_positions(decoder)
         else:
@@ -414,7 +417,7 @@ def test_a_cancelled_forward_leaves_the_instance_as_if_it_never_ran():
     from specchat.core.interrupt import cancellable
 
     model = tiny_llama(3)
-    instance = dsi_pool.CacheInstance(model)
+    instance = dsi_pool.CacheInstance(model, PREFILL_CHUNK)
     tokens = torch.tensor(prompts(3)["n-gram hits"])
     flag = threading.Event()
     with cancellable(flag):
@@ -424,15 +427,13 @@ def test_a_cancelled_forward_leaves_the_instance_as_if_it_never_ran():
 
         hook = model.hf.base_model.layers[0].register_forward_hook(stop_after_the_first_layer)
         with pytest.raises(dsi_pool.Cancelled):
-            instance.run(tokens, 4)
+            instance.logits(tokens, 4)
         hook.remove()
         assert instance.ids.shape[0] == tokens.shape[0] - 4  # the prompt part finished before the stop
         flag.clear()
-        again = instance.run(tokens[:-1], 5)
-    fresh = dsi_pool.CacheInstance(tiny_llama(3)).run(tokens[:-1], 5)
+        again = instance.logits(tokens[:-1], 5)
+    fresh = dsi_pool.CacheInstance(tiny_llama(3), PREFILL_CHUNK).logits(tokens[:-1], 5)
     assert torch.equal(again, fresh)
-
-
 
 
 @needs_cuda
@@ -446,12 +447,12 @@ def test_greedy_dsi_over_cuda_processes_through_plain_steps_on_the_shared_target
     tiny_llama(0, weight_scale=8.0).hf.save_pretrained(tmp_path)
     loader = TargetLoader(str(tmp_path), LoadOptions("float64", "cuda:0", None, None))
     target = loader("cuda:0")
-    pool = process_pool(loader, ["cuda:0", "cuda:0"], local=target)
+    pool = process_pool(loader, ["cuda:0", "cuda:0"], PREFILL_CHUNK, local=target)
     plain_steps = tasks = 0
     for name, prompt in prompts(0).items():
         plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
         for source in (PromptLookupDrafter(target.vocab_size, min_ngram=1),
-                       ModelDrafter(noisy_copy(0, 0.3, weight_scale=8.0), 2, 16, False, "pair")):
+                       ModelDrafter(noisy_copy(0, 0.3, weight_scale=8.0), 2, 16, False, "pair", PREFILL_CHUNK)):
             decoder = alternating(DsiDecoder(source, pool), 3)
             parallel, _ = run_dsi(target, prompt, SamplingParams(), 40, decoder)
             assert parallel == plain, (name, type(source).__name__)

@@ -9,8 +9,10 @@ from test_decoding import exact_sequence_probs, prompts, run
 from test_tree_decoding import noisy_copy
 from specchat.core.decoding import TriforceSettings, triforce_decoder
 from specchat.core.sampling import SamplingParams
-from specchat.core.speculative import hierarchy
 from specchat.core.speculative.tree import Tree
+from specchat.core.runtime import EngineSettings
+
+PREFILL_CHUNK = EngineSettings().prefill_chunk  # the engine's, where a test builds a decoder itself
 
 # Prompts of about 40 tokens against a 24-position retrieval cache: the middle stage really
 # reads less than the target, and rebuilds every 8 committed tokens.
@@ -18,8 +20,7 @@ SMALL = dict(budget=24, chunk_size=4, recent=8, stride=8, sinks=2, window=16)
 
 
 @pytest.mark.parametrize("first_stage", ["lookup", "skip1", "pair", ""])
-def test_greedy_triforce_equals_greedy_plain(first_stage, monkeypatch):
-    monkeypatch.setattr(hierarchy, "PREFILL_CHUNK", 16)  # a separate draft reads the prompt in chunks
+def test_greedy_triforce_equals_greedy_plain(first_stage):
     final_drafted = final_accepted = 0
     stages: dict[str, dict[str, int]] = {}
     for seed in range(3):
@@ -27,7 +28,8 @@ def test_greedy_triforce_equals_greedy_plain(first_stage, monkeypatch):
         pair = noisy_copy(seed, 0.3, weight_scale=8.0)
         for name, prompt in prompts(seed).items():
             plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
-            decoder = triforce_decoder(target, TriforceSettings(draft=first_stage, **SMALL), pair)
+            # A separate draft reads the prompt in chunks (16 tokens: several per prompt).
+            decoder = triforce_decoder(target, TriforceSettings(draft=first_stage, **SMALL), pair, prefill_chunk=16)
             speculative, steps = run(target, prompt, "triforce", SamplingParams(), 40, decoder)
             assert speculative == plain, (first_stage, seed, name)
             final_drafted += sum(s.drafted for s in steps)
@@ -66,7 +68,7 @@ def test_sampled_triforce_samples_from_the_target(params=SamplingParams(temperat
     totals = {"final drafted": 0, "final accepted": 0, "middle drafted": 0, "middle accepted": 0}
     for sample in range(2000):
         run_params = SamplingParams(params.temperature, params.top_k, params.top_p, seed=sample)
-        decoder = triforce_decoder(target, settings, draft)
+        decoder = triforce_decoder(target, settings, draft, prefill_chunk=PREFILL_CHUNK)
         tokens, steps = run(target, prompt, "triforce", run_params, 4, decoder)
         counts[tuple(tokens)] += 1
         totals["final drafted"] += sum(s.drafted for s in steps)
@@ -90,7 +92,7 @@ def test_greedy_triforce_with_a_final_tree_equals_greedy_plain():
         target = tiny_llama(seed, weight_scale=8.0)
         for name, prompt in prompts(seed).items():
             plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
-            decoder = triforce_decoder(target, TriforceSettings(tree=TREE, **SMALL))
+            decoder = triforce_decoder(target, TriforceSettings(tree=TREE, **SMALL), prefill_chunk=PREFILL_CHUNK)
             speculative, steps = run(target, prompt, "triforce", SamplingParams(), 40, decoder)
             assert speculative == plain, (seed, name)
             final_drafted += sum(s.drafted for s in steps)
@@ -113,7 +115,7 @@ def test_sampled_triforce_with_a_final_tree_samples_from_the_target():
     drafted = accepted = 0
     for sample in range(1500):
         tokens, steps = run(target, prompt, "triforce", SamplingParams(0.8, seed=sample), 4,
-                            triforce_decoder(target, settings))
+                            triforce_decoder(target, settings, prefill_chunk=PREFILL_CHUNK))
         counts[tuple(tokens)] += 1
         drafted += sum(s.drafted for s in steps)
         accepted += sum(s.accepted for s in steps)

@@ -22,45 +22,12 @@ from ..kv.streaming import StreamingCache
 from ..model import CausalLM
 from ..sampling import sample, warp
 from .drafters import Proposal, QueryBlind
+from .token_cache import TokenCache, common_prefix
 from .verify import verify_chain
 
 if TYPE_CHECKING:
     from .types import DecodeState, Drafter
 
-PREFILL_CHUNK = 1024  # a separate draft model reads the prompt in chunks this long
-
-
-def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(a.shape[0], b.shape[0])
-    differs = (a[:n] != b[:n]).nonzero()
-    return int(differs[0]) if differs.numel() else n
-
-
-class CacheFollower:
-    """A model with a cache of its own that follows a token sequence which grows and is rolled
-    back: each call rolls the cache back to what still matches, then runs the rest."""
-
-    def __init__(self, model: CausalLM, cache, ids: torch.Tensor | None = None):
-        self.model = model
-        self.cache = cache
-        self.ids = ids if ids is not None else torch.empty(0, dtype=torch.long)  # whose KV the cache holds
-        self.forwards = 0
-
-    def logits(self, seq: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
-        """Logits after `seq[-1]` and after each of `extra`: [len(extra) + 1, vocab]."""
-        self.cache.trim(common_prefix(self.ids, seq[:-1]))
-        start = self.cache.length  # a streaming cache may hold less than it was rolled back to
-        run = torch.cat([seq[start:], extra])
-        logits = self.model.forward(run, torch.arange(start, start + run.shape[0]), self.cache)
-        self.ids = torch.cat([seq, extra])
-        self.forwards += 1
-        return logits[-(extra.shape[0] + 1):]
-
-    def read(self, seq: torch.Tensor) -> None:
-        """Bring the cache to all of `seq` without computing logits (a prompt chunk)."""
-        start = self.cache.length
-        self.model.forward(seq[start:], torch.arange(start, seq.shape[0]), self.cache, last_only=True)
-        self.ids = seq
 
 
 class ModelDrafter(QueryBlind):
@@ -72,12 +39,14 @@ class ModelDrafter(QueryBlind):
     full cache; otherwise the draft reads the prompt itself, in chunks, compacting as it goes.
     """
 
-    def __init__(self, model: CausalLM, sinks: int, window: int, shares_target_kv: bool, name: str):
+    def __init__(self, model: CausalLM, sinks: int, window: int, shares_target_kv: bool, name: str,
+                 prefill_chunk: int):
         self.model = model
+        self.prefill_chunk = prefill_chunk  # a separate draft reads the prompt in chunks this long
         self.sinks, self.window = sinks, window
         self.shares_target_kv = shares_target_kv
         self.name = name
-        self.follower: CacheFollower | None = None
+        self.follower: TokenCache | None = None
 
     def draft(self, state: DecodeState, seq: torch.Tensor, max_tokens: int) -> Proposal | None:
         if max_tokens < 1:
@@ -87,7 +56,7 @@ class ModelDrafter(QueryBlind):
         tokens: list[int] = []
         rows = []
         for _ in range(max_tokens):
-            logits = self.follower.logits(seq, torch.tensor(tokens, dtype=torch.long))[-1]
+            logits = self.follower.logits(torch.cat([seq, torch.tensor(tokens, dtype=torch.long)]), 1)[-1]
             if not tokens:
                 self.follower.cache.compact()  # between drafts only: rollback stays within the window
             rows.append(warp(logits, state.params))
@@ -97,15 +66,15 @@ class ModelDrafter(QueryBlind):
     def counts(self) -> dict[str, dict[str, int]]:
         return {self.name: {"forwards": self.follower.forwards if self.follower else 0}}
 
-    def _start(self, state: DecodeState) -> CacheFollower:
+    def _start(self, state: DecodeState) -> TokenCache:
         config = self.model.config
         if self.shares_target_kv:
             cache = StreamingCache.from_layers(config, state.cache.layers()[:self.model.num_layers],
                                                self.sinks, self.window, self.model.device)
-            return CacheFollower(self.model, cache, state.ids[:state.cache.length])
-        follower = CacheFollower(self.model, StreamingCache(config, self.sinks, self.window))
+            return TokenCache(self.model, cache, state.ids[:state.cache.length])
+        follower = TokenCache(self.model, StreamingCache(config, self.sinks, self.window))
         committed = state.ids[:-1]
-        for end in range(PREFILL_CHUNK, committed.shape[0] + 1, PREFILL_CHUNK):
+        for end in range(self.prefill_chunk, committed.shape[0] + 1, self.prefill_chunk):
             follower.read(committed[:end])
             follower.cache.compact()
         return follower
@@ -115,7 +84,7 @@ class VerifiedStage(QueryBlind):
     """A model over its own cache verifies `drafter`'s tokens, `gamma` at a time, and hands on
     what it accepted and recovered, with its own P as their distributions."""
 
-    def __init__(self, drafter: Drafter, follower: CacheFollower, gamma: int, name: str):
+    def __init__(self, drafter: Drafter, follower: TokenCache, gamma: int, name: str):
         if gamma < 1:
             raise ValueError(f"gamma must be at least 1, got {gamma}")
         self.drafter = drafter
@@ -135,7 +104,8 @@ class VerifiedStage(QueryBlind):
             # This stage's forward yields one token beyond the draft: draft at most remaining - 1.
             proposal = self.drafter.draft(state, current, min(self.gamma, max_tokens - len(tokens) - 1))
             draft_tokens = proposal.tokens if proposal is not None else current[:0]
-            p = warp(self.follower.logits(current, draft_tokens), state.params)  # [g + 1, vocab]
+            p = warp(self.follower.logits(torch.cat([current, draft_tokens]), draft_tokens.shape[0] + 1),
+                     state.params)  # [g + 1, vocab]
             if proposal is None or len(proposal) == 0:
                 tokens.append(sample(p[0], state.generator))
                 rows.append(p[:1])
@@ -168,7 +138,7 @@ class RetrievalStage(VerifiedStage):
 
     def __init__(self, drafter: Drafter, model: CausalLM, gamma: int, budget: int, chunk_size: int,
                  recent: int, stride: int, min_acceptance: float = 0.5, name: str = "retrieval"):
-        super().__init__(drafter, CacheFollower(model, None), gamma, name)
+        super().__init__(drafter, TokenCache(model, None), gamma, name)
         self.budget, self.chunk_size, self.recent = budget, chunk_size, recent
         self.stride, self.min_acceptance = stride, min_acceptance
         self.builds = 0

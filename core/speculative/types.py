@@ -37,6 +37,10 @@ class Step:
 
 @dataclass
 class DecodeState:
+    """One answer's state: the target, its full cache, the text so far and how to sample. Unlike a
+    `TokenCache` (token_cache.py), `ids` runs one token past the cache: the last committed token
+    is read by the next step's forward."""
+
     model: CausalLM
     cache: KVCache
     ids: torch.Tensor  # [L] prompt and committed tokens
