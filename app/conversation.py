@@ -30,6 +30,7 @@ NEW_TITLE = "New chat"
 TITLE_LENGTH = 48
 INTERRUPTED = "*(interrupted)*"
 PASTED_NAME = "pasted document"  # the name of a document pasted rather than uploaded
+LAST_SHOWABLE_TIME = 253402300799  # 9999-12-31 23:59:59 UTC: time.localtime's last year on every platform
 LEFT_OUT = "*(left out of what the model reads, to make room)*"
 
 
@@ -225,8 +226,8 @@ def _check_types(conversation: Conversation) -> None:
     for name, kind in fields.items():
         if not isinstance(getattr(conversation, name), kind) or isinstance(getattr(conversation, name), bool):
             raise ValueError(f"field {name!r} has the wrong type")
-    if not (math.isfinite(conversation.created) and math.isfinite(conversation.updated)):
-        raise ValueError("the times must be finite numbers")
+    if not (_is_time(conversation.created) and _is_time(conversation.updated)):
+        raise ValueError("the times must be dates between 1970 and 9999")
     if not all(value is None or isinstance(value, (str, int, float)) and not isinstance(value, bool)
                for value in conversation.settings.values()):
         raise ValueError("the settings hold numbers and words")
@@ -274,4 +275,16 @@ def _check_answer(message: dict) -> None:
 
 
 def _is_number(value, kind: type | tuple = (int, float)) -> bool:
-    return isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+    """A number the views can show: an integer too large for a float counts as none (formatting
+    it would raise OverflowError where no one catches it)."""
+    if not isinstance(value, kind) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _is_time(value) -> bool:
+    """Seconds since 1970 that `time.localtime` can show (the list labels repeated titles with it)."""
+    return _is_number(value) and 0 <= value <= LAST_SHOWABLE_TIME

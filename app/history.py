@@ -166,6 +166,9 @@ class HistoryStore:
             conversation = self._read(path)
         except FileNotFoundError:  # deleted since the folder was listed
             return None
+        except OSError as error:  # a symlink loop, no permission: `_read` words it the same way
+            self._report(f"cannot read the saved conversation {path}: {error.strerror or error}; it was skipped")
+            return None
         except _Unreadable as unreadable:
             self._report(unreadable.problem)
             return None

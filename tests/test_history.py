@@ -367,6 +367,11 @@ BROKEN = {
     "tokens-a-bool": json.dumps({**GOOD, "messages": [user("q", {**DOCUMENT, "tokens": True})]}).encode(),
     "note-a-number": json.dumps({**GOOD, "messages": [user("q", {**DOCUMENT, "note": 3})]}).encode(),
     "time-not-finite": json.dumps({**GOOD, "updated": float("nan")}).encode(),
+    # Past what a clock can show: math.isfinite raised OverflowError on the integer, and
+    # time.localtime on the float when the list labels repeated titles.
+    "time-of-400-digits": json.dumps({**GOOD, "updated": 10 ** 400}).encode(),
+    "time-past-year-9999": json.dumps({**GOOD, "updated": 1e300}).encode(),
+    "stat-of-400-digits": with_message(stats={"tokens_per_second": 10 ** 400}).encode(),
     "unknown-field": json.dumps({**GOOD, "colour": "red"}).encode(),
 }
 
@@ -390,6 +395,19 @@ def test_any_broken_file_is_set_aside_and_the_list_still_renders(tmp_path, case)
     broken.write_bytes(BROKEN[case])  # and opening one directly says so in one line
     with pytest.raises(InputError, match="could not be read and was set aside"):
         store.load("c" * 32)
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symlinks")
+def test_a_symlink_loop_named_like_a_conversation_is_skipped_and_the_list_renders(tmp_path):
+    store = HistoryStore(tmp_path)
+    good = saved(store)
+    loop = tmp_path / f"{'e' * 32}.json"
+    os.symlink(loop, loop)  # stat() raises ELOOP
+    assert [summary.id for summary in store.list()] == [good.id]
+    [problem] = store.take_problems()
+    assert str(loop) in problem and "skipped" in problem
+    with pytest.raises(InputError, match="skipped"):
+        store.load("e" * 32)
 
 
 def test_a_second_broken_copy_does_not_replace_the_first(tmp_path):
