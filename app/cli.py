@@ -190,13 +190,16 @@ def main(argv: list[str] | None = None) -> int:
             from .terminal import run_chat, read_chat_document
             document = read_chat_document(args)  # a bad file fails before the model loads
             return run_chat(load(args), args, document)
+        from .key_attempts import checked_api_key
+
         hosts = allowed_hosts(args)  # a bad name, registry or --models-file fails here, before the server
+        api_key = checked_api_key(args.api_key if hasattr(args, "api_key") else os.environ.get("SPECCHAT_API_KEY"))
         registry(args)
         from .ui import launch
         launch(lambda model, progress: load(args, model, progress=progress), model_id(args), getattr(args, "models_file", None),
                host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
                open_browser=not getattr(args, "no_browser", False),
-               api_key=getattr(args, "api_key", None) or os.environ.get("SPECCHAT_API_KEY") or None,
+               api_key=api_key,
                allowed_hosts=hosts)
         return 0
     except SpecchatError as error:

@@ -25,6 +25,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 
 from ..core import limits
 from ..core.errors import InputError
+from .key_attempts import KeyAttempts
 
 LOGIN_PATH = "/login"
 UPLOAD_PATH = "/gradio_api/upload"
@@ -155,10 +156,12 @@ class _TooLarge(Exception):
 class Guard:
     """The ASGI middleware around the whole server (http and websocket; lifespan passes)."""
 
-    def __init__(self, app, api_key: str | None, bound: str, added: Iterable[str] = ()):
+    def __init__(self, app, api_key: str | None, bound: str, added: Iterable[str] = (),
+                 attempts: KeyAttempts | None = None):
         added = tuple(added)
         self.app, self.api_key = app, api_key
         self.names, self.added = allowed_names(bound, added), frozenset(map(host_name, added))
+        self.attempts = attempts or KeyAttempts()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
@@ -166,6 +169,8 @@ class Guard:
         headers = Headers(scope=scope)
         refusal = self._refusal(scope, headers)
         if refusal is not None:
+            if refusal.status_code == 401 and _presents_a_key(headers):
+                await self.attempts.failed(_client(scope))
             if scope["type"] == "websocket":  # closing before accepting answers the handshake with 403
                 return await send({"type": "websocket.close", "code": 1008})
             return await refusal(scope, receive, send)
@@ -252,11 +257,21 @@ class Guard:
                 break
         key = urllib.parse.parse_qs(body.decode("utf-8", "replace")).get("key", [""])[0]
         if not secrets.compare_digest(key.encode(), self.api_key.encode()):
+            await self.attempts.failed(_client(scope))
             return await HTMLResponse(login_page("That is not the key: try again."), 401)(scope, receive, send)
         response = RedirectResponse("/", 303)
         response.set_cookie(COOKIE, session_token(self.api_key), max_age=COOKIE_MAX_AGE, path="/",
                             httponly=True, samesite="strict")
         return await response(scope, receive, send)
+
+
+def _presents_a_key(headers: Headers) -> bool:
+    """A guess: a request with a Bearer header or the login cookie (one with neither is not)."""
+    return bool(headers.get("authorization")) or COOKIE in cookie_parser(headers.get("cookie", ""))
+
+
+def _client(scope) -> str:
+    return scope["client"][0] if scope.get("client") else "an unknown client"
 
 
 def login_page(problem: str = "") -> str:

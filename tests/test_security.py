@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from live_server import free_port
+from specchat.app.key_attempts import KeyAttempts
 from test_browser import playwright_browser  # noqa: F401 (a fixture)
 
 KEY = "s3cret-key-for-tests"
@@ -47,6 +48,9 @@ def server(tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
         handle = EngineHandle(lambda model, progress: load_engine(model, progress=progress), str(tiny_model_dir))
         app = build_app(handle, HistoryStore(tmp_path_factory.mktemp("conversations")), api_key=KEY,
                         allowed_hosts=[ALLOWED])
+        # The route scan sends a wrong key to every route on purpose; the delays that slow wrong
+        # keys down have tests of their own (test_key_attempts.py).
+        app.attempts = KeyAttempts(delay=lambda failures: 0.0)
         port = free_port()
         uvicorn_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=uvicorn_server.run, daemon=True)
