@@ -2,7 +2,8 @@
 
 Every file is measured before it is read and read no further than its limit (`core.limits`): a
 plain-text file is its own text, so `DOCUMENT_TEXT` bounds it; a PDF, .docx or HTML file is bound by
-`DOCUMENT_FILE` and its readers count the text they produce.
+`DOCUMENT_FILE`, its readers count the text they produce, and they run in a process of their own
+with a time and memory limit (document_worker.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from ..core.errors import InputError
 from ..core.limits import DOCUMENT_FILE, DOCUMENT_TEXT, Limit
 from .document_formats import docx_text, html_text, pdf_text
+from .document_worker import read_in_worker
 
 TEXT_SUFFIXES = (".txt", ".md")
 DOCUMENT_SUFFIXES = (".txt", ".md", ".pdf", ".docx", ".html", ".htm")
@@ -27,16 +29,21 @@ def read_document(path: str | Path) -> str:
         raise InputError(f"cannot read {path}: {suffix or 'a file without a suffix'} is not a supported "
                          f"document type; use one of {', '.join(DOCUMENT_SUFFIXES)}")
     if suffix == ".pdf":
-        text = pdf_text(read_bytes(path, DOCUMENT_FILE), path)
+        text = read_in_worker(pdf_text, read_bytes(path, DOCUMENT_FILE), path)
     elif suffix == ".docx":
-        text = docx_text(read_bytes(path, DOCUMENT_FILE), path)
+        text = read_in_worker(docx_text, read_bytes(path, DOCUMENT_FILE), path)
     elif suffix in (".html", ".htm"):
-        text = html_text(_decode(read_bytes(path, DOCUMENT_FILE), path), path)
+        text = read_in_worker(html_bytes_text, read_bytes(path, DOCUMENT_FILE), path)
     else:
         text = read_text_file(path)
     if not text.strip():
         raise InputError(f"{path} is empty: give a document that contains some text")
     return text
+
+
+def html_bytes_text(data: bytes, path: Path) -> str:
+    """An HTML file's visible text (decoded in the reader's process too)."""
+    return html_text(_decode(data, path), path)
 
 
 def read_document_or_text(path: str | Path) -> str:

@@ -43,6 +43,9 @@ LIGHT = {"show_progress": "hidden", "concurrency_id": "light", "concurrency_limi
 # One count at a time, in the order asked: a slow count of an earlier text (a long document
 # just replaced) finishing after the newer one would leave the meter showing what is gone.
 METERING = {"show_progress": "hidden", "concurrency_id": "meter", "concurrency_limit": 1}
+# Reading an attached file: up to its reader's time limit (app/document_worker.py), so never in
+# the light line that open, rename and New share.
+READING = {"show_progress": "hidden", "concurrency_id": "reading", "concurrency_limit": 2}
 # Dark mode follows the visitor's last choice (kept in the browser), else the system's.
 DARK_MODE_JS = """() => { const dark = !document.body.classList.contains('dark');
   document.body.classList.toggle('dark', dark); localStorage.setItem('specchat-dark', dark ? '1' : '0'); }"""
@@ -186,7 +189,7 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     for box in (page.pasted, page.max_new_tokens, page.system):
         box.change(on.update_meter, meter_inputs, page.meter, trigger_mode="always_last", **METERING)
     # Typing recounts the meter; a file put in the box is attached first, then counted.
-    page.message.change(on.once(on.attach_dropped), page.message, outputs, trigger_mode="always_last", **LIGHT).then(
+    page.message.change(on.once(on.attach_dropped), page.message, outputs, trigger_mode="always_last", **READING).then(
         on.update_meter, meter_inputs, page.meter, **METERING)
     page.pasted.change(lambda attached, text: gr.update() if attached else logic.pasted_chip(text),
                        [page.attachment, page.pasted], page.attachment_line, trigger_mode="always_last", **LIGHT)
