@@ -18,6 +18,7 @@ from typing import NoReturn
 from ..core.errors import InputError, SpecchatError, first_line
 from ..core.modes import MAX_DSI_WORKERS, REQUEST_MODES
 from .session import context_of, cut_off_note, load, model_id, registry, request_from_args, sampling_params
+from .terminal_text import for_terminal
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                allowed_hosts=hosts)
         return 0
     except SpecchatError as error:
-        print(f"specchat: error: {error}", file=sys.stderr)
+        print(f"specchat: error: {for_terminal(str(error))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("specchat: interrupted", file=sys.stderr)
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # the last line of defence: one line, never a traceback
         if os.environ.get("SPECCHAT_DEBUG"):
             raise
-        print(f"specchat: unexpected error: {type(error).__name__}: {first_line(error)} "
+        print(f"specchat: unexpected error: {type(error).__name__}: {for_terminal(first_line(error))} "
               "(set SPECCHAT_DEBUG=1 for details)", file=sys.stderr)
         return EXIT_FAILURE
 
@@ -274,9 +275,9 @@ def _generate(args) -> int:
     options = tree_draft if args.mode == "tree" else triforce if args.mode in ("auto", "triforce") else None
     for event in engine.generate(prompt_ids, request_from_args(args, params, saved_tokens, options)):
         if isinstance(event, Notice):
-            print(f"specchat: note: {event.text}", file=sys.stderr)
+            print(f"specchat: note: {for_terminal(event.text)}", file=sys.stderr)
         elif isinstance(event, TextDelta) and not args.json:
-            sys.stdout.write(event.text)
+            sys.stdout.write(for_terminal(event.text))  # --json keeps the exact text
             sys.stdout.flush()
         elif isinstance(event, Finished):
             result = event.result

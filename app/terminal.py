@@ -8,6 +8,7 @@ from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
 from ..core.errors import InputError, SpecchatError
 from .documents import document_tokens, read_document_or_text, user_turn
 from .session import cut_off_note, request_from_args, sampling_params
+from .terminal_text import for_terminal
 
 HELP = "Type a message. /reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops an answer."
 
@@ -31,7 +32,7 @@ def run_chat(engine, args, document: str | None = None, stdin=sys.stdin, stdout=
     saved_tokens = document_tokens(engine, system, document) if document and args.cache_document else 0
     history: list[dict] = []
     about = f" about {args.document} ({engine.count_tokens(document):,} tokens)" if document else ""
-    print(f"specchat chat on {engine.name}{about}. {HELP}", file=stdout)
+    print(for_terminal(f"specchat chat on {engine.name}{about}. {HELP}"), file=stdout)
     while True:
         stdout.write("\nyou> ")
         stdout.flush()
@@ -65,14 +66,14 @@ def _answer(engine, messages, args, params, stdout, saved_tokens: int = 0) -> st
                     stdout.write("\rspecchat> \033[K")
                     reading = False
                 text += event.text
-                stdout.write(event.text)
+                stdout.write(for_terminal(event.text))
                 stdout.flush()
             elif isinstance(event, PrefillProgress) and event.total > 2048 and stdout.isatty():
                 stdout.write(f"\rspecchat> (reading {event.done:,} of {event.total:,} tokens)\033[K")
                 stdout.flush()
                 reading = True
             elif isinstance(event, Notice):
-                stdout.write(f"\n(note: {event.text})\n")
+                stdout.write(f"\n(note: {for_terminal(event.text)})\n")
             elif isinstance(event, Finished):
                 stats = event.result.stats
                 reused = f", {stats.reused_prompt_tokens:,} prompt tokens reused" if stats.reused_prompt_tokens else ""
@@ -82,10 +83,10 @@ def _answer(engine, messages, args, params, stdout, saved_tokens: int = 0) -> st
     except KeyboardInterrupt:
         stdout.write("\n(stopped)\n")
     except SpecchatError as error:
-        stdout.write(f"\n(error: {error}; /reset starts a new conversation)\n")
+        stdout.write(f"\n(error: {for_terminal(str(error))}; /reset starts a new conversation)\n")
         return None
     except Exception as error:  # a failed turn must not end the conversation
-        stdout.write(f"\n(unexpected error: {type(error).__name__}: {error})\n")
+        stdout.write(f"\n(unexpected error: {type(error).__name__}: {for_terminal(str(error))})\n")
         return None
     finally:
         if events is not None:
