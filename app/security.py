@@ -32,7 +32,6 @@ UPLOAD_PATH = "/gradio_api/upload"
 COOKIE = "specchat_session"
 COOKIE_MAX_AGE = 30 * 24 * 3600
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-STATE_CHANGING = ("POST", "PUT", "DELETE", "PATCH")
 LOGIN_BODY_BYTES = 4096
 # An upload's body is its file plus the multipart framing (boundaries, part headers).
 MULTIPART_ALLOWANCE = 64 * 1024
@@ -185,11 +184,13 @@ class Guard:
         if not host_allowed(host, self.names):
             return _error(400, f"unknown host {host_name(host)!r}; start specchat with --allow-host "
                                f"{host_name(host) or 'NAME'} to allow it")
+        # Browsers send Origin on cross-origin reads too, and Gradio answers those with the origin
+        # echoed and credentials allowed: a page on another local port (the same site, so the
+        # cookie goes along) could read /config. No other page may read or write here.
         origin = headers.get("origin")
-        cross_site_write = scope["type"] == "websocket" or scope["method"] in STATE_CHANGING
-        if origin is not None and cross_site_write and not origin_allowed(origin, host, self.added):
+        if origin is not None and not origin_allowed(origin, host, self.added):
             return _error(403, f"refused a request from the web page at {origin}: only this app's own "
-                               "page may change things here", "permission_error")
+                               "page may use it", "permission_error")
         if self.api_key is None or scope["path"] == LOGIN_PATH or authorized(headers, self.api_key):
             return None
         if scope["type"] == "http" and scope["method"] in ("GET", "HEAD") and "text/html" in headers.get("accept", ""):

@@ -180,6 +180,18 @@ def test_a_cross_site_write_is_refused_even_with_the_key(server):
     assert own.status_code != 403
 
 
+@pytest.mark.slow
+def test_a_page_on_another_local_port_cannot_read_with_the_cookie(server):
+    """Same site (the cookie goes along), another origin: Gradio echoed it with credentials allowed."""
+    cookie = {"Cookie": f"specchat_session={login_cookie(server)}"}
+    for path in ("/config", "/gradio_api/info", "/v1/models"):
+        for origin in (f"http://127.0.0.1:{server.port + 1}", f"http://localhost:{server.port}", "null"):
+            refused = get(server, path, headers={**cookie, "Origin": origin})
+            assert refused.status_code == 403 and "access-control-allow-origin" not in refused.headers, (path, origin)
+        assert get(server, path, headers={**cookie, "Origin": server.url}).status_code == 200, path
+        assert get(server, path, headers=cookie).status_code == 200, path  # same-origin reads send no Origin
+
+
 # ---- files an event receives ------------------------------------------------------------------
 
 
