@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import webbrowser
@@ -293,6 +294,10 @@ def _quiet_forced_shutdown(record: logging.LogRecord) -> bool:
     return not (cut or "timeout graceful shutdown exceeded" in record.getMessage())
 
 
+def _stop_as_ctrl_c(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "embedded", registry_file: str | None = None,
            host: str = DEFAULT_HOST, port: int = 7860, open_browser: bool = True, api_key: str | None = None,
            allowed_hosts: Iterable[str] = ()) -> None:
@@ -324,6 +329,9 @@ def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "e
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", ws_max_size=limits.REQUEST_BODY.bytes,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)  # configures uvicorn's logging
     logging.getLogger("uvicorn.error").addFilter(_quiet_forced_shutdown)
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again with the handler found at
+    # start: Python's default would end the process there, exit handlers (the export folder) unrun.
+    signal.signal(signal.SIGTERM, _stop_as_ctrl_c)
     try:
         uvicorn.Server(config).run()
     except KeyboardInterrupt:
