@@ -103,8 +103,10 @@ def _load_model(path: Path, options: LoadOptions | None):
 
 
 def _document_store(weights_key: str, model: TransformersLM) -> DocumentStore:
-    """`weights_key` names these exact weights; with the dtype it keys saved document caches."""
-    return DocumentStore(embedded.cache_root() / "documents", f"{weights_key}:{model.dtype}", DOCUMENT_CACHE_BYTES)
+    """`weights_key` names these exact weights; with the dtype (and an 8-bit KV's) it keys saved
+    document caches."""
+    kv = f":kv-{model.kv_dtype}" if model.kv_dtype else ""  # unchanged without one: saved documents stay valid
+    return DocumentStore(embedded.cache_root() / "documents", f"{weights_key}:{model.dtype}{kv}", DOCUMENT_CACHE_BYTES)
 
 
 def _newest_weights(path: Path) -> int:

@@ -19,6 +19,7 @@ from .hardware import cap_cuda_allocator
 from .host_embedding import compute_device, embedding_on_cpu
 from .kv.cache import KVCache
 from .kv.full import FullCache
+from .kv.int8 import Int8Cache
 from .kv.offload import OffloadedCache
 from .kv.queries import ATTENTION, new_tokens_see_the_past, record_queries
 
@@ -77,7 +78,8 @@ def _bitsandbytes(quantization: str, compute_dtype: torch.dtype, quantize_head: 
 class TransformersLM:
     """A transformers causal LM (batch of one) behind the `CausalLM` interface."""
 
-    def __init__(self, hf_model, vocab_size: int | None = None, offload_capacity: int | None = None):
+    def __init__(self, hf_model, vocab_size: int | None = None, offload_capacity: int | None = None,
+                 kv_dtype: str | None = None):
         self.hf = hf_model.eval()
         # SDPA that can also record queries, which the retrieval cache scores with (kv/queries.py).
         self.hf.set_attn_implementation(ATTENTION)
@@ -93,6 +95,14 @@ class TransformersLM:
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         # Positions of full KV kept in (pinned) CPU memory and streamed per layer; None: on the device.
         self.offload_capacity = offload_capacity
+        # None: the KV in the compute dtype; "int8": 8-bit codes with a scale per token and KV head.
+        if kv_dtype not in (None, "int8"):
+            raise ValueError(f"kv_dtype must be None or 'int8', got {kv_dtype!r}")
+        if kv_dtype is not None and offload_capacity is not None:
+            raise ValueError("an 8-bit KV cache cannot be offloaded (not built yet): ask for one or the other")
+        self.kv_dtype = kv_dtype
+        if kv_dtype == "int8":
+            Int8Cache(config, self.hf.dtype)  # a model it cannot serve fails at load, not at its first answer
         # transformers 5.24 renamed `past_key_values` to `cache` and warns on every forward with
         # the old name (a line per token); older 5.x knows only the old name.
         forward_parameters = inspect.signature(self.hf.forward).parameters
@@ -102,7 +112,7 @@ class TransformersLM:
     def from_pretrained(cls, path: Path | str, options: LoadOptions | None = None,
                         vocab_size: int | None = None) -> "TransformersLM":
         """fp32 on the CPU by default; `options` (from the plan) set dtype, devices, bitsandbytes
-        quantization and rope scaling."""
+        quantization, rope scaling and where and in what precision the KV is kept."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa", "use_safetensors": True}
@@ -122,7 +132,9 @@ class TransformersLM:
         hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         if options is not None and options.embedding_on_cpu:
             embedding_on_cpu(hf_model)
-        return cls(hf_model, vocab_size, options.offload_capacity if options is not None else None)
+        if options is None:
+            return cls(hf_model, vocab_size)
+        return cls(hf_model, vocab_size, options.offload_capacity, options.kv_dtype)
 
     def truncated(self, num_layers: int) -> "TransformersLM":
         """A layer-skip self-draft: the first `num_layers` decoder layers, then the final norm and
@@ -176,6 +188,8 @@ class TransformersLM:
         return self
 
     def new_cache(self) -> FullCache | OffloadedCache:
+        if self.kv_dtype == "int8":
+            return Int8Cache(self.hf.config, self.hf.dtype)
         if self.offload_capacity is not None:
             return OffloadedCache(self.hf.config, self.offload_capacity, self.device, self.hf.dtype)
         return FullCache(self.hf.config)

@@ -1,5 +1,6 @@
 """How a plan's choices become loading options: dtype, devices, quantization, rope scaling and
-where the full KV lives. Pure, so every machine's mapping is tested without its hardware."""
+where (and in what precision) the full KV lives. Pure, so every machine's mapping is tested
+without its hardware."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class LoadOptions:
     offload_capacity: int | None = None  # positions of full KV kept in pinned CPU memory (None: on the device)
     quantize_head: bool = False  # the output head quantized as the layers are (bitsandbytes skips it by default)
     embedding_on_cpu: bool = False  # the input embedding in CPU memory, the layers on the GPU(s)
+    kv_dtype: str | None = None  # None: the KV in `dtype`; "int8": 8-bit with a scale per token (kv/int8.py)
 
 
 def target_options(plan: Plan, spec: ModelSpec) -> LoadOptions:

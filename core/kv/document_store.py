@@ -1,7 +1,8 @@
 """Saved document caches: a long document's KV written to disk once, loaded instead of a prefill
 when the same document comes back, also after a restart.
 
-One safetensors file per document prefix: per-layer keys and values, the token ids themselves,
+One safetensors file per document prefix: per-layer keys and values (an 8-bit cache's codes and
+scales as they are, so a reloaded document is attended to bit for bit as before), the token ids,
 and metadata naming the model (weights and revision), the dtype and a hash of the ids. A file
 that cannot be read, or whose ids, shapes or dtype do not match what it claims, is reported,
 deleted and never trusted. The folder is kept under a disk budget, least recently used first;
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .full import FullCache
+from .int8 import Int8Cache
 
 FORMAT = "specchat-kv-1"
 # A save writes for seconds; a temporary older than this was left by a process that died
@@ -62,7 +64,7 @@ class DocumentStore:
         """Write the first `len(ids)` positions of `cache`; None when it alone exceeds the budget."""
         from safetensors.torch import save_file
 
-        layers = cache.layers(len(ids))
+        layers = cache.packed_layers(len(ids)) if isinstance(cache, Int8Cache) else cache.layers(len(ids))
         tensors = {"token_ids": torch.tensor(ids, dtype=torch.int64)}
         for index, (keys, values) in enumerate(layers):
             tensors[f"keys.{index}"], tensors[f"values.{index}"] = keys.contiguous(), values.contiguous()
@@ -133,6 +135,8 @@ class DocumentStore:
         if any(t.shape != shape for pair in layers for t in pair):
             self._reject(path, "its tensor shapes do not match the model")
             return None
+        if isinstance(template, Int8Cache):
+            return Int8Cache.from_packed(template.config, template.dtype, layers)
         return FullCache.from_layers(template.config, layers)
 
     def _reject(self, path: Path, reason: str) -> None:
