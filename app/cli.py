@@ -196,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         hosts = allowed_hosts(args)  # a bad name, registry or --models-file fails here, before the server
         api_key = checked_api_key(args.api_key if hasattr(args, "api_key") else os.environ.get("SPECCHAT_API_KEY"))
         registry(args)
+        from ..core.embedded import cache_root
+        from .uploads import use_own_upload_folder
+
+        use_own_upload_folder(cache_root())  # before gradio is imported
         from .ui import launch
         launch(lambda model, progress: load(args, model, progress=progress), model_id(args), getattr(args, "models_file", None),
                host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),

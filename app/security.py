@@ -26,6 +26,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from ..core import limits
 from ..core.errors import InputError
 from .key_attempts import KeyAttempts
+from .uploads import remove_abandoned_parts
 
 LOGIN_PATH = "/login"
 UPLOAD_PATH = "/gradio_api/upload"
@@ -241,6 +242,9 @@ class Guard:
         except Exception:
             if not answered:
                 raise
+        finally:
+            if upload:
+                remove_abandoned_parts(upload_folder())
 
     async def _login(self, scope, receive, send):
         """The key prompt: a form that, given the key, sets the login cookie and goes to the page."""
