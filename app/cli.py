@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--vram-limit", type=float, metavar="GB", default=argparse.SUPPRESS,
                              help="use at most this much of each GPU, e.g. to leave room for a game, or to try "
                                   "an 8 GB card's plan on a larger one (default: $SPECCHAT_VRAM_LIMIT, else all)")
+        if "--precision" not in command._option_string_actions:  # `plan` declares its own
+            command.add_argument("--precision", choices=("auto", "exact"), default=argparse.SUPPRESS,
+                                 help="auto: the fastest of the model's own weights and KV, 4-bit weights and an "
+                                      "8-bit KV (answers are exactly what the model as loaded writes); exact: the "
+                                      "model's own precision wherever it fits (default: $SPECCHAT_PRECISION, else auto)")
     return parser
 
 
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _set_vram_limit(args)
+        _set_precision(args)
         context_of(args)  # a bad --context fails here, before anything loads
         if args.command == "generate":
             return _generate(args)
@@ -219,6 +225,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specchat: unexpected error: {type(error).__name__}: {for_terminal(first_line(error))} "
               "(set SPECCHAT_DEBUG=1 for details)", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _set_precision(args) -> None:
+    """--precision reaches every plan through the environment (the app's Models tab, loading, worker
+    processes), and a bad $SPECCHAT_PRECISION fails here, before anything loads."""
+    from ..core.planning import PRECISION_ENV, precision_setting
+
+    if hasattr(args, "precision"):
+        os.environ[PRECISION_ENV] = precision_setting(args.precision)
+    precision_setting()
 
 
 def _set_vram_limit(args) -> None:

@@ -86,10 +86,11 @@ class Fit:
 def plan_fit(pair: ModelPair, profile: HardwareProfile, registry: Registry | None = None) -> Fit:
     """Does `pair` fit `profile`'s machine at its full context? The plan's answer: `make_plan` at
     `pair.context_length`, exactly as `specchat plan`, the app's "Use this pair" and loading plan it."""
-    from ..core.planning import PlanRefused, make_plan
+    from ..core.planning import Overrides, PlanRefused, make_plan, precision_setting
 
     try:
-        plan = make_plan(profile, pair, pair.context_length, registry=registry)
+        plan = make_plan(profile, pair, pair.context_length, Overrides(precision=precision_setting()),
+                         registry=registry)
     except PlanRefused as refusal:
         shorter = next((alternative.context for alternative in refusal.alternatives
                         if alternative.pair_id == pair.id and alternative.quantization is None), None)
@@ -107,7 +108,7 @@ def _fit_plain(plan: Plan, slow: bool) -> str:
         return ("Runs on the processor, slowly: a graphics card would make it many times faster." if slow else
                 "Runs on the processor.")
     words = ["Runs on your graphics card"]
-    if plan.weights in ("int8", "nf4"):
+    if plan.weights in ("int8", "nf4") or plan.kv_dtype == "int8":
         words.append("stored compressed so that it fits")
     if plan.kv_device == "cpu-pinned":
         words.append("with what it remembers of long documents kept in the computer's memory")
@@ -118,6 +119,8 @@ def _fit_verdict(plan: Plan, pair: ModelPair) -> str:
     notes = [{"int8": "8-bit", "nf4": "4-bit"}.get(plan.weights)]
     if plan.weights in ("int8", "nf4") and plan.head_weights == plan.weights:
         notes.append("output head too")
+    if plan.kv_dtype == "int8":
+        notes.append("KV in 8 bits")
     if plan.kv_device == "cpu-pinned":
         notes.append("KV offloaded to RAM")
     if pair.draft is not None and plan.draft_device is None and plan.mode != "plain":
@@ -141,6 +144,8 @@ def _fit_reason(plan: Plan) -> str:
     used = ", ".join(f"{human_size(device.used_bytes)} of the {human_size(device.capacity_bytes - device.margin_bytes)}"
                      f" usable on {device.device}" for device in plan.devices if device.used_bytes)
     why = f"; {plan.reasons['weights']}" if plan.weights in ("int8", "nf4") else ""
+    if plan.precision == "auto" and (plan.weights in ("int8", "nf4") or plan.kv_dtype == "int8"):
+        why += f"; {plan.reasons['precision']}"  # quantized for speed, against the exact placement
     return f"{where}{why}; at {plan.context:,} tokens it uses {used}"
 
 

@@ -25,6 +25,10 @@ def add_parsers(commands, add_models_file_option) -> None:
                       help="tokens of prompt and answer: 32768, 32K or 128K")
     plan.add_argument("--profile", metavar="FILE",
                       help="plan for a saved or synthetic profile (`specchat profile --json`) instead of this machine")
+    plan.add_argument("--precision", metavar="exact|auto",
+                      help="auto (default): the fastest placement, 4-bit weights and an 8-bit KV included; exact: "
+                           "the model's own weights and KV dtype, quantized only where nothing else fits "
+                           "(default: $SPECCHAT_PRECISION, else auto)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     add_models_file_option(plan)
 
@@ -95,10 +99,11 @@ def profile_markdown(profile) -> str:
 
 def run_plan(args) -> int:
     from ..core.hardware import HardwareProfile, capped, load_or_probe, vram_limit_bytes
-    from ..core.planning import PlanRefused, make_plan
+    from ..core.planning import Overrides, PlanRefused, make_plan, precision_setting
     from ..core.registry import load_registry
 
     context = parse_context(args.context)
+    overrides = Overrides(precision=precision_setting(getattr(args, "precision", None)))
     registry = load_registry(getattr(args, "models_file", None))
     pair = registry.get(args.pair)
     if args.profile:
@@ -109,7 +114,7 @@ def run_plan(args) -> int:
     else:
         profile = load_or_probe()
     try:
-        plan = make_plan(profile, pair, context, registry=registry)
+        plan = make_plan(profile, pair, context, overrides, registry=registry)
     except PlanRefused as refusal:
         if not args.json:
             raise
@@ -136,8 +141,30 @@ def plan_headline(plan) -> str:
                    "plain": "no drafts"}[plan.mode]
     targets = f"each of {', '.join(plan.dsi_devices)}" if plan.dsi_devices else "+".join(plan.target_devices)
     kv = "each instance's GPU" if plan.dsi_devices and plan.kv_device != "cpu-pinned" else plan.kv_device
+    bits = " in 8 bits" if plan.kv_dtype == "int8" else ""
     return (f"{plan.pair_id} at {plan.context:,} tokens: {plan.mode} ({speculation}), {plan.weights} weights "
-            f"on {targets}, draft {draft}, full KV on {kv}")
+            f"on {targets}, draft {draft}, full KV on {kv}{bits}")
+
+
+def prediction_line(plan) -> str:
+    """What the user will feel: decode speed at this context (and plain decoding's, of the same
+    weights), the time to read a prompt filling it and to answer."""
+    from ..core.planning import answer_tokens, time_to_answer
+    from ..core.planning.precision import speed
+
+    if plan.predicted_tokens_per_second is None or plan.predicted_prefill_seconds is None:
+        return ("predicted: no figures on a CPU (the cost model needs a GPU's bandwidths)" if plan.target_devices ==
+                ("cpu",) else "predicted: no figures until the GPU's bandwidths are measured (`specchat profile --refresh`)")
+    answer = answer_tokens(plan.context)
+    plain = f"; plain decoding of these weights {speed(plan.plain_tokens_per_second)}" \
+        if plan.plain_tokens_per_second else ""
+    return (f"predicted: {speed(plan.predicted_tokens_per_second)} at this context{plain}; a "
+            f"{plan.context - answer:,}-token prompt read in {_duration(plan.predicted_prefill_seconds)}, a "
+            f"{answer}-token answer after {_duration(time_to_answer(plan))} in all")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def memory_rows(plan) -> list[tuple[str, str, int, str]]:
@@ -156,10 +183,12 @@ def memory_rows(plan) -> list[tuple[str, str, int, str]]:
 
 
 def plan_lines(plan) -> list[str]:
-    """The plan for people: the choices with their reasons, then the memory table."""
-    lines = [plan_headline(plan), ""]
-    width = max(map(len, plan.reasons))
-    lines += [f"  {choice.ljust(width)}  {reason}" for choice, reason in plan.reasons.items()]
+    """The plan for people: the prediction and what the answers are, the choices with their
+    reasons, then the memory table."""
+    lines = [plan_headline(plan), prediction_line(plan), plan.reasons["answers"], ""]
+    reasons = {choice: reason for choice, reason in plan.reasons.items() if choice != "answers"}  # said above
+    width = max(map(len, reasons))
+    lines += [f"  {choice.ljust(width)}  {reason}" for choice, reason in reasons.items()]
     lines += ["", "  MEMORY"]
     what_width = max(len(item.what) for item in plan.memory)
     lines += [f"  {what.ljust(what_width)}  {where:7} {human_size(size):>9}" + (f"  {budget}" if budget else "")
@@ -168,9 +197,10 @@ def plan_lines(plan) -> list[str]:
 
 
 def plan_markdown(plan) -> str:
-    """The plan as `plan_lines` says it, in Markdown: the headline, a table of the choices with
-    their reasons, a table of the memory."""
-    lines = [f"**{_escaped(plan_headline(plan))}**", "", "| Choice | Why |", "|---|---|"]
+    """The plan as `plan_lines` says it, in Markdown: the headline, the prediction, a table of the
+    choices with their reasons (what the answers are among them), a table of the memory."""
+    lines = [f"**{_escaped(plan_headline(plan))}**", "", _escaped(prediction_line(plan)), "",
+             "| Choice | Why |", "|---|---|"]
     lines += [f"| {_escaped(choice)} | {_escaped(reason)} |" for choice, reason in plan.reasons.items()]
     lines += ["", "| Memory | Where | Size | Budget |", "|---|---|--:|---|"]
     for what, where, size, budget in memory_rows(plan):

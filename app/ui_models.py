@@ -20,7 +20,7 @@ from ..core.download import DownloadProgress, download_pair, model_status
 from ..core.errors import SpecchatError, first_line
 from ..core.files import human_size
 from ..core.hardware import HardwareProfile, load_or_probe
-from ..core.planning import PlanRefused, make_plan
+from ..core.planning import Overrides, PlanRefused, make_plan, precision_setting
 from ..core.registry import ModelPair, Registry, load_registry
 from ..core.selftest import run_selftest
 from .engine_handle import EngineHandle
@@ -255,7 +255,7 @@ def switch_refusal(pair: ModelPair, registry: Registry, profile: HardwareProfile
     (the plan at the pair's full context, as loading plans it) and be downloaded."""
     if profile is not None:
         try:
-            make_plan(profile, pair, pair.context_length, registry=registry)
+            make_plan(profile, pair, pair.context_length, Overrides(precision=precision_setting()), registry=registry)
         except PlanRefused as refusal:
             return f"⚠️ {refusal}"
     if pair.source != "hub" or all(model_status(model).complete for model in pair.models):

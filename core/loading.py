@@ -78,9 +78,9 @@ def _plan(pair, registry: Registry, context: int):
     before any download, with the plan's reason and the nearest requests that fit (`PlanRefused`,
     an input error: exit code 2), never loaded in whatever precision happens to work."""
     from .hardware import load_or_probe
-    from .planning import make_plan
+    from .planning import Overrides, make_plan, precision_setting
 
-    return make_plan(load_or_probe(), pair, context, registry=registry)
+    return make_plan(load_or_probe(), pair, context, Overrides(precision=precision_setting()), registry=registry)
 
 
 def _load(path: Path, name: str, weights_key: str, progress: Callable[[str], None]) -> Engine:

@@ -29,7 +29,8 @@ def target_options(plan: Plan, spec: ModelSpec) -> LoadOptions:
     dtype = "bfloat16" if quantization else DTYPES.get(plan.weights, "float32")
     return LoadOptions(dtype, _device_map(plan), quantization, _rope_scaling(plan, spec), offload_capacity(plan),
                        quantize_head=quantization is not None and plan.head_weights == plan.weights,
-                       embedding_on_cpu=plan.embedding_device == "cpu" and plan.target_devices[0] != "cpu")
+                       embedding_on_cpu=plan.embedding_device == "cpu" and plan.target_devices[0] != "cpu",
+                       kv_dtype="int8" if plan.kv_dtype == "int8" else None)
 
 
 def draft_options(plan: Plan) -> LoadOptions | None:

@@ -7,13 +7,15 @@ from conftest import needs_cuda, tiny_llama
 from test_plan import PROFILES, REGISTRY
 from specchat.core.model import TransformersLM
 from specchat.core.placement import LoadOptions, draft_options, offload_capacity, target_options
-from specchat.core.planning import make_plan
+from specchat.core.planning import Overrides, make_plan
 
 K = 1024
 
 
-def plan(profile, pair_id, context):
-    return make_plan(PROFILES[profile], REGISTRY.get(pair_id), context, registry=REGISTRY)
+def plan(profile, pair_id, context, precision="exact"):
+    """The exact precision's plans by default: their tiers exercise every load option."""
+    return make_plan(PROFILES[profile], REGISTRY.get(pair_id), context, Overrides(precision=precision),
+                     registry=REGISTRY)
 
 
 def test_a_12_gb_card_loads_llama_in_8_bit_with_the_kv_and_embedding_offloaded():

@@ -1,5 +1,6 @@
 """The planner against synthetic machines (tests/data/profiles) and every pair of models.toml,
-and `specchat plan` through app.plan_cmd. All pure arithmetic: no model is loaded."""
+and `specchat plan` through app.plan_cmd. All pure arithmetic: no model is loaded. The exact
+precision's policy is held here; the automatic precision's choice in test_plan_candidates.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from specchat.core.planning import (
     VRAM_MARGIN_SHARE,
     Overrides,
     PlanRefused,
+    kv8_bytes_per_token,
     make_plan,
 )
 from specchat.core.registry import DTYPE_BYTES, load_registry
@@ -31,12 +33,13 @@ from specchat.core.speculative.optimizer import choose_tree
 PROFILES = {path.stem: HardwareProfile.load(path) for path in sorted((DATA / "profiles").glob("*.json"))}
 REGISTRY = load_registry()
 CONTEXTS = (32 * 1024, 128 * 1024)
+EXACT = Overrides(precision="exact")
 
 
 def test_the_synthetic_machines_are_the_issues():
     assert set(PROFILES) == {"laptop-rtx4060-8gb", "rtx4060ti-8gb-32gb", "rtx3060-12gb", "rtx4080-16gb",
-                             "rtx4090-24gb", "2x-rtx4090", "cpu-only-32gb"}
-    assert [len(profile.gpus) for profile in PROFILES.values()] == [2, 0, 1, 1, 1, 1, 1]
+                             "rtx3090-24gb-32gb", "rtx4090-24gb", "2x-rtx4090", "cpu-only-32gb"}
+    assert [len(profile.gpus) for profile in PROFILES.values()] == [2, 0, 1, 1, 1, 1, 1, 1]
 
 
 def _plan_or_refusal(profile, pair_id, context, overrides=None):
@@ -46,30 +49,49 @@ def _plan_or_refusal(profile, pair_id, context, overrides=None):
         return refusal
 
 
+@pytest.mark.parametrize("precision", ["exact", "auto"])
 @pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("pair_id", sorted(REGISTRY.pairs))
 @pytest.mark.parametrize("profile_name", sorted(PROFILES))
-def test_every_pair_on_every_machine(profile_name, pair_id, context):
+def test_every_pair_on_every_machine(profile_name, pair_id, context, precision):
     profile, pair = PROFILES[profile_name], REGISTRY.get(pair_id)
-    result = _plan_or_refusal(profile, pair_id, context)
+    overrides = Overrides(precision=precision)
+    result = _plan_or_refusal(profile, pair_id, context, overrides)
     if isinstance(result, PlanRefused):
-        _check_refusal(profile, result)
+        _check_refusal(profile, result, precision)
         return
     plan = result
+    assert plan.precision == precision
     _check_memory(profile, plan)
     _check_reasons(plan, pair)
     _check_dsi(profile, plan)
-    # The weights: 4-bit only where neither bf16 nor 8-bit fits, 8-bit only where bf16 does not.
-    finer = {"nf4": ("none", "int8"), "int8": ("none",)}.get(plan.weights, ())
-    for quantization in finer:
-        with pytest.raises(PlanRefused):
-            make_plan(profile, pair, context, Overrides(quantization=quantization))
+    if precision == "exact":
+        # The weights: 4-bit only where neither bf16 nor 8-bit fits, 8-bit only where bf16 does not;
+        # the KV in the compute dtype.
+        finer = {"nf4": ("none", "int8"), "int8": ("none",)}.get(plan.weights, ())
+        for quantization in finer:
+            with pytest.raises(PlanRefused):
+                make_plan(profile, pair, context, Overrides(quantization=quantization, precision="exact"))
+        assert plan.kv_dtype != "int8"
+    else:  # LLM.int8 only when asked for; an 8-bit KV only on a GPU
+        assert plan.weights != "int8" and (plan.kv_dtype != "int8" or plan.kv_device.startswith("cuda"))
     # The full KV: the registry's shapes, every token, wherever it lives (DSI: one per instance).
     dtype_bytes = 2 if profile.gpus else DTYPE_BYTES[pair.target.dtype]
-    full_kv = context * 2 * pair.target.layers * pair.target.kv_heads * pair.target.head_dim * dtype_bytes
+    target = pair.target
+    per_token = kv8_bytes_per_token(target) if plan.kv_dtype == "int8" else \
+        2 * target.layers * target.kv_heads * target.head_dim * dtype_bytes
     copies = len(plan.dsi_devices) or 1
-    assert sum(item.bytes for item in plan.memory if "full KV" in item.what) == pytest.approx(copies * full_kv, abs=64)
+    assert sum(item.bytes for item in plan.memory if "full KV" in item.what) == \
+        pytest.approx(copies * context * per_token, abs=64)
     _check_weights(plan, pair, dtype_bytes, copies)
+    # Predictions wherever the GPUs' bandwidths are measured (all synthetic GPUs are), none on a CPU;
+    # beside them, the exact placement's.
+    predicted = (plan.predicted_tokens_per_second, plan.plain_tokens_per_second, plan.predicted_prefill_seconds)
+    assert all(value is not None and value > 0 for value in predicted) if profile.gpus else \
+        predicted == (None, None, None)
+    exact = _plan_or_refusal(profile, pair_id, context, EXACT)
+    assert plan.exact_tokens_per_second == (None if isinstance(exact, PlanRefused) else
+                                            exact.predicted_tokens_per_second)
 
 
 def _check_memory(profile, plan):
@@ -107,7 +129,7 @@ def _check_weights(plan, pair, dtype_bytes, copies):
 
 
 def _check_reasons(plan, pair):
-    needed = {"mode", "weights", "placement", "kv", "tree", "prefill_chunk"}
+    needed = {"mode", "weights", "placement", "kv", "tree", "prefill_chunk", "precision", "answers"}
     needed |= {"gammas"} if plan.mode in ("chain", "triforce") else set()
     needed |= {"retrieval"} if plan.mode == "triforce" else set()
     needed |= {"draft_cache"} if plan.draft_device else set()
@@ -132,40 +154,41 @@ def _check_dsi(profile, plan):
         assert ("dsi" in plan.reasons) == (len(profile.gpus) >= 2)
 
 
-def _check_refusal(profile, refusal):
+def _check_refusal(profile, refusal, precision="auto"):
     message = str(refusal)
     assert "\n" not in message and refusal.alternatives
     assert f"nearest that fits: {refusal.alternatives[0].summary}" in message
     for alternative in refusal.alternatives:  # each alternative plans
         plan = make_plan(profile, REGISTRY.get(alternative.pair_id), alternative.context,
-                         Overrides(quantization=alternative.quantization))
+                         Overrides(quantization=alternative.quantization, precision=precision))
         _check_memory(profile, plan)
 
 
 def test_what_each_machine_gets():
-    """The headline outcomes, stated so a change of policy shows up here."""
-    big = make_plan(PROFILES["rtx4090-24gb"], REGISTRY.get("llama3.1-8b"), 131072)
+    """The exact precision's headline outcomes, stated so a change of policy shows up here (the
+    automatic precision's: test_plan_candidates.py)."""
+    big = make_plan(PROFILES["rtx4090-24gb"], REGISTRY.get("llama3.1-8b"), 131072, EXACT)
     assert (big.weights, big.kv_device, big.mode, big.draft_device) == ("bfloat16", "cpu-pinned", "triforce", "cuda:0")
-    two = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("llama3.1-8b"), 131072)
+    two = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("llama3.1-8b"), 131072, EXACT)
     assert two.kv_device == "cuda:0+cuda:1" and two.target_devices == ("cuda:0", "cuda:1")
     assert "split in layer order" in two.reasons["placement"] and two.draft_device == "cuda:1"
-    short = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("qwen2.5-7b"), 32768)
+    short = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("qwen2.5-7b"), 32768, EXACT)
     assert short.mode == "dsi" and short.dsi_devices == ("cuda:0", "cuda:1") and short.draft_device == "cuda:1"
-    alone = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("qwen3-8b"), 32768)
+    alone = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("qwen3-8b"), 32768, EXACT)
     assert alone.target_devices == ("cuda:0",) and "keeps the other GPU" in alone.reasons["placement"]
     # 12 GB: 8-bit rather than 4-bit, with the embedding table in RAM (precision before a big prefill chunk).
-    small = make_plan(PROFILES["rtx3060-12gb"], REGISTRY.get("llama3.1-8b"), 131072)
+    small = make_plan(PROFILES["rtx3060-12gb"], REGISTRY.get("llama3.1-8b"), 131072, EXACT)
     assert (small.weights, small.head_weights, small.embedding_device) == ("int8", "bfloat16", "cpu")
     assert "bfloat16 weights need" in small.reasons["weights"] and "embedding table" in small.reasons["placement"]
     # 8 GB and 32 GB of RAM: 4-bit, the output head too, the embedding in RAM, the KV offloaded.
-    eight = make_plan(PROFILES["rtx4060ti-8gb-32gb"], REGISTRY.get("llama3.1-8b"), 131072)
+    eight = make_plan(PROFILES["rtx4060ti-8gb-32gb"], REGISTRY.get("llama3.1-8b"), 131072, EXACT)
     assert (eight.weights, eight.head_weights, eight.embedding_device, eight.kv_device, eight.mode) == \
         ("nf4", "nf4", "cpu", "cpu-pinned", "triforce")
     assert "the output head quantized too" in eight.reasons["weights"]
-    cpu = make_plan(PROFILES["cpu-only-32gb"], REGISTRY.get("embedded"), 8192)
+    cpu = make_plan(PROFILES["cpu-only-32gb"], REGISTRY.get("embedded"), 8192, EXACT)
     assert (cpu.weights, cpu.mode, cpu.kv_device, cpu.target_devices) == ("float32", "chain", "cpu", ("cpu",))
     with pytest.raises(PlanRefused, match="nearest that fits"):
-        make_plan(PROFILES["laptop-rtx4060-8gb"], REGISTRY.get("llama3.1-8b"), 131072, registry=REGISTRY)
+        make_plan(PROFILES["laptop-rtx4060-8gb"], REGISTRY.get("llama3.1-8b"), 131072, EXACT, registry=REGISTRY)
 
 
 def test_a_context_past_the_pair_is_refused_with_its_limit():
@@ -184,16 +207,16 @@ def test_a_forced_precision_that_does_not_fit_suggests_4_bit_first():
 
 def test_gamma2_grows_as_the_offloaded_verification_gets_dearer():
     profile, pair = PROFILES["rtx4090-24gb"], REGISTRY.get("qwen2.5-7b")
-    offloaded = make_plan(profile, pair, 131072)
-    on_chip = make_plan(PROFILES["2x-rtx4090"], pair, 131072)
+    offloaded = make_plan(profile, pair, 131072, EXACT)
+    on_chip = make_plan(PROFILES["2x-rtx4090"], pair, 131072, EXACT)
     assert offloaded.kv_device == "cpu-pinned" and on_chip.kv_device.startswith("cuda")
     assert offloaded.gamma2 > on_chip.gamma2
     slow_link = dataclasses.replace(profile, gpus=tuple(
         dataclasses.replace(gpu, host_to_device_bytes_per_s=gpu.host_to_device_bytes_per_s / 4) for gpu in profile.gpus))
-    assert make_plan(slow_link, pair, 131072).gamma2 > offloaded.gamma2
+    assert make_plan(slow_link, pair, 131072, EXACT).gamma2 > offloaded.gamma2
     unmeasured = dataclasses.replace(profile, gpus=tuple(
         dataclasses.replace(gpu, host_to_device_bytes_per_s=None) for gpu in profile.gpus))
-    default = make_plan(unmeasured, pair, 131072)
+    default = make_plan(unmeasured, pair, 131072, EXACT)
     assert default.gamma2 == 6 and "not measured" in default.reasons["gammas"]
 
 
@@ -220,7 +243,7 @@ def test_overrides_and_bad_requests():
     narrow = make_plan(profile, pair, 131072, Overrides(retrieval_budget=2048))
     assert narrow.retrieval_budget == 2048
     for bad in (Overrides(quantization="int3"), Overrides(mode="fast"), Overrides(retrieval_budget=0),
-                Overrides(retrieval_acceptance=1.5)):
+                Overrides(retrieval_acceptance=1.5), Overrides(precision="fast")):
         with pytest.raises(InputError):
             make_plan(profile, pair, 32768, bad)
     with pytest.raises(InputError):
@@ -264,14 +287,14 @@ def test_two_cards_that_each_hold_the_target_run_dsi_where_its_cost_model_wins()
 
 def test_dsi_loses_to_one_card_with_a_slow_inaccurate_draft():
     profile, pair = _cards("rtx4090-24gb"), REGISTRY.get("llama3.1-8b")
-    slow = make_plan(profile, pair, 8192, Overrides(acceptance=(0.1,), draft_cost=0.6))
+    slow = make_plan(profile, pair, 8192, Overrides(acceptance=(0.1,), draft_cost=0.6, precision="exact"))
     assert (slow.mode, slow.dsi_devices, slow.target_devices) == ("chain", (), ("cuda:0",))
     reason = slow.reasons["dsi"]
     assert reason.startswith("not chosen: DSI over 2 GPUs (cuda:0, cuda:1) that each hold a whole target is "
                              "predicted 1.04x a chain on cuda:0, under the 1.10x it needs (")
     assert "lookahead 1, a draft step 60.0% of a verification, draft acceptance 0.10" in reason
     # The same slow draft accepted more often: DSI hides its drafting behind the verifications.
-    assert make_plan(profile, pair, 8192, Overrides(acceptance=(0.3,), draft_cost=0.6)).mode == "dsi"
+    assert make_plan(profile, pair, 8192, Overrides(acceptance=(0.3,), draft_cost=0.6, precision="exact")).mode == "dsi"
 
 
 def test_a_target_that_fits_only_split_is_split_and_the_plan_says_why_not_dsi():
@@ -310,10 +333,14 @@ def test_one_card_never_runs_dsi():
 
 def test_dsi_asked_for_or_another_mode_asked_for():
     profile, pair = _cards("rtx4090-24gb"), REGISTRY.get("llama3.1-8b")
-    forced = make_plan(profile, pair, 131072, Overrides(mode="dsi"))  # the cost model would say no
+    forced = make_plan(profile, pair, 131072, Overrides(mode="dsi", precision="exact"))  # the cost model would say no
     assert (forced.mode, forced.dsi_devices, forced.kv_device) == ("dsi", ("cuda:0", "cuda:1"), "cpu-pinned")
     assert forced.reasons["mode"] == "dsi: as requested" and "its own link" in forced.reasons["dsi"]
     assert "each instance over its own link" in forced.reasons["kv_attention"]
+    # The automatic precision's fastest DSI keeps each instance's KV on its card: 4-bit weights make the room.
+    fast = make_plan(profile, pair, 131072, Overrides(mode="dsi"))
+    assert (fast.mode, fast.dsi_devices, fast.weights, fast.kv_device) == ("dsi", ("cuda:0", "cuda:1"), "nf4", "cuda:0")
+    assert fast.predicted_tokens_per_second > forced.predicted_tokens_per_second
     alone = make_plan(PROFILES["rtx4090-24gb"], pair, 8192, Overrides(mode="dsi"))
     assert (alone.mode, alone.dsi_devices) == ("dsi", ()) and "CPU worker processes" in alone.reasons["dsi"]
     chain = make_plan(profile, pair, 8192, Overrides(mode="chain"))
@@ -349,21 +376,25 @@ def test_parse_context_rejects(text):
         parse_context(text)
 
 
-def test_plan_command_json(capsys):
+@pytest.mark.parametrize("precision, weights, kv_dtype", [("exact", "bfloat16", "bfloat16"), ("auto", "nf4", "int8")])
+def test_plan_command_json(capsys, precision, weights, kv_dtype):
     profile = str(DATA / "profiles" / "rtx4090-24gb.json")
-    args = _parse(["plan", "--pair", "llama3.1-8b", "--context", "128K", "--profile", profile, "--json"])
+    args = _parse(["plan", "--pair", "llama3.1-8b", "--context", "128K", "--profile", profile, "--json",
+                   "--precision", precision])
     assert run_plan(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert {"pair_id", "context", "mode", "weights", "target_devices", "kv_device", "gamma1", "gamma2", "tree_size",
-            "tree_depth", "prefill_chunk", "memory", "devices", "reasons"} <= set(data)
-    assert data["context"] == 131072 and data["weights"] == "bfloat16"
+            "tree_depth", "prefill_chunk", "memory", "devices", "reasons", "kv_dtype", "precision"} <= set(data)
+    assert (data["context"], data["weights"], data["kv_dtype"], data["precision"]) == (131072, weights, kv_dtype,
+                                                                                     precision)
     assert all({"what", "where", "bytes"} == set(item) for item in data["memory"])
     assert all(device["headroom_bytes"] >= 0 for device in data["devices"])
 
 
 def test_plan_command_text(capsys):
     profile = str(DATA / "profiles" / "2x-rtx4090.json")
-    assert run_plan(_parse(["plan", "--pair", "qwen3-8b", "--context", "32768", "--profile", profile])) == 0
+    argv = ["plan", "--pair", "qwen3-8b", "--context", "32768", "--profile", profile, "--precision", "exact"]
+    assert run_plan(_parse(argv)) == 0
     out = capsys.readouterr().out
     assert out.startswith("qwen3-8b at 32,768 tokens: triforce")
     assert "MEMORY" in out and "total on cuda:0" in out and "margin" in out and "weights " in out
@@ -412,7 +443,7 @@ def test_plan_command_bad_input_is_an_input_error(tmp_path):
 
 def test_an_offloaded_kv_is_streamed_to_the_gpu_the_one_path_measured_end_to_end():
     profile = PROFILES["rtx4090-24gb"]
-    plan = make_plan(profile, REGISTRY.get("llama3.1-8b"), 128 * 1024)
+    plan = make_plan(profile, REGISTRY.get("llama3.1-8b"), 128 * 1024, EXACT)
     assert plan.kv_device == "cpu-pinned" and "17.8x slower end to end" in plan.reasons["kv_attention"]
     assert target_options(plan, REGISTRY.get("llama3.1-8b").target).offload_capacity == 128 * 1024
     on_chip = make_plan(profile, REGISTRY.get("qwen2.5-7b"), 32 * 1024)

@@ -12,7 +12,9 @@ from specchat.core.planning import Plan, make_plan
 from specchat.core.runtime import settings_from_plan
 
 K = 1024
-REPORT_ONLY = {"pair_id", "memory", "devices", "reasons"}  # shown by `specchat plan` and the Models tab
+REPORT_ONLY = {"pair_id", "memory", "devices", "reasons",  # shown by `specchat plan` and the Models tab
+               "precision", "predicted_tokens_per_second", "plain_tokens_per_second", "predicted_prefill_seconds",
+               "exact_tokens_per_second"}
 OTHER = {  # a different valid value for each field, given the plan's own
     "context": lambda v: v // 2,
     "mode": lambda v: "chain" if v != "chain" else "triforce",
@@ -26,6 +28,7 @@ OTHER = {  # a different valid value for each field, given the plan's own
     "dsi_devices": lambda v: () if v else ("cuda:0", "cuda:1"),
     "head_weights": lambda v: "nf4" if v != "nf4" else "bfloat16",
     "embedding_device": lambda v: "cpu" if v != "cpu" else "cuda:0",
+    "kv_dtype": lambda v: "int8" if v != "int8" else "bfloat16",
 }
 
 

@@ -14,7 +14,7 @@ from specchat.app.cli import main
 from specchat.app.plan_cmd import profile_facts
 from specchat.core import hardware
 from specchat.core.hardware import VRAM_LIMIT_ENV, capped, vram_limit_bytes
-from specchat.core.planning import make_plan
+from specchat.core.planning import Overrides, make_plan
 
 GIB = 2**30
 BIG = str(DATA / "profiles" / "rtx4090-24gb.json")
@@ -33,7 +33,8 @@ def test_a_24_gb_card_capped_at_8_plans_as_an_8_gb_card():
     assert [(gpu.vram_total_bytes, gpu.vram_free_bytes) for gpu in eight.gpus] == [(8 * GIB, 8 * GIB)]
     assert capped(big, None) == big and capped(big, 100 * GIB) == big
     pair = REGISTRY.get("llama3.1-8b")
-    full, small = make_plan(big, pair, 131072), make_plan(eight, pair, 131072)
+    exact = Overrides(precision="exact")  # the precision-first policy, whose tiers tell the cards apart
+    full, small = make_plan(big, pair, 131072, exact), make_plan(eight, pair, 131072, exact)
     assert (full.weights, full.head_weights) == ("bfloat16", "bfloat16")
     assert (small.weights, small.head_weights, small.embedding_device) == ("nf4", "nf4", "cpu")
     assert sum(item.bytes for item in small.memory if item.where == "cuda:0") <= 0.9 * 8 * GIB

@@ -11,9 +11,10 @@ from dataclasses import dataclass, replace
 from ..files import human_size
 from ..speculative.dsi.cost import dsi_lookahead, dsi_seconds_per_token
 from ..speculative.lookahead import MAX_DRAFT
+from .cost import predictions, verification_seconds
 from .memory import DRAFT_SINKS, Layout, budgets, prefill_chunks, uses_draft
 from .reasons import draft_cache_reason, prefill_reason
-from .speculation import chain_seconds, drafter_cost, verification_seconds
+from .speculation import chain_seconds, drafter_cost
 from .types import DeviceMemory, MemoryItem, Plan
 
 
@@ -28,6 +29,7 @@ class _Dsi:
     items: tuple[MemoryItem, ...]
     devices: tuple[DeviceMemory, ...]
     lookahead: int | None  # None: not measured, the engine's first guess
+    seconds: float | None = None  # predicted per token (None: not measured)
 
 
 def choose_dsi(layout: Layout, mode: str, seconds: float | None, reasons: dict) -> _Dsi | None:
@@ -66,10 +68,10 @@ def choose_dsi(layout: Layout, mode: str, seconds: float | None, reasons: dict) 
     how = f"lookahead {lookahead}, {drafter}; a verification {target * 1e3:.1f} ms{link}"
     if asked:
         reasons["dsi"] = f"{over}: predicted {predicted * 1e3:.1f} ms per token ({how})"
-        return _Dsi(cards, items, devices, lookahead)
+        return _Dsi(cards, items, devices, lookahead, predicted)
     # DSI's gain is its parallelism only against the best this layout does, a chain included:
     # by its own figures the chosen mode can be the slower one (TriForce at a moderate context).
-    chain = chain_seconds(layout, verification_seconds(layout))
+    chain = chain_seconds(layout)
     if chain < seconds:
         mode, seconds = "chain", chain
     gain = seconds / predicted
@@ -77,7 +79,7 @@ def choose_dsi(layout: Layout, mode: str, seconds: float | None, reasons: dict) 
               f"({predicted * 1e3:.1f} against {seconds * 1e3:.1f} ms per token; {how})")
     if gain >= DSI_MARGIN:
         reasons["mode"] = f"dsi {over}: predicted {versus[0]} {versus[1]}"
-        return _Dsi(cards, items, devices, lookahead)
+        return _Dsi(cards, items, devices, lookahead, predicted)
     reasons["dsi"] = (f"not chosen: DSI {over} is predicted {versus[0]}, under the {DSI_MARGIN:.2f}x it needs "
                       f"{versus[1]}")
     return None
@@ -115,10 +117,11 @@ def _dsi_cards(layout: Layout) -> tuple[tuple[Layout, ...], tuple[MemoryItem, ..
 
 
 def _card(layout: Layout, gpu, kv_on_chip: bool, with_draft: bool, prefill_chunk: int) -> Layout:
-    """`layout`'s target alone on `gpu`: one DSI instance."""
+    """`layout`'s target alone on `gpu`: one DSI instance (its KV in 8 bits where `layout`'s is,
+    when on the GPU)."""
     return Layout(replace(layout.profile, gpus=(gpu,)), layout.pair, layout.context, "dsi", None, layout.overrides,
                    layout.quantization, kv_on_chip, with_draft, prefill_chunk, layout.head_quantized,
-                   layout.embedding_on_cpu)
+                   layout.embedding_on_cpu, layout.kv_int8 and kv_on_chip)
 
 
 def dsi_plan(layout: Layout, dsi: _Dsi, tree: tuple[int, int], reasons: dict) -> Plan:
@@ -134,7 +137,7 @@ def dsi_plan(layout: Layout, dsi: _Dsi, tree: tuple[int, int], reasons: dict) ->
                "no draft model fits beside a copy: prompt lookup drafts")
     reasons["placement"] = (f"a whole target ({size}) on each of {', '.join(names)}: one DSI instance per GPU, the "
                             f"engine's own on {names[0]}; {drafter}")
-    kv = human_size(layout.full_kv)
+    kv = human_size(first.full_kv) + (", 8-bit" if first.kv_int8 else "")
     reasons["kv"] = (f"each instance's full KV ({kv}) on its GPU with its layers" if first.kv_on_chip else
                      f"each instance's full KV ({kv}) offloaded to pinned CPU memory ({len(names)} copies) and "
                      f"streamed to its GPU over its own link: it does not fit next to the weights")
@@ -153,4 +156,5 @@ def dsi_plan(layout: Layout, dsi: _Dsi, tree: tuple[int, int], reasons: dict) ->
         draft_window=last.draft_window if last.draft is not None else None,
         gamma1=None, gamma2=None, tree_size=tree[0], tree_depth=tree[1], prefill_chunk=first.prefill_chunk,
         memory=dsi.items, devices=dsi.devices, reasons=reasons, dsi_devices=names,
-        dsi_lookahead=dsi.lookahead, head_weights=first.head_label(), embedding_device=first.embedding_device())
+        dsi_lookahead=dsi.lookahead, head_weights=first.head_label(), embedding_device=first.embedding_device(),
+        kv_dtype=first.kv_dtype, precision=layout.overrides.precision, **predictions(first, dsi.seconds))

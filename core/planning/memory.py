@@ -30,6 +30,7 @@ CUDA_CONTEXT_BYTES = 2**30  # CUDA context, cuBLAS workspaces and allocator slac
 ACTIVATION_WIDTHS = 16
 MAX_VERIFY_TOKENS = 128  # the largest verification whose fp32 logits are budgeted
 NF4_BITS = 4 + 32 / 64  # bitsandbytes nf4: 4-bit codes plus one fp32 absmax per 64-weight block
+KV8_SCALE_BYTES = 4  # an 8-bit KV's fp32 scale per token and KV head, beside its head_dim codes (kv/int8.py)
 RETRIEVAL_CHUNK_ON_CHIP = 8  # finer chunks retrieve more precisely
 RETRIEVAL_CHUNK_OFFLOADED = 16  # the chunk keys are then the GPU's only copy of K: half of 8's
 DRAFT_SINKS = 4  # StreamingLLM's attention sinks
@@ -46,15 +47,24 @@ def weight_parts(spec: ModelSpec, quantization: str, dtype_bytes: int,
     The registry does not say whether a model ties them, so both are counted: exact for untied
     models, an upper bound for tied ones."""
     matrix = spec.vocab_size * spec.hidden_size
-    body_params = max(0.0, spec.params_b * 1e9 - 2 * matrix)
     bits = {"none": 8 * dtype_bytes, "int8": 8 + 32 / spec.hidden_size, "nf4": NF4_BITS}[quantization]
     head = int(matrix * bits / 8) if head_quantized else matrix * dtype_bytes
-    return matrix * dtype_bytes, head, int(body_params * bits / 8)
+    return matrix * dtype_bytes, head, int(body_params(spec) * bits / 8)
+
+
+def body_params(spec: ModelSpec) -> float:
+    """The decoder layers' parameters: all but the embedding and the output head."""
+    return max(0.0, spec.params_b * 1e9 - 2 * spec.vocab_size * spec.hidden_size)
 
 
 def activation_bytes(spec: ModelSpec, chunk: int, dtype_bytes: int) -> int:
     """A prefill chunk's hidden-sized tensors plus the fp32 logits of the largest verification."""
     return chunk * spec.hidden_size * dtype_bytes * ACTIVATION_WIDTHS + MAX_VERIFY_TOKENS * spec.vocab_size * 4
+
+
+def kv8_bytes_per_token(spec: ModelSpec) -> int:
+    """An 8-bit KV's bytes per token: int8 codes and one scale per KV head, keys and values."""
+    return 2 * spec.layers * spec.kv_heads * (spec.head_dim + KV8_SCALE_BYTES)
 
 
 def chunk_key_bytes(spec: ModelSpec, context: int, chunk: int, dtype_bytes: int) -> int:
@@ -80,11 +90,14 @@ def compute_dtype(profile: HardwareProfile, spec: ModelSpec) -> str:
 
 
 class Layout:
-    """Where every byte of one candidate (quantization, KV place, draft place, prefill chunk)
-    goes, and whether it fits. Built once per candidate, read by plan.finish."""
+    """Where every byte of one candidate (quantization, KV place and storage, draft place, prefill
+    chunk) goes, and whether it fits. Built once per candidate, read by assemble.finish.
+
+    `kv_int8`: the full KV in 8 bits, on the GPUs only (the engine's offloaded cache streams the
+    compute dtype). The retrieval cache and chunk keys stay in the compute dtype."""
 
     def __init__(self, profile, pair, context, mode, budget, overrides, quantization, kv_on_chip, with_draft,
-                 prefill_chunk, head_quantized=False, embedding_on_cpu=False):
+                 prefill_chunk, head_quantized=False, embedding_on_cpu=False, kv_int8=False):
         self.profile, self.pair, self.context, self.mode, self.overrides = profile, pair, context, mode, overrides
         self.quantization, self.kv_on_chip = quantization, kv_on_chip
         self.head_quantized, self.embedding_on_cpu = head_quantized, embedding_on_cpu
@@ -92,8 +105,11 @@ class Layout:
         target = pair.target
         self.dtype = compute_dtype(profile, target)
         self.dtype_bytes = DTYPE_BYTES[self.dtype]
-        self.kv_per_token = target.kv_bytes_per_token(self.dtype_bytes)
-        self.full_kv = context * self.kv_per_token
+        self.kv_per_token = target.kv_bytes_per_token(self.dtype_bytes)  # the compute dtype's
+        self.kv_int8 = kv_int8
+        self.kv_dtype = "int8" if self.kv_int8 else self.dtype
+        self.full_kv_per_token = kv8_bytes_per_token(target) if self.kv_int8 else self.kv_per_token
+        self.full_kv = context * self.full_kv_per_token
         self.retrieval = (budget, RETRIEVAL_CHUNK_ON_CHIP if kv_on_chip else RETRIEVAL_CHUNK_OFFLOADED) \
             if mode == "triforce" else None
         # With a GPU the draft goes on the (last) GPU or is left out: on the CPU it would draft
@@ -197,7 +213,8 @@ class Layout:
         body = self.weights()[2]
         items = [MemoryItem(f"{span}: weights ({label})", name, int(body * share))]
         if self.kv_on_chip:
-            items.append(MemoryItem(f"{span}: full KV ({self.context:,} tokens)", name, int(self.full_kv * share)))
+            bits = ", 8-bit" if self.kv_int8 else ""
+            items.append(MemoryItem(f"{span}: full KV ({self.context:,} tokens{bits})", name, int(self.full_kv * share)))
         if self.retrieval is not None:
             budget, chunk = self.retrieval
             items.append(MemoryItem(f"{span}: retrieval cache ({min(budget, self.context):,} tokens) and "

@@ -1,31 +1,34 @@
 """The plan: how a model pair runs on a machine, every choice with a one-line reason.
 
 `make_plan(profile, pair, context)` is pure: the same HardwareProfile (measured or synthetic),
-pair and context always give the same plan, so it is tested against synthetic cards. The order of
-the decisions is the order of what matters to a user:
+pair, context and overrides always give the same plan, so it is tested against synthetic cards.
+Two precisions (Overrides.precision, precision.py):
 
-1. The mode (algorithms.md sections 2, 5): on a GPU, a context much longer than the retrieval
-   budget runs TriForce's hierarchy (the retrieval cache makes drafting cheap however long the
-   context); otherwise chain or tree speculation, a tree only when the hardware-aware optimizer
-   (measured t(n) and an acceptance vector) says it beats a chain.
-2. Weights: as precise as fits. Unquantized (bf16 on GPUs), else bitsandbytes 8-bit, else 4-bit
-   nf4, else nf4 with the output head quantized too; "fits" always allows the full KV to be
-   offloaded and the embedding table to stay in RAM, so precision is never traded for speed.
-3. The full KV on the GPUs with its layers when it fits, else in pinned CPU memory, streamed layer
-   by layer (one full verification then costs its bytes over the measured host-to-device bandwidth).
-   The embedding table on the GPU when it fits, else in RAM (host_embedding.py): given up first,
-   as it costs a few KB over the link per token.
-4. The draft on the GPU when it fits, else on the CPU.
-5. Gammas, retrieval chunk size and prefill chunk from the measured bandwidths.
-6. DSI (algorithms.md section 6) instead, with two or more GPUs that each hold a whole target at
-   those weights: one target instance per GPU, verifying while the drafter drafts. Chosen where
-   its cost model (speculative/dsi/cost.py) predicts it beats 1-5's plan by DSI_MARGIN, with the plan's
-   own step times: a verification reads the weights and the KV at the card's memory rate, or
-   streams an offloaded KV over the card's own link, so W instances verify side by side without
-   sharing bandwidth.
+- "exact" walks the placements in the order of what matters to a user, precision first, and takes
+  the first that fits:
+  1. The mode (algorithms.md sections 2, 5): on a GPU, a context much longer than the retrieval
+     budget runs TriForce's hierarchy (the retrieval cache makes drafting cheap however long the
+     context); otherwise chain or tree speculation, a tree only when the hardware-aware optimizer
+     (measured t(n) and an acceptance vector) says it beats a chain.
+  2. Weights: as precise as fits. Unquantized (bf16 on GPUs), else bitsandbytes 8-bit, else 4-bit
+     nf4, else nf4 with the output head quantized too; "fits" always allows the full KV to be
+     offloaded and the embedding table to stay in RAM, so precision is never traded for speed.
+  3. The full KV on the GPUs with its layers when it fits, else in pinned CPU memory, streamed
+     layer by layer (one full verification then costs its bytes over the measured host-to-device
+     bandwidth). The embedding table on the GPU when it fits, else in RAM (host_embedding.py):
+     given up first, as it costs a few KB over the link per token.
+  4. The draft on the GPU when it fits, else on the CPU.
+  5. Gammas, retrieval chunk size and prefill chunk from the measured bandwidths.
+  6. DSI (algorithms.md section 6) instead, with two or more GPUs that each hold a whole target at
+     those weights: one target instance per GPU, verifying while the drafter drafts. Chosen where
+     its cost model (speculative/dsi/cost.py) predicts it beats 1-5's plan by DSI_MARGIN.
+- "auto" (the default) takes, among the placements of candidates.py that fit (4-bit weights and an
+  8-bit KV on the GPU included), the one with the least predicted time to an answer (cost.py),
+  each with the mode and speculation of 1, 5 and 6.
 
-Memory arithmetic: memory.py; the speculation cost model: speculation.py; DSI: dsi.py; the
-one-line reasons: reasons.py.
+Memory arithmetic: memory.py; predicted times: cost.py with efficiency.py; the speculation cost
+model: speculation.py; DSI: dsi.py; a layout finished as a plan: assemble.py; the one-line
+reasons: reasons.py and precision.py.
 """
 
 from __future__ import annotations
@@ -36,15 +39,12 @@ from ..errors import InputError
 from ..hardware import HardwareProfile
 from ..modes import MODES
 from ..registry import ModelPair, Registry
-from .dsi import choose_dsi, dsi_plan
-from .memory import DRAFT_SINKS, QUANTIZATIONS, WEIGHT_TIERS, Layout, prefill_chunks, uses_draft
-from .reasons import draft_cache_reason, kv_attention_reason, kv_reason, placement_reason, prefill_reason, weights_reason
-from .speculation import choose_speculation
+from .assemble import RETRIEVAL_BUDGET, choose_mode, finish
+from .candidates import candidate_layouts, candidates, fastest
+from .memory import QUANTIZATIONS, WEIGHT_TIERS, Layout, compute_dtype, prefill_chunks, uses_draft
+from .precision import PRECISIONS, answers_sentence, auto_reason
+from .reasons import weights_reason
 from .types import Alternative, Overrides, Plan, PlanRefused
-
-
-RETRIEVAL_BUDGET = 4096  # TriForce's budget for 128K contexts (algorithms.md section 5)
-LONG_CONTEXT_FACTOR = 2  # TriForce pays once the context is this many retrieval budgets long
 
 
 def make_plan(profile: HardwareProfile, pair: ModelPair, context: int, overrides: Overrides | None = None,
@@ -67,6 +67,8 @@ def _check_request(context: int, overrides: Overrides) -> None:
         raise InputError(f"the context must be a positive number of tokens, got {context!r}")
     if overrides.quantization not in (None, *QUANTIZATIONS):
         raise InputError(f"unknown quantization {overrides.quantization!r}: choose from {', '.join(QUANTIZATIONS)}")
+    if overrides.precision not in PRECISIONS:
+        raise InputError(f"unknown precision {overrides.precision!r}: choose from {', '.join(PRECISIONS)}")
     if overrides.mode not in (None, *MODES):
         raise InputError(f"unknown mode {overrides.mode!r}: choose from {', '.join(MODES)}")
     for name in ("retrieval_budget", "draft_window"):
@@ -81,72 +83,70 @@ def try_plan(profile: HardwareProfile, pair: ModelPair, context: int, overrides:
     """The plan, or a one-line reason why nothing fits."""
     if context > pair.context_length:
         return f"the pair supports at most {pair.context_length:,} tokens"
+    exact = _exact_plan(profile, pair, context, overrides)
+    if overrides.precision == "exact":
+        return exact if isinstance(exact, str) else _explained(exact, exact, profile, pair, overrides, (
+            "exact: the model's own weights and KV dtype, quantized only where nothing else fits"))
+    found = candidates(profile, pair, context, overrides)
+    chosen = fastest(found)
+    if chosen is not None:
+        return _explained(chosen, exact, profile, pair, overrides, auto_reason(chosen, exact))
+    # Not predicted (no GPU, or its bandwidths not measured): the most precise placement that fits.
+    chosen = exact if isinstance(exact, Plan) or not found else found[0]
+    if isinstance(chosen, str):
+        return chosen
+    why = "no GPU" if not profile.gpus else \
+        "the GPU's bandwidths are not measured (`specchat profile --refresh`), so placements cannot be compared"
+    return _explained(chosen, exact, profile, pair, overrides, f"auto, precision first: {why}")
+
+
+def _explained(chosen: Plan, exact: Plan | str, profile: HardwareProfile, pair: ModelPair, overrides: Overrides,
+               why: str) -> Plan:
+    """`chosen` with the precision's reason, the plain words on its answers and exact's speed."""
+    answers = answers_sentence(chosen, exact, compute_dtype(profile, pair.target), overrides.quantization is not None)
+    return replace(chosen, reasons={**chosen.reasons, "precision": why, "answers": answers},
+                   exact_tokens_per_second=exact.predicted_tokens_per_second if isinstance(exact, Plan) else None)
+
+
+def _exact_plan(profile: HardwareProfile, pair: ModelPair, context: int, overrides: Overrides) -> Plan | str:
+    """The first placement that fits, precision first (the module's steps 1-6)."""
     reasons: dict[str, str] = {}
     budget = overrides.retrieval_budget or RETRIEVAL_BUDGET
-    mode = _mode(profile, context, budget, overrides, reasons)
+    mode = choose_mode(profile, context, budget, overrides, reasons)
     tried = []
-    # Outer loops hold what matters most: precision, then the KV on the GPU, the draft on the GPU,
-    # a large prefill chunk; the embedding table on the GPU matters least (on the CPU a token's
-    # row is read there and a few KB go over the link).
+    for layout in _exact_layouts(profile, pair, context, mode, budget, overrides):
+        if layout.fits:
+            return finish(layout, reasons, weights_reason(layout, tried))
+        tried.append(layout)
+    return tried[-1].shortfall()
+
+
+def _exact_layouts(profile: HardwareProfile, pair: ModelPair, context: int, mode: str, budget: int,
+                   overrides: Overrides):
+    """The exact walk's placements in order. Outer loops hold what matters most: precision, then the
+    KV on the GPU, the draft on the GPU, a large prefill chunk; the embedding table on the GPU
+    matters least (on the CPU a token's row is read there and a few KB go over the link)."""
     tiers = [tier for tier in WEIGHT_TIERS if overrides.quantization in (None, tier[0])]
     for quantization, head_quantized in tiers:
         for kv_on_chip in (True, False) if profile.gpus else (False,):
             for with_draft in (True, False) if uses_draft(pair, mode) and profile.gpus else (True,):
                 for prefill_chunk in prefill_chunks(profile, kv_on_chip):
                     for embedding_on_cpu in (False, True) if profile.gpus else (False,):
-                        layout = Layout(profile, pair, context, mode, budget, overrides, quantization,
-                                         kv_on_chip, with_draft, prefill_chunk, head_quantized, embedding_on_cpu)
-                        if layout.fits:
-                            return finish(layout, tried, reasons)
-                        tried.append(layout)
-    return tried[-1].shortfall()
+                        yield Layout(profile, pair, context, mode, budget, overrides, quantization,
+                                     kv_on_chip, with_draft, prefill_chunk, head_quantized, embedding_on_cpu)
 
 
-def _mode(profile: HardwareProfile, context: int, budget: int, overrides: Overrides,
-          reasons: dict) -> str:
-    """TriForce, plain or "speculate" (chain or tree, settled once the weights are known)."""
-    if overrides.mode:
-        reasons["mode"] = f"{overrides.mode}: as requested"
-        return overrides.mode
-    if profile.gpus and context > LONG_CONTEXT_FACTOR * budget:
-        reasons["mode"] = (f"triforce: {context:,} tokens are over {LONG_CONTEXT_FACTOR}x the {budget:,}-token "
-                           f"retrieval budget, so drafting against a retrieval cache reads a fraction of the full KV")
-        return "triforce"
-    return "speculate"
-
-
-def finish(layout: Layout, tried: list[Layout], reasons: dict) -> Plan:
-    pair, context = layout.pair, layout.context
-    reasons["weights"] = weights_reason(layout, tried)
-    reasons["placement"] = placement_reason(layout)
-    reasons["kv"] = kv_reason(layout)
-    mode, gamma1, gamma2, tree, verify, seconds = choose_speculation(layout, reasons)
-    dsi = choose_dsi(layout, mode, seconds, reasons)
-    if dsi is not None:
-        return dsi_plan(layout, dsi, tree, reasons)
-    if layout.retrieval is not None:
-        budget, chunk = layout.retrieval
-        reasons["retrieval"] = (f"{budget:,}-token retrieval cache in {chunk}-token chunks: TriForce's budget; "
-                                + ("8-token chunks retrieve more precisely and their keys are cheap next to the "
-                                   "on-chip KV" if layout.kv_on_chip else "16-token chunks halve the mean keys "
-                                   "kept on the GPU, its only copy of K"))
-    if layout.draft is not None:
-        reasons["draft_cache"] = draft_cache_reason(layout)
-    reasons["prefill_chunk"] = prefill_reason(layout)
-    kv_attention_reason(layout, reasons)
-    return Plan(
-        pair_id=pair.id, context=context, mode=mode, weights=layout.weights_label(),
-        target_devices=layout.target_devices, target_layers=layout.target_layers,
-        draft_device=layout.draft_device(), draft_weights=layout.draft_dtype(),
-        kv_device=layout.kv_device(),
-        retrieval_budget=layout.retrieval[0] if layout.retrieval else None,
-        retrieval_chunk=layout.retrieval[1] if layout.retrieval else None,
-        draft_sinks=DRAFT_SINKS if layout.draft is not None else None,
-        draft_window=layout.draft_window if layout.draft is not None else None,
-        gamma1=gamma1, gamma2=gamma2, tree_size=tree[0], tree_depth=tree[1],
-        prefill_chunk=layout.prefill_chunk, memory=tuple(layout.items), devices=layout.devices, reasons=reasons,
-        triforce_verify=verify, head_weights=layout.head_label(),
-        embedding_device=layout.embedding_device())
+def _plans(profile: HardwareProfile, pair: ModelPair, context: int, overrides: Overrides) -> bool:
+    """Whether `try_plan` would plan (some placement fits), without finishing a plan."""
+    if context > pair.context_length:
+        return False
+    budget = overrides.retrieval_budget or RETRIEVAL_BUDGET
+    mode = choose_mode(profile, context, budget, overrides, {})
+    layouts = _exact_layouts(profile, pair, context, mode, budget, overrides)
+    if any(layout.fits for layout in layouts):
+        return True
+    return overrides.precision == "auto" and profile.gpus != () and any(
+        layout.fits for layout in candidate_layouts(profile, pair, context, mode, budget, overrides))
 
 
 def _alternatives(profile: HardwareProfile, pair: ModelPair, context: int, overrides: Overrides,
@@ -154,8 +154,7 @@ def _alternatives(profile: HardwareProfile, pair: ModelPair, context: int, overr
     """What does plan, nearest first: 4-bit weights at this context (when the user fixed a finer
     quantization), the longest context this pair fits, a smaller pair of the registry."""
     found = []
-    if overrides.quantization not in (None, "nf4") and \
-            isinstance(try_plan(profile, pair, context, replace(overrides, quantization="nf4")), Plan):
+    if overrides.quantization not in (None, "nf4") and _plans(profile, pair, context, replace(overrides, quantization="nf4")):
         found.append(Alternative(pair.id, context, "nf4", f"{pair.id} at {context:,} tokens with 4-bit (nf4) weights"))
     shorter = _longest_context(profile, pair, min(context, pair.context_length + 1) - 1, overrides)
     if shorter:
@@ -167,7 +166,7 @@ def _alternatives(profile: HardwareProfile, pair: ModelPair, context: int, overr
         for other in smaller:  # the largest first: the nearest to what was asked for
             free = replace(overrides, quantization=None)
             at = min(context, other.context_length)
-            if not isinstance(try_plan(profile, other, at, free), Plan):
+            if not _plans(profile, other, at, free):
                 at = _longest_context(profile, other, at - 1, free)
             if at:
                 found.append(Alternative(other.id, at, None, f"the smaller pair {other.id} at {at:,} tokens"))
@@ -185,7 +184,7 @@ def _longest_context(profile: HardwareProfile, pair: ModelPair, most: int, overr
     low, high = 0, most // 1024  # low plans (0 = none found), high + 1 does not
     while low < high:
         middle = (low + high + 1) // 2
-        if isinstance(try_plan(profile, pair, middle * 1024, overrides), Plan):
+        if _plans(profile, pair, middle * 1024, overrides):
             low = middle
         else:
             high = middle - 1

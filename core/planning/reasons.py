@@ -26,6 +26,16 @@ def weights_reason(layout: Layout, tried: list[Layout]) -> str:
         candidate.shortfall() for candidate in smallest.values())
 
 
+def auto_weights_reason(layout: Layout) -> str:
+    """Why these weights, under the automatic precision: the fastest placement carries them."""
+    sizes = f"target {human_size(sum(layout.weights()))}"
+    if layout.overrides.quantization:
+        return f"{layout.weights_label()}: as requested ({sizes})"
+    head = ", the output head quantized too" if layout.head_quantized else ""
+    kind = "unquantized" if layout.quantization == "none" else "4-bit"
+    return f"{layout.weights_label()}: {kind} weights{head} ({sizes}), in the fastest placement that fits (precision)"
+
+
 def placement_reason(layout: Layout) -> str:
     if not layout.profile.gpus:
         return "no CUDA GPU: everything runs on the CPU (decode is bound by reading the weights: slow for large models)"
@@ -52,6 +62,9 @@ def kv_reason(layout: Layout) -> str:
     size = human_size(layout.full_kv)
     if not layout.profile.gpus:
         return f"full KV ({size}) in RAM with the model"
+    if layout.kv_int8:
+        return (f"full KV ({size}) in 8 bits on {layout.kv_device()} with its layers: int8 codes and a scale per token "
+                f"and KV head, {layout.full_kv_per_token / layout.kv_per_token:.2f}x the bytes of {layout.dtype}")
     if layout.kv_on_chip:
         return f"full KV ({size}) on {layout.kv_device()} with its layers"
     h2d = slowest(layout, "host_to_device_bytes_per_s")
@@ -63,8 +76,13 @@ def kv_reason(layout: Layout) -> str:
 
 def kv_attention_reason(layout: Layout, reasons: dict) -> None:
     """An offloaded KV is always streamed to the GPU: the plan chooses only paths measured end to
-    end, and attention on the CPU where the KV lies was not one of them (bench/2026-11-22-h100-offload.json)."""
-    if layout.profile.gpus and not layout.kv_on_chip:
+    end, and attention on the CPU where the KV lies was not one of them (bench/2026-11-22-h100-offload.json).
+    An 8-bit KV is dequantized before attention, priced as measured (efficiency.py)."""
+    if layout.kv_int8:
+        reasons["kv_attention"] = (f"8-bit KV dequantized to a {layout.dtype} copy per layer, then attended: priced "
+                                   f"as measured, about 9x the attention time of a {layout.dtype} KV (H100, 32-128K); "
+                                   f"a fused kernel would read about 1 byte per value")
+    elif layout.profile.gpus and not layout.kv_on_chip:
         reasons["kv_attention"] = ("offloaded KV streamed to the GPU for attention: attending on the CPU where it lies "
                                    "measured 17.8x slower end to end (H100, 128K), against 1.01x the link's floor")
 

@@ -12,6 +12,7 @@ from ..hardware import curve_key
 from ..registry import DTYPE_BYTES, ModelSpec
 from ..speculative.dsi.cost import si_seconds_per_token
 from ..speculative.lookahead import MAX_DRAFT
+from .cost import retrieval_forward_seconds, step_seconds, verification_seconds
 from .memory import DRAFT_SINKS, Layout, compute_dtype, slowest
 
 
@@ -34,7 +35,7 @@ def choose_speculation(layout: Layout, reasons: dict) -> tuple[str, int | None, 
     """(mode, gamma1, gamma2, (tree n, d), TriForce's final verification, predicted seconds per
     token) with their reasons."""
     tree, tree_pays, chain = _tree(layout, reasons)
-    seconds = verification_seconds(layout)  # plain decoding's token
+    seconds = step_seconds(layout)  # plain decoding's token
     mode = layout.mode
     if mode == "speculate":
         if tree_pays and (chain is None or tree_pays.speedup > chain.speedup):
@@ -46,7 +47,7 @@ def choose_speculation(layout: Layout, reasons: dict) -> tuple[str, int | None, 
                                            "prompt lookup drafts from the document and the conversation, for free")
     if mode in ("chain", "tree") and seconds is not None:
         choice = tree_pays if mode == "tree" else chain  # the optimizer's, from measured t(n)
-        seconds = seconds / choice.speedup if choice else chain_seconds(layout, seconds)
+        seconds = seconds / choice.speedup if choice else chain_seconds(layout)
     gamma1 = gamma2 = None
     verify = "chain"
     if mode == "chain":
@@ -151,18 +152,17 @@ def _gamma2(layout: Layout) -> tuple[int, str, tuple[float, float] | None]:
 
     T_full reads the weights and the whole KV (on-chip), or streams the KV over PCIe while the
     weights are read (offloaded; double buffering overlaps the two). T_mid is the cost of one
-    middle-stage token: a retrieval-cache target forward plus gamma1 draft steps, shared by the
-    E(gamma1, a1) tokens each such verification yields (one forward per token without a draft).
-    Memory-bound forwards: bytes read / the measured on-device rate."""
+    middle-stage token: a retrieval-cache target forward verifying gamma1 drafts plus the gamma1
+    draft steps, shared by the E(gamma1, a1) tokens each such verification yields (without a
+    draft, a one-token retrieval-cache step per token). Memory-bound forwards: bytes read / the
+    measured on-device rate, each format at its efficiency (cost.py)."""
     memory_rate = slowest(layout, "memory_bytes_per_s")
     h2d = slowest(layout, "host_to_device_bytes_per_s")
     t_full = verification_seconds(layout)
     if t_full is None:
         return (DEFAULT_GAMMA2, f"gamma2 = {DEFAULT_GAMMA2}: TriForce's optimum (bandwidths not measured on this machine)",
                 None)
-    _, head, body = layout.weights()
-    weights = head + body
-    t_mid = (weights + layout.retrieval[0] * layout.kv_per_token) / memory_rate
+    t_mid = retrieval_forward_seconds(layout, memory_rate, verify=layout.draft is not None)
     middle = f"{t_mid * 1e3:.1f} ms per retrieval-cache forward"
     if layout.draft is not None:
         a1 = layout.overrides.acceptance[0] if layout.overrides.acceptance else DRAFT_ACCEPTANCE
@@ -172,13 +172,13 @@ def _gamma2(layout: Layout) -> tuple[int, str, tuple[float, float] | None]:
         middle += (f" and {draft_step * 1e3:.1f} ms per draft step, over {per_verification:.2f} tokens each "
                    f"(draft acceptance {a1:.2f}): {t_mid * 1e3:.1f} ms per token")
     if layout.kv_on_chip:
-        full = f"reads weights and {human_size(layout.full_kv)} of KV at {human_size(memory_rate)}/s"
+        bits = " 8-bit" if layout.kv_int8 else ""
+        full = f"reads weights and {human_size(layout.full_kv)} of{bits} KV at {human_size(memory_rate)}/s"
     else:
         full = f"streams {human_size(layout.full_kv)} of KV at {human_size(h2d)}/s"
     a2 = _retrieval_acceptance(layout)
     best = max(range(1, MAX_GAMMA2 + 1), key=lambda g: _expected_tokens(g, a2) / (g * t_mid + t_full))
-    # A plain step costs what a full verification does: the same weights and KV are read.
-    speedup = _expected_tokens(best, a2) * t_full / (best * t_mid + t_full)
+    speedup = _expected_tokens(best, a2) * step_seconds(layout) / (best * t_mid + t_full)
     return best, (f"gamma2 = {best}: a full verification ({full}) costs {t_full * 1e3:.0f} ms against {middle}; "
                   f"at retrieval acceptance {a2:.2f}, {best} tokens per full verification give the most tokens "
                   f"per second, about {speedup:.2f}x plain decoding"), (t_mid, t_full)
@@ -186,21 +186,6 @@ def _gamma2(layout: Layout) -> tuple[int, str, tuple[float, float] | None]:
 
 def _retrieval_acceptance(layout: Layout) -> float:
     return layout.overrides.retrieval_acceptance or RETRIEVAL_ACCEPTANCE
-
-
-def verification_seconds(layout: Layout) -> float | None:
-    """One target forward of a few tokens at the full context, memory-bound (a plain step costs
-    the same): it reads the weights and the whole KV on the GPUs (on-chip), or streams the KV over
-    the link while the weights are read (offloaded; double buffering overlaps the two). None when
-    the bandwidths are not measured (or there is no GPU)."""
-    memory_rate = slowest(layout, "memory_bytes_per_s")
-    h2d = slowest(layout, "host_to_device_bytes_per_s")
-    if memory_rate is None or (not layout.kv_on_chip and h2d is None):
-        return None
-    _, head, body = layout.weights()
-    if layout.kv_on_chip:
-        return (head + body + layout.full_kv) / memory_rate
-    return max(layout.full_kv / h2d, (head + body) / memory_rate)
 
 
 def drafter_cost(layout: Layout, draft: ModelSpec | None) -> tuple[float, float]:
@@ -218,11 +203,13 @@ def drafter_cost(layout: Layout, draft: ModelSpec | None) -> tuple[float, float]
     return draft.params_b * 1e9 * size / slowest(layout, "memory_bytes_per_s"), acceptance
 
 
-def chain_seconds(layout: Layout, verification: float) -> float:
+def chain_seconds(layout: Layout) -> float:
     """A chain on this layout with its own drafter, at its best length (SI's formula; 0 drafts is
-    a plain step, as the engine's cost model may choose)."""
+    a plain step, as the engine's cost model may choose). Only called with the bandwidths measured."""
+    verification = verification_seconds(layout)
     draft, acceptance = drafter_cost(layout, layout.draft)
-    return min(si_seconds_per_token(verification, draft, acceptance, k) for k in range(MAX_DRAFT + 1))
+    return min(step_seconds(layout), *(si_seconds_per_token(verification, draft, acceptance, k)
+                                       for k in range(1, MAX_DRAFT + 1)))
 
 
 def _expected_tokens(gamma: int, acceptance: float) -> float:

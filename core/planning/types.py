@@ -27,6 +27,10 @@ class Overrides:
     acceptance: tuple[float, ...] | None = None  # the draft's positional acceptance vector (calibrate)
     draft_cost: float | None = None  # draft step / target step, when no draft curve is measured
     retrieval_acceptance: float | None = None  # the retrieval stage's per-token acceptance rate
+    # "auto": the placement with the least predicted time to an answer, quantized weights and an
+    # 8-bit KV included; "exact": the model's own weights and KV dtype, quantized only where
+    # nothing else fits (precision.py).
+    precision: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,17 @@ class Plan:
     # The target's input embedding: with its first layers (target_devices[0]), or "cpu" on a GPU
     # machine short of memory (a token's row is read there, a hidden vector crosses the link).
     embedding_device: str = ""
+    # The full KV's storage: the compute dtype ("bfloat16", "float16", "float32"), or "int8" (codes
+    # and a float32 scale per token and KV head, on the GPUs).
+    kv_dtype: str = ""
+    precision: str = "auto"  # the setting it was planned under (Overrides.precision)
+    # Predictions (cost.py; None where the bandwidths are not measured, as on a CPU-only machine):
+    # decode at the planned context with the chosen speculation, and plain decoding of these weights.
+    predicted_tokens_per_second: float | None = None
+    plain_tokens_per_second: float | None = None
+    predicted_prefill_seconds: float | None = None  # a prompt filling the context less the answer
+    # The exact placement's predicted decode, for comparison (None where it does not fit).
+    exact_tokens_per_second: float | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)

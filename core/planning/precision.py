@@ -1,0 +1,80 @@
+"""The precision setting and its words: "auto" (the default) plans the fastest placement, quantized
+weights and an 8-bit KV included; "exact" keeps the model's own weights and KV dtype, quantizing
+only where nothing else fits. Speculation is lossless against the model as loaded either way, so
+the plan says in plain words which model that is."""
+
+from __future__ import annotations
+
+from ..env_settings import env_choice
+from ..errors import InputError
+from .types import Plan
+
+PRECISIONS = ("auto", "exact")
+PRECISION_ENV = "SPECCHAT_PRECISION"  # `--precision` where given, else this, else "auto"
+
+
+def precision_setting(given: str | None = None) -> str:
+    """`given` (a --precision option), else $SPECCHAT_PRECISION, else "auto"; InputError otherwise."""
+    if given is None:
+        return env_choice(PRECISION_ENV, PRECISIONS, "auto")
+    if given not in PRECISIONS:
+        raise InputError(f"--precision {given!r}: choose from {', '.join(PRECISIONS)}")
+    return given
+
+
+def speed(tokens_per_second: float) -> str:
+    return f"about {tokens_per_second:.0f} tok/s" if tokens_per_second >= 10 else \
+        f"about {tokens_per_second:.1f} tok/s"
+
+
+def placement_words(plan: Plan) -> str:
+    """"nf4 weights and an 8-bit KV on the GPU", "bfloat16 weights with the KV streamed from RAM"."""
+    weights = f"{plan.weights} weights" + (" (the output head too)" if plan.head_weights == plan.weights
+                                           and plan.weights in ("nf4", "int8") else "")
+    if plan.kv_device == "cpu-pinned":
+        return f"{weights} with the KV streamed from RAM"
+    if plan.kv_dtype == "int8":
+        return f"{weights} and an 8-bit KV on the GPU"
+    return f"{weights} with the KV on the {'CPU' if plan.kv_device == 'cpu' else 'GPU'}"
+
+
+def auto_reason(chosen: Plan, exact: Plan | str) -> str:
+    """Why auto chose `chosen`, against the exact placement (a Plan, or why none fits)."""
+    said = f"auto: {placement_words(chosen)}, {speed(chosen.predicted_tokens_per_second)}"
+    if isinstance(exact, str):
+        return f"{said}; the model's own precision does not fit (--precision exact: {exact})"
+    if _same_placement(chosen, exact):
+        return f"{said}: the exact placement (--precision exact) is also the fastest that fits"
+    versus = speed(exact.predicted_tokens_per_second) if exact.predicted_tokens_per_second else "no prediction"
+    return f"{said}, the fastest that fits, against {versus} for {placement_words(exact)} (--precision exact)"
+
+
+def answers_sentence(plan: Plan, exact: Plan | str, dtype: str, requested: bool) -> str:
+    """What the answers are, in plain words: "4-bit weights, 8-bit KV: answers are exactly what this
+    quantized model would write; --precision exact for the bfloat16 model, about 10 tok/s".
+    `dtype`: the compute dtype, the unquantized model's; `requested`: the weights were fixed by
+    the user (no comparison is then offered)."""
+    quantized = [{"nf4": "4-bit weights", "int8": "8-bit weights"}.get(plan.weights), "8-bit KV" if
+                 plan.kv_dtype == "int8" else None]
+    quantized = [words for words in quantized if words]
+    if not quantized:
+        return f"{plan.weights} weights and KV: answers are exactly what the {plan.weights} model would write"
+    said = f"{', '.join(quantized)}: answers are exactly what this quantized model would write"
+    if requested:
+        return said
+    if isinstance(exact, str) or _quantized(exact):
+        said += f"; the {dtype} model does not fit this machine at {plan.context:,} tokens"
+    if isinstance(exact, Plan) and not _same_placement(plan, exact):
+        model = f"the {dtype} model" if not _quantized(exact) else placement_words(exact)
+        versus = f", {speed(exact.predicted_tokens_per_second)}" if exact.predicted_tokens_per_second else ""
+        said += f"; --precision exact for {model}{versus}"
+    return said
+
+
+def _quantized(plan: Plan) -> bool:
+    return plan.weights in ("nf4", "int8") or plan.kv_dtype == "int8"
+
+
+def _same_placement(one: Plan, other: Plan) -> bool:
+    return (one.weights, one.head_weights, one.kv_dtype, one.kv_device) == \
+        (other.weights, other.head_weights, other.kv_dtype, other.kv_device)
