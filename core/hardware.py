@@ -77,6 +77,16 @@ class HardwareProfile:
     cuda_version: str | None  # the CUDA runtime torch was built with; None without CUDA
     measured_on: str  # ISO date of the probe
     curves: tuple[ModelCurves, ...] = ()
+    # "linux", "windows" or "darwin"; None in profiles saved before the OS was recorded (read as
+    # Linux's rules, where every profile so far was probed).
+    os: str | None = None
+
+    @property
+    def pinnable_bytes(self) -> int:
+        """RAM that may be page-locked for an offloaded KV: CUDA on Windows (WDDM) caps it at half the
+        RAM; elsewhere only the RAM itself bounds it (the plan's margin applies on top). A rule, not a
+        measurement: pinning to find out costs seconds per GB and keeps the memory until exit."""
+        return self.ram_total_bytes // 2 if self.os == "windows" else self.ram_total_bytes
 
     def machine_key(self) -> str:
         """What the cached measurements depend on: GPU names, CUDA and torch versions, RAM size
@@ -127,6 +137,8 @@ class HardwareProfile:
 def _check(profile: HardwareProfile) -> None:
     if profile.ram_total_bytes <= 0 or not 0 <= profile.ram_available_bytes <= profile.ram_total_bytes:
         raise ValueError("RAM sizes must be positive, available at most total")
+    if profile.os not in (None, "linux", "windows", "darwin"):
+        raise ValueError(f"os must be linux, windows or darwin, got {profile.os!r}")
     for gpu in profile.gpus:
         if gpu.vram_total_bytes <= 0 or not 0 <= gpu.vram_free_bytes <= gpu.vram_total_bytes:
             raise ValueError(f"GPU {gpu.index}: VRAM sizes must be positive, free at most total")
@@ -169,7 +181,12 @@ def probe(measure_bandwidth: bool = True) -> HardwareProfile:
     cpu = CpuInfo(_cpu_model(), psutil.cpu_count(logical=True) or 1, psutil.cpu_count(logical=False))
     return HardwareProfile(gpus=gpus, cpu=cpu, ram_total_bytes=memory.total, ram_available_bytes=memory.available,
                            torch_version=torch.__version__, cuda_version=torch.version.cuda if cuda else None,
-                           measured_on=date.today().isoformat())
+                           measured_on=date.today().isoformat(), os=_os_name())
+
+
+def _os_name() -> str:
+    system = platform.system().lower()
+    return {"windows": "windows", "darwin": "darwin"}.get(system, "linux")
 
 
 def _probe_gpu(index: int, measure_bandwidth: bool) -> GpuInfo:
@@ -307,7 +324,8 @@ def probe_key() -> str:
 def _with_fresh_free_memory(saved: HardwareProfile, current: HardwareProfile) -> HardwareProfile:
     gpus = tuple(dataclasses.replace(gpu, vram_free_bytes=now.vram_free_bytes)
                  for gpu, now in zip(saved.gpus, current.gpus))
-    return dataclasses.replace(saved, gpus=gpus, ram_available_bytes=current.ram_available_bytes)
+    # The OS too: a profile saved before it was recorded would otherwise read as Linux's rules.
+    return dataclasses.replace(saved, gpus=gpus, ram_available_bytes=current.ram_available_bytes, os=current.os)
 
 
 def _curves_path(folder: Path, model_key: str) -> Path:

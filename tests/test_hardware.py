@@ -60,6 +60,7 @@ def test_round_trip_with_curves():
     lambda d: d["gpus"][0].update(vram_free_bytes=d["gpus"][0]["vram_total_bytes"] + 1),
     lambda d: d["gpus"][0].update(host_to_device_bytes_per_s=0),
     lambda d: d["gpus"][0].update(colour="green"),
+    lambda d: d.update(os="beos"),
 ])
 def test_a_broken_profile_is_refused(change):
     data = json.loads(_synthetic().to_json())
@@ -90,6 +91,22 @@ def test_load_or_probe_caches_per_machine(tmp_path):
     saved.write_text("{ half a file")
     assert load_or_probe(root=tmp_path).measured_on != "2000-01-01"  # damaged: measured again
     assert HardwareProfile.load(saved).machine_key() == first.machine_key()
+
+
+def test_the_profile_records_the_os_and_windows_pins_at_most_half_the_ram(tmp_path):
+    assert probe(measure_bandwidth=False).os in ("linux", "windows", "darwin")
+    older = json.loads(_synthetic().to_json())
+    older.pop("os")  # saved before the OS was recorded: it still loads, read as Linux's rules
+    profile = HardwareProfile.from_json(json.dumps(older))
+    assert profile.os is None and profile.pinnable_bytes == profile.ram_total_bytes
+    windows = dataclasses.replace(profile, os="windows")
+    assert windows.pinnable_bytes == profile.ram_total_bytes // 2
+    assert HardwareProfile.from_json(windows.to_json()) == windows
+    # This machine's cached profile gets this machine's OS, whatever the file says.
+    first = load_or_probe(root=tmp_path)
+    saved = tmp_path / first.machine_key() / "profile.json"
+    saved.write_text(dataclasses.replace(HardwareProfile.load(saved), os=None).to_json())
+    assert load_or_probe(root=tmp_path).os == first.os is not None
 
 
 def test_measure_curves_caps_contexts_caches_and_joins_the_profile(tmp_path, monkeypatch):
