@@ -180,8 +180,15 @@ def test_what_each_machine_gets():
     small = make_plan(PROFILES["rtx3060-12gb"], REGISTRY.get("llama3.1-8b"), 131072, EXACT)
     assert (small.weights, small.head_weights, small.embedding_device) == ("int8", "bfloat16", "cpu")
     assert "bfloat16 weights need" in small.reasons["weights"] and "embedding table" in small.reasons["placement"]
-    # 8 GB and 32 GB of RAM: 4-bit, the output head too, the embedding in RAM, the KV offloaded.
+    # 8 GB and 32 GB of RAM: 4-bit, the KV offloaded; a chain keeps the output head unquantized, as
+    # TriForce's retrieval cache does not fit beside it (precision first).
     eight = make_plan(PROFILES["rtx4060ti-8gb-32gb"], REGISTRY.get("llama3.1-8b"), 131072, EXACT)
+    assert (eight.weights, eight.head_weights, eight.kv_device, eight.mode) == \
+        ("nf4", "bfloat16", "cpu-pinned", "chain")
+    assert eight.reasons["mode"].startswith("chain: TriForce's retrieval cache does not fit beside these weights and KV")
+    # TriForce asked for: 4-bit, the output head too, the embedding in RAM, the KV offloaded.
+    eight = make_plan(PROFILES["rtx4060ti-8gb-32gb"], REGISTRY.get("llama3.1-8b"), 131072,
+                      Overrides(mode="triforce", precision="exact"))
     assert (eight.weights, eight.head_weights, eight.embedding_device, eight.kv_device, eight.mode) == \
         ("nf4", "nf4", "cpu", "cpu-pinned", "triforce")
     assert "the output head quantized too" in eight.reasons["weights"]
@@ -207,17 +214,18 @@ def test_a_forced_precision_that_does_not_fit_suggests_4_bit_first():
 
 def test_gamma2_grows_as_the_offloaded_verification_gets_dearer():
     profile, pair = PROFILES["rtx4090-24gb"], REGISTRY.get("qwen2.5-7b")
-    offloaded = make_plan(profile, pair, 131072, EXACT)
-    on_chip = make_plan(PROFILES["2x-rtx4090"], pair, 131072, EXACT)
+    triforce = Overrides(mode="triforce", precision="exact")
+    offloaded = make_plan(profile, pair, 131072, triforce)
+    on_chip = make_plan(PROFILES["2x-rtx4090"], pair, 131072, triforce)
     assert offloaded.kv_device == "cpu-pinned" and on_chip.kv_device.startswith("cuda")
     assert offloaded.gamma2 > on_chip.gamma2
     slow_link = dataclasses.replace(profile, gpus=tuple(
         dataclasses.replace(gpu, host_to_device_bytes_per_s=gpu.host_to_device_bytes_per_s / 4) for gpu in profile.gpus))
-    assert make_plan(slow_link, pair, 131072, EXACT).gamma2 > offloaded.gamma2
+    assert make_plan(slow_link, pair, 131072, triforce).gamma2 > offloaded.gamma2
     unmeasured = dataclasses.replace(profile, gpus=tuple(
         dataclasses.replace(gpu, host_to_device_bytes_per_s=None) for gpu in profile.gpus))
-    default = make_plan(unmeasured, pair, 131072, EXACT)
-    assert default.gamma2 == 6 and "not measured" in default.reasons["gammas"]
+    default = make_plan(unmeasured, pair, 131072, EXACT)  # not predicted: TriForce, the first mode
+    assert default.mode == "triforce" and default.gamma2 == 6 and "not measured" in default.reasons["gammas"]
 
 
 def test_the_tree_comes_from_the_optimizer_when_t_n_and_acceptance_are_known():
@@ -240,7 +248,7 @@ def test_overrides_and_bad_requests():
     profile, pair = PROFILES["rtx4090-24gb"], REGISTRY.get("qwen2.5-7b")
     plain = make_plan(profile, pair, 32768, Overrides(mode="plain"))
     assert plain.mode == "plain" and plain.draft_device is None and plain.gamma1 is None and plain.gamma2 is None
-    narrow = make_plan(profile, pair, 131072, Overrides(retrieval_budget=2048))
+    narrow = make_plan(profile, pair, 131072, Overrides(retrieval_budget=2048, mode="triforce"))
     assert narrow.retrieval_budget == 2048
     for bad in (Overrides(quantization="int3"), Overrides(mode="fast"), Overrides(retrieval_budget=0),
                 Overrides(retrieval_acceptance=1.5), Overrides(precision="fast")):
@@ -314,7 +322,8 @@ def test_a_split_that_keeps_the_kv_on_chip_beats_dsi_streaming_it_over_each_link
     """128K tokens: each card holds a target only with its KV offloaded, while the split keeps
     the KV with its layers; each instance would stream 16 GB over its own link per verification."""
     plan = make_plan(PROFILES["2x-rtx4090"], REGISTRY.get("llama3.1-8b"), 131072)
-    assert plan.mode == "triforce" and plan.kv_device == "cuda:0+cuda:1"
+    assert plan.mode == "chain" and plan.kv_device == "cuda:0+cuda:1"  # a chain beats TriForce on the split
+    assert plan.reasons["mode"].startswith("chain: predicted 76.0 tok/s against 57.2 for TriForce with these weights")
     reason = plan.reasons["dsi"]
     assert reason.startswith("not chosen: DSI over 2 GPUs (cuda:0, cuda:1) that each hold a whole target is "
                              "predicted 0.")
@@ -396,7 +405,8 @@ def test_plan_command_text(capsys):
     argv = ["plan", "--pair", "qwen3-8b", "--context", "32768", "--profile", profile, "--precision", "exact"]
     assert run_plan(_parse(argv)) == 0
     out = capsys.readouterr().out
-    assert out.startswith("qwen3-8b at 32,768 tokens: triforce")
+    assert out.startswith("qwen3-8b at 32,768 tokens: chain")
+    assert any(line.startswith("  mode ") and "for TriForce with these weights" in line for line in out.splitlines())
     assert "MEMORY" in out and "total on cuda:0" in out and "margin" in out and "weights " in out
     assert any(line.startswith("  dsi ") and "not chosen: " in line for line in out.splitlines())  # why not DSI
 
@@ -461,7 +471,8 @@ def test_triforce_verifies_a_tree_where_the_optimizer_says_it_beats_the_chain():
     where it beats the gamma2 chain (a GPU's flat t(n)), smaller where verification is dear;
     unmeasured, a chain with the reason why."""
     profile, pair = PROFILES["2x-rtx4090"], REGISTRY.get("llama3.1-8b")
-    unmeasured = make_plan(profile, pair, 131072)
+    triforce = Overrides(mode="triforce")
+    unmeasured = make_plan(profile, pair, 131072, triforce)
     assert unmeasured.mode == "triforce" and unmeasured.triforce_verify == "chain"
     assert "measured" in unmeasured.reasons["triforce_verify"]
     key = curve_key(pair.target.repo, pair.target.revision, unmeasured.weights)
@@ -469,7 +480,7 @@ def test_triforce_verifies_a_tree_where_the_optimizer_says_it_beats_the_chain():
     def with_t(ratios):
         times = ForwardTimes(sizes=(1, 8, 16, 32, 64), ratios=ratios, one_token_seconds=0.03, context=131072,
                              device="synthetic")
-        return make_plan(profile.with_curves(ModelCurves(key, (times,))), pair, 131072)
+        return make_plan(profile.with_curves(ModelCurves(key, (times,))), pair, 131072, triforce)
 
     flat = with_t((1.0, 1.01, 1.02, 1.05, 1.1))
     assert flat.triforce_verify == "tree" and flat.tree_size > flat.gamma2 + 1

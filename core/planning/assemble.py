@@ -15,16 +15,27 @@ RETRIEVAL_BUDGET = 4096  # TriForce's budget for 128K contexts (algorithms.md se
 LONG_CONTEXT_FACTOR = 2  # TriForce pays once the context is this many retrieval budgets long
 
 
-def choose_mode(profile: HardwareProfile, context: int, budget: int, overrides: Overrides, reasons: dict) -> str:
-    """TriForce, plain or "speculate" (chain or tree, settled once the weights are known)."""
+def candidate_modes(profile: HardwareProfile, context: int, budget: int, overrides: Overrides) -> tuple[str, ...]:
+    """The modes a placement is finished in, TriForce first: the one asked for; else, on a GPU with
+    a context over LONG_CONTEXT_FACTOR retrieval budgets, TriForce and "speculate" (chain or tree,
+    settled once the weights are known), the faster to be kept (candidates.finish_placement);
+    else "speculate"."""
     if overrides.mode:
-        reasons["mode"] = f"{overrides.mode}: as requested"
-        return overrides.mode
+        return (overrides.mode,)
     if profile.gpus and context > LONG_CONTEXT_FACTOR * budget:
-        reasons["mode"] = (f"triforce: {context:,} tokens are over {LONG_CONTEXT_FACTOR}x the {budget:,}-token "
-                           f"retrieval budget, so drafting against a retrieval cache reads a fraction of the full KV")
-        return "triforce"
-    return "speculate"
+        return ("triforce", "speculate")
+    return ("speculate",)
+
+
+def mode_reasons(mode: str, context: int, budget: int, overrides: Overrides) -> dict:
+    """The mode's reason where it is known before speculation is chosen (speculation.py writes a
+    chain's or a tree's)."""
+    if overrides.mode:
+        return {"mode": f"{overrides.mode}: as requested"}
+    if mode == "triforce":
+        return {"mode": f"triforce: {context:,} tokens are over {LONG_CONTEXT_FACTOR}x the {budget:,}-token retrieval "
+                        f"budget, so drafting against a retrieval cache reads a fraction of the full KV"}
+    return {}
 
 
 def finish(layout: Layout, reasons: dict, weights_why: str) -> Plan:

@@ -6,10 +6,12 @@ Two precisions (Overrides.precision, precision.py):
 
 - "exact" walks the placements in the order of what matters to a user, precision first, and takes
   the first that fits:
-  1. The mode (algorithms.md sections 2, 5): on a GPU, a context much longer than the retrieval
-     budget runs TriForce's hierarchy (the retrieval cache makes drafting cheap however long the
-     context); otherwise chain or tree speculation, a tree only when the hardware-aware optimizer
-     (measured t(n) and an acceptance vector) says it beats a chain.
+  1. The mode (algorithms.md sections 2, 5), with the placement: on a GPU, a context over twice the
+     retrieval budget is planned both in TriForce's hierarchy and in chain or tree speculation, and
+     the faster by predicted time is kept (candidates.finish_placement; unpredicted, TriForce);
+     otherwise chain or tree, a tree only when the hardware-aware optimizer (measured t(n) and an
+     acceptance vector) says it beats a chain. In each mode the first placement of the walk that
+     fits, in the most precise weights any mode fits.
   2. Weights: as precise as fits. Unquantized (bf16 on GPUs), else bitsandbytes 8-bit, else 4-bit
      nf4, else nf4 with the output head quantized too; "fits" always allows the full KV to be
      offloaded and the embedding table to stay in RAM, so precision is never traded for speed.
@@ -24,7 +26,8 @@ Two precisions (Overrides.precision, precision.py):
      its cost model (speculative/dsi/cost.py) predicts it beats 1-5's plan by DSI_MARGIN.
 - "auto" (the default) takes, among the placements of candidates.py that fit (4-bit weights and an
   8-bit KV on the GPU included), the one with the least predicted time to an answer (cost.py),
-  each with the mode and speculation of 1, 5 and 6.
+  each with the mode and speculation of 1, 5 and 6; a coarser precision only where it answers
+  PRECISION_MARGIN (1.15x) sooner (candidates.fastest).
 
 Memory arithmetic: memory.py; predicted times: cost.py with efficiency.py; the speculation cost
 model: speculation.py; DSI: dsi.py; a layout finished as a plan: assemble.py; the one-line
@@ -39,8 +42,8 @@ from ..errors import InputError
 from ..hardware import HardwareProfile
 from ..modes import MODES
 from ..registry import ModelPair, Registry
-from .assemble import RETRIEVAL_BUDGET, choose_mode, finish
-from .candidates import candidate_layouts, candidates, fastest
+from .assemble import RETRIEVAL_BUDGET, candidate_modes
+from .candidates import PRECISION_MARGIN, candidate_layouts, candidates, fastest, finish_placement
 from .memory import QUANTIZATIONS, WEIGHT_TIERS, Layout, compute_dtype, prefill_chunks, uses_draft
 from .precision import PRECISIONS, answers_sentence, auto_reason
 from .reasons import weights_reason
@@ -88,9 +91,10 @@ def try_plan(profile: HardwareProfile, pair: ModelPair, context: int, overrides:
         return exact if isinstance(exact, str) else _explained(exact, exact, profile, pair, overrides, (
             "exact: the model's own weights and KV dtype, quantized only where nothing else fits"))
     found = candidates(profile, pair, context, overrides)
-    chosen = fastest(found)
-    if chosen is not None:
-        return _explained(chosen, exact, profile, pair, overrides, auto_reason(chosen, exact))
+    choice = fastest(found)
+    if choice is not None:
+        chosen, passed_over = choice
+        return _explained(chosen, exact, profile, pair, overrides, auto_reason(chosen, exact, passed_over, PRECISION_MARGIN))
     # Not predicted (no GPU, or its bandwidths not measured): the most precise placement that fits.
     chosen = exact if isinstance(exact, Plan) or not found else found[0]
     if isinstance(chosen, str):
@@ -109,31 +113,49 @@ def _explained(chosen: Plan, exact: Plan | str, profile: HardwareProfile, pair: 
 
 
 def _exact_plan(profile: HardwareProfile, pair: ModelPair, context: int, overrides: Overrides) -> Plan | str:
-    """The first placement that fits, precision first (the module's steps 1-6)."""
-    reasons: dict[str, str] = {}
+    """Precision first (the module's steps 1-6): in each candidate mode the first placement of the
+    walk that fits, in the most precise weights any mode fits; of those, the faster."""
     budget = overrides.retrieval_budget or RETRIEVAL_BUDGET
-    mode = choose_mode(profile, context, budget, overrides, reasons)
-    tried = []
-    for layout in _exact_layouts(profile, pair, context, mode, budget, overrides):
-        if layout.fits:
-            return finish(layout, reasons, weights_reason(layout, tried))
-        tried.append(layout)
-    return tried[-1].shortfall()
+    tried: list[Layout] = []
+    first: dict[str, Layout] = {}  # mode -> its first fitting layout, in the tier found
+    last: dict[str, Layout] = {}  # mode -> its last layout of that tier (why it does not fit)
+    tier = None
+    for layouts in _exact_layouts(profile, pair, context, budget, overrides):
+        if first and (layouts[0].quantization, layouts[0].head_quantized) != tier:
+            break
+        for layout in layouts:
+            if layout.fits and not first:
+                tier = (layout.quantization, layout.head_quantized)
+            if layout.fits and first.get(layout.mode) is None and (not first or tier == (
+                    layout.quantization, layout.head_quantized)):
+                first[layout.mode] = layout
+            last[layout.mode] = layout
+        if len(first) == len(layouts):
+            break
+        if not first:
+            tried += layouts
+    if not first:
+        return tried[-1].shortfall()
+    chosen = tuple(first.get(mode, last[mode]) for mode in last)
+    return finish_placement(chosen, weights_reason(next(iter(first.values())), tried))
 
 
-def _exact_layouts(profile: HardwareProfile, pair: ModelPair, context: int, mode: str, budget: int,
-                   overrides: Overrides):
-    """The exact walk's placements in order. Outer loops hold what matters most: precision, then the
-    KV on the GPU, the draft on the GPU, a large prefill chunk; the embedding table on the GPU
-    matters least (on the CPU a token's row is read there and a few KB go over the link)."""
+def _exact_layouts(profile: HardwareProfile, pair: ModelPair, context: int, budget: int, overrides: Overrides):
+    """The exact walk's placements in order, each in its candidate modes (TriForce first, the
+    smallest last). Outer loops hold what matters most: precision, then the KV on the GPU, the draft
+    on the GPU, a large prefill chunk; the embedding table on the GPU matters least (on the CPU a
+    token's row is read there and a few KB go over the link)."""
     tiers = [tier for tier in WEIGHT_TIERS if overrides.quantization in (None, tier[0])]
+    modes = candidate_modes(profile, context, budget, overrides)
+    drafts = (True, False) if profile.gpus and any(uses_draft(pair, mode) for mode in modes) else (True,)
     for quantization, head_quantized in tiers:
         for kv_on_chip in (True, False) if profile.gpus else (False,):
-            for with_draft in (True, False) if uses_draft(pair, mode) and profile.gpus else (True,):
+            for with_draft in drafts:
                 for prefill_chunk in prefill_chunks(profile, kv_on_chip):
                     for embedding_on_cpu in (False, True) if profile.gpus else (False,):
-                        yield Layout(profile, pair, context, mode, budget, overrides, quantization,
-                                     kv_on_chip, with_draft, prefill_chunk, head_quantized, embedding_on_cpu)
+                        yield tuple(Layout(profile, pair, context, mode, budget, overrides, quantization, kv_on_chip,
+                                           with_draft, prefill_chunk, head_quantized, embedding_on_cpu)
+                                    for mode in modes)
 
 
 def _plans(profile: HardwareProfile, pair: ModelPair, context: int, overrides: Overrides) -> bool:
@@ -141,12 +163,10 @@ def _plans(profile: HardwareProfile, pair: ModelPair, context: int, overrides: O
     if context > pair.context_length:
         return False
     budget = overrides.retrieval_budget or RETRIEVAL_BUDGET
-    mode = choose_mode(profile, context, budget, overrides, {})
-    layouts = _exact_layouts(profile, pair, context, mode, budget, overrides)
-    if any(layout.fits for layout in layouts):
+    if any(layout.fits for layouts in _exact_layouts(profile, pair, context, budget, overrides) for layout in layouts):
         return True
     return overrides.precision == "auto" and profile.gpus != () and any(
-        layout.fits for layout in candidate_layouts(profile, pair, context, mode, budget, overrides))
+        layout.fits for layouts in candidate_layouts(profile, pair, context, budget, overrides) for layout in layouts)
 
 
 def _alternatives(profile: HardwareProfile, pair: ModelPair, context: int, overrides: Overrides,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..env_settings import env_choice
 from ..errors import InputError
+from .cost import answer_seconds
 from .types import Plan
 
 PRECISIONS = ("auto", "exact")
@@ -38,15 +39,34 @@ def placement_words(plan: Plan) -> str:
     return f"{weights} with the KV on the {'CPU' if plan.kv_device == 'cpu' else 'GPU'}"
 
 
-def auto_reason(chosen: Plan, exact: Plan | str) -> str:
-    """Why auto chose `chosen`, against the exact placement (a Plan, or why none fits)."""
+def auto_reason(chosen: Plan, exact: Plan | str, passed_over: Plan | None, margin: float) -> str:
+    """Why auto chose `chosen`, against the exact placement (a Plan, or why none fits) and the
+    faster, coarser plan `passed_over` for it (it answers less than `margin` sooner)."""
     said = f"auto: {placement_words(chosen)}, {speed(chosen.predicted_tokens_per_second)}"
+    kept = "" if passed_over is None else "; " + kept_words(chosen, passed_over, margin)
     if isinstance(exact, str):
-        return f"{said}; the model's own precision does not fit (--precision exact: {exact})"
+        return f"{said}{kept}; the model's own precision does not fit (--precision exact: {exact})"
     if _same_placement(chosen, exact):
-        return f"{said}: the exact placement (--precision exact) is also the fastest that fits"
+        return f"{said}: the exact placement (--precision exact)" + (kept or " is also the fastest that fits")
     versus = speed(exact.predicted_tokens_per_second) if exact.predicted_tokens_per_second else "no prediction"
-    return f"{said}, the fastest that fits, against {versus} for {placement_words(exact)} (--precision exact)"
+    fastest = "" if passed_over is not None else ", the fastest that fits"
+    return f"{said}{fastest}, against {versus} for {placement_words(exact)} (--precision exact){kept}"
+
+
+def kept_words(chosen: Plan, passed_over: Plan, margin: float) -> str:
+    """"bfloat16 weights kept: nf4 weights with the KV on the GPU would answer only 2% sooner ..."."""
+    if passed_over.weights != chosen.weights:
+        kept = f"{chosen.weights} weights kept"
+    elif passed_over.head_weights != chosen.head_weights:
+        kept = f"the {chosen.head_weights} output head kept"
+    else:
+        kept = f"the {chosen.kv_dtype} KV kept"
+    seconds = [answer_seconds(plan.predicted_prefill_seconds, plan.predicted_tokens_per_second, plan.context)
+               for plan in (chosen, passed_over)]
+    gain = seconds[0] / seconds[1] - 1
+    share = f"{gain:.0%}" if gain >= 0.005 else "under 1%"
+    return (f"{kept}: {placement_words(passed_over)} ({passed_over.mode}, {speed(passed_over.predicted_tokens_per_second)}) "
+            f"would answer only {share} sooner, under the {margin:.2f}x a coarser precision must gain")
 
 
 def answers_sentence(plan: Plan, exact: Plan | str, dtype: str, requested: bool) -> str:
