@@ -385,7 +385,7 @@ def test_parse_context_rejects(text):
         parse_context(text)
 
 
-@pytest.mark.parametrize("precision, weights, kv_dtype", [("exact", "bfloat16", "bfloat16"), ("auto", "nf4", "int8")])
+@pytest.mark.parametrize("precision, weights, kv_dtype", [("exact", "bfloat16", "bfloat16"), ("auto", "nf4", "bfloat16")])
 def test_plan_command_json(capsys, precision, weights, kv_dtype):
     profile = str(DATA / "profiles" / "rtx4090-24gb.json")
     args = _parse(["plan", "--pair", "llama3.1-8b", "--context", "128K", "--profile", profile, "--json",

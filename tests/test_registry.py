@@ -112,10 +112,10 @@ def test_unknown_pairs_list_the_known_ones():
     ("cpu-only-32gb", "llama3.1-8b", "fits (4-bit, CPU only, slow)"),
     ("cpu-only-32gb", "qwen3-8b", "does not fit (up to 127K tokens)"),
     ("2x-rtx4090", "qwen3-8b", "fits"),
-    ("rtx4090-24gb", "llama3.1-8b", "fits (4-bit, KV in 8 bits)"),  # the automatic precision's fastest
+    ("rtx4090-24gb", "llama3.1-8b", "fits (4-bit, output head too, no draft model)"),  # the automatic precision's fastest
     ("rtx4080-16gb", "qwen2.5-7b", "fits (4-bit)"),  # a chain needs no retrieval cache
     ("rtx3060-12gb", "llama3.1-8b", "fits (4-bit, KV offloaded to RAM, no draft model)"),
-    ("laptop-rtx4060-8gb", "qwen2.5-7b", "fits (4-bit, KV offloaded to RAM, no draft model)"),
+    ("laptop-rtx4060-8gb", "qwen2.5-7b", "fits (4-bit, KV offloaded to RAM)"),
     ("rtx4060ti-8gb-32gb", "llama3.1-8b", "fits (4-bit, output head too, KV offloaded to RAM, no draft model)"),
     ("laptop-rtx4060-8gb", "qwen3-8b", "does not fit (up to 87K tokens)"),  # 16 GB of RAM: the KV is the limit
 ])

@@ -264,7 +264,7 @@ def test_the_table_says_what_use_this_pair_does(caches, models_file, profile_nam
         assert verdicts == {"embedded": "fits (CPU only)", "qwen2.5-7b": "fits (CPU only, slow)"}
     else:
         assert verdicts == {"embedded": "fits",
-                            "qwen2.5-7b": "fits (4-bit, KV offloaded to RAM, no draft model)"}
+                            "qwen2.5-7b": "fits (4-bit, KV offloaded to RAM)"}
 
 
 def test_use_this_pair_loads_a_downloaded_pair_and_shows_its_plan(hub, caches, models_file, tiny_model_dir):

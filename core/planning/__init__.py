@@ -20,7 +20,7 @@ from .memory import (
     kv8_bytes_per_token,
     weight_parts,
 )
-from .candidates import candidates, time_to_answer
+from .candidates import candidates, ranking_seconds, time_to_answer
 from .cost import ANSWER_TOKENS, answer_tokens
 from .dsi import DSI_MARGIN
 from .plan import make_plan
@@ -33,5 +33,5 @@ __all__ = [
     "PREFILL_CHUNK_GPU", "QUANTIZATIONS", "RAM_MARGIN_SHARE", "RETRIEVAL_CHUNK_OFFLOADED",
     "RETRIEVAL_SIBLING_ACCEPTANCE", "VRAM_MARGIN_SHARE", "Alternative", "DeviceMemory", "MemoryItem", "Overrides",
     "Plan", "PlanRefused", "activation_bytes", "answer_tokens", "candidates", "kv8_bytes_per_token", "make_plan", "precision_setting",
-    "time_to_answer", "weight_parts",
+    "ranking_seconds", "time_to_answer", "weight_parts",
 ]

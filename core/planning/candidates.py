@@ -6,7 +6,7 @@ pinned RAM) x the draft (on the GPU, or left out) x the prefill chunk x the embe
 or in RAM). Each that fits is finished as a plan, its mode and speculation chosen as for any
 layout (assemble.finish) in each mode the context allows (TriForce and chain/tree on a GPU past
 twice the retrieval budget; the faster kept), and the plan is the one with the least predicted time
-to an answer (cost.answer_seconds), the most precise among equals, a coarser precision only where it
+to a document's answers (cost.document_job_seconds), the most precise among equals, a coarser precision only where it
 answers PRECISION_MARGIN sooner than every finer one.
 
 LLM.int8 weights are a candidate only when asked for (Overrides.quantization): its one-token
@@ -21,7 +21,7 @@ from dataclasses import replace
 from ..hardware import HardwareProfile
 from ..registry import ModelPair
 from .assemble import RETRIEVAL_BUDGET, candidate_modes, finish, mode_reasons
-from .cost import answer_seconds
+from .cost import answer_seconds, document_job_seconds
 from .dsi import DSI_MARGIN
 from .memory import Layout, prefill_chunks, uses_draft
 from .reasons import auto_weights_reason
@@ -102,11 +102,13 @@ def time_to_answer(plan: Plan) -> float | None:
 
 
 def ranking_seconds(plan: Plan) -> float | None:
-    """The time to an answer that candidates are compared by: a DSI plan's decode counts
-    DSI_MARGIN slower, the margin its cost model leaves for what its instances add (dsi.py)."""
-    if plan.mode != "dsi" or not plan.predicted_tokens_per_second:
-        return time_to_answer(plan)
-    return answer_seconds(plan.predicted_prefill_seconds, plan.predicted_tokens_per_second / DSI_MARGIN, plan.context)
+    """What candidates are compared by: a document read and its answers (cost.document_job_seconds);
+    a DSI plan's decode counts DSI_MARGIN slower, the margin its cost model leaves for what its
+    instances add (dsi.py)."""
+    speed = plan.predicted_tokens_per_second
+    if plan.mode == "dsi" and speed:
+        speed /= DSI_MARGIN
+    return document_job_seconds(plan.predicted_prefill_seconds, speed, plan.context)
 
 
 def coarseness(plan: Plan) -> tuple[int, int, int]:

@@ -30,6 +30,19 @@ COPY_OVER_SPEC = 0.84  # a measured on-device copy over the spec sheet's rate (H
 PREFILL_FLOP_SHARE = 0.35  # of that peak, a chunked prefill's (H100: 340 TFLOP/s at 32K and 128K, campaign `graphs`)
 
 
+# What candidates are ranked by: the main job, a document read once, then a summary and follow-ups
+# that reuse its KV. One answer alone would let a 128K prompt's read hide a decode half as fast,
+# which every follow-up pays.
+ANSWERS_PER_DOCUMENT = 4
+
+
+def document_job_seconds(prefill_seconds: float | None, tokens_per_second: float | None, context: int) -> float | None:
+    """Read a prompt filling the context less an answer, then write ANSWERS_PER_DOCUMENT answers."""
+    if prefill_seconds is None or not tokens_per_second:
+        return None
+    return prefill_seconds + ANSWERS_PER_DOCUMENT * answer_tokens(context) / tokens_per_second
+
+
 def answer_tokens(context: int) -> int:
     return min(ANSWER_TOKENS, context // 2)
 

@@ -125,7 +125,11 @@ class Layout:
             self._place_gpus()
         self._place_cpu()
         self.devices = budgets(profile, self.items)
-        self.fits = all(device.headroom_bytes >= 0 for device in self.devices)
+        # An offloaded KV is page-locked: past what the OS lets CUDA pin (half the RAM on Windows)
+        # the allocation fails however much RAM is free.
+        self.pinned_bytes = self.full_kv if profile.gpus and not self.kv_on_chip else 0
+        self.fits = (all(device.headroom_bytes >= 0 for device in self.devices)
+                     and self.pinned_bytes <= profile.pinnable_bytes)
 
     # -- what each part weighs
 
@@ -262,6 +266,10 @@ class Layout:
     def shortfall(self) -> str:
         """Why this (the last, smallest) candidate does not fit, with the figures."""
         over = [device for device in self.devices if device.headroom_bytes < 0]
+        if self.pinned_bytes > self.profile.pinnable_bytes and not over:
+            return (f"its offloaded KV would pin {human_size(self.pinned_bytes)} of RAM, and "
+                    f"{self.profile.os or 'this OS'} lets CUDA pin at most {human_size(self.profile.pinnable_bytes)} "
+                    f"(half the RAM)")
         if self.profile.gpus and (not over or over[0].device != "cpu"):
             usable = sum(_usable(gpu) for gpu in self.profile.gpus)
             head = " (the output head too)" if self.head_quantized else ""

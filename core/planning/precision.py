@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..env_settings import env_choice
 from ..errors import InputError
-from .cost import answer_seconds
+from .cost import ANSWERS_PER_DOCUMENT, document_job_seconds
 from .types import Plan
 
 PRECISIONS = ("auto", "exact")
@@ -61,12 +61,13 @@ def kept_words(chosen: Plan, passed_over: Plan, margin: float) -> str:
         kept = f"the {chosen.head_weights} output head kept"
     else:
         kept = f"the {chosen.kv_dtype} KV kept"
-    seconds = [answer_seconds(plan.predicted_prefill_seconds, plan.predicted_tokens_per_second, plan.context)
+    seconds = [document_job_seconds(plan.predicted_prefill_seconds, plan.predicted_tokens_per_second, plan.context)
                for plan in (chosen, passed_over)]
     gain = seconds[0] / seconds[1] - 1
     share = f"{gain:.0%}" if gain >= 0.005 else "under 1%"
     return (f"{kept}: {placement_words(passed_over)} ({passed_over.mode}, {speed(passed_over.predicted_tokens_per_second)}) "
-            f"would answer only {share} sooner, under the {margin:.2f}x a coarser precision must gain")
+            f"would read the document and write {ANSWERS_PER_DOCUMENT} answers only {share} sooner, under the "
+            f"{margin:.2f}x a coarser precision must gain")
 
 
 def answers_sentence(plan: Plan, exact: Plan | str, dtype: str, requested: bool) -> str:

@@ -22,8 +22,8 @@ def weights_reason(layout: Layout, tried: list[Layout]) -> str:
         return f"{layout.weights_label()}{head}: as requested ({sizes})"
     # The last candidate of each tier is its smallest: KV offloaded, no draft, embedding on the CPU.
     smallest = {(candidate.quantization, candidate.head_quantized): candidate for candidate in finer}
-    return f"{layout.weights_label()}{head} ({sizes}): " + "; ".join(
-        candidate.shortfall() for candidate in smallest.values())
+    shortfalls = dict.fromkeys(candidate.shortfall() for candidate in smallest.values())  # in order, once each
+    return f"{layout.weights_label()}{head} ({sizes}): " + "; ".join(shortfalls)
 
 
 def auto_weights_reason(layout: Layout) -> str:
