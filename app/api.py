@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..core.engine import Finished, TextDelta
 from ..core.errors import InputError, SpecchatError
 from ..core.request import Request as AnswerRequest  # fastapi's Request is the HTTP one
-from ..core.sampling import SamplingParams
+from ..core.sampling import MAX_COUNT_PENALTY, MAX_REPETITION_PENALTY, SamplingParams
 from .engine_handle import EngineHandle
 from .engine_queue import Busy
 from .stop_text import StopText
@@ -192,8 +192,13 @@ def _parse(body: dict, model: str) -> Options:
     seed = body.get("seed")
     if seed is not None and not _is_integer(seed):
         raise ApiError(400, f"seed must be a whole number, got {seed!r}", param="seed")
+    # OpenAI's ranges; repetition_penalty (vLLM's and llama.cpp's extension) up to the core's cap.
+    penalties = dict(repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY,
+                                                open_low=True),
+                     frequency_penalty=_number(body, "frequency_penalty", 0.0, -MAX_COUNT_PENALTY, MAX_COUNT_PENALTY),
+                     presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_COUNT_PENALTY, MAX_COUNT_PENALTY))
     try:
-        sampling = SamplingParams(temperature, 0, top_p, seed)
+        sampling = SamplingParams(temperature, 0, top_p, seed, **penalties)
     except ValueError as error:
         raise ApiError(400, str(error), param="seed") from None
     stream = body.get("stream")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..core.errors import InputError, SpecchatError
 from .conversation import Conversation, shown_messages
 
-KEPT_SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "mode")
+KEPT_SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "mode", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class Settings:
     seed: str | float | None  # blank or None: a fresh seed each time
     max_new_tokens: int
     mode: str
+    repetition_penalty: float = 1.0
 
     def kept(self) -> dict:
         """The settings a conversation keeps and brings back when reopened (the system prompt and
@@ -28,11 +29,15 @@ class Settings:
         return {name: getattr(self, name) for name in KEPT_SETTINGS}
 
     def sampling(self):
+        """The sampling settings; the repeat guard as the preset has it (on in every preset)."""
         from ..core.sampling import SamplingParams
+        from .presets import PRESETS
 
         try:
             seed = None if str(self.seed or "").strip() == "" else int(str(self.seed).strip())
-            return SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p), seed)
+            return SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p), seed,
+                                  repetition_penalty=float(self.repetition_penalty),
+                                  stop_repeats=PRESETS.get(self.preset, PRESETS["free"]).stop_repeats)
         except ValueError as error:
             problem = str(error) if "must" in str(error) else f"the seed must be a whole number, got {self.seed!r}"
             raise InputError(problem) from None

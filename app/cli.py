@@ -148,6 +148,14 @@ def _add_generation_options(parser: argparse.ArgumentParser, mode: bool = True) 
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 (default): no top-k filter")
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="a token the answer already holds: logit / R if > 0, * R if < 0 (1 = off, at most 2)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="logit -= F x the token's count in the answer so far (-2 to 2, 0 = off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="logit -= P if the answer already holds the token (-2 to 2, 0 = off)")
+    parser.add_argument("--stop-repeats", action="store_true",
+                        help="end an answer that repeats a 12-token run 3 times, marked (stopped: repeating itself)")
     if mode:
         parser.add_argument("--mode", choices=REQUEST_MODES, default="auto",
                             help="plain decoding, chain or tree speculation, triforce (a draft, the target "

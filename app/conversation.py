@@ -6,7 +6,7 @@ A user message: {"role": "user", "content": question as typed, "document": None 
 {"name": str, "text": str, "tokens": int, or None when sent while the model loaded and the tab
 closed before it was counted, "note": str}}.
 An assistant message: {"role": "assistant", "content": str, "partial": bool, "stats": dict or None,
-"origins": list or None, "finish_reason": "stop" | "length" | "cancelled", "context_full": bool,
+"origins": list or None, "finish_reason": "stop" | "length" | "cancelled" | "repeating", "context_full": bool,
 "new_tokens": int}; `partial` stays True while it streams and after a crash cut it short.
 Either kind may carry "left_out": True: the user chose to leave it out of what the model reads, to
 make room (it stays in the chat; a left-out question's document is still read).
@@ -117,6 +117,8 @@ def ending_mark(message: dict) -> str:
     reason = message.get("finish_reason")
     if reason == "cancelled":
         return "*(stopped)*"
+    if reason == "repeating":
+        return "*(stopped: repeating itself)*"
     if reason == "length" and message.get("context_full"):
         return "*(cut off: the model's context is full. Start a new conversation, or leave out earlier turns)*"
     if reason == "length":

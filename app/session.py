@@ -22,10 +22,15 @@ def context_of(args) -> int | None:
 
 
 def sampling_params(args):
+    """The sampling options; the repetition controls where the subcommand has them (off otherwise)."""
     from ..core.sampling import SamplingParams
 
     try:
-        return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+        return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
+                              repetition_penalty=getattr(args, "repetition_penalty", 1.0),
+                              frequency_penalty=getattr(args, "frequency_penalty", 0.0),
+                              presence_penalty=getattr(args, "presence_penalty", 0.0),
+                              stop_repeats=getattr(args, "stop_repeats", False))
     except ValueError as error:
         raise InputError(str(error)) from None
 
@@ -77,7 +82,9 @@ def quiet_transformers() -> None:
 
 def cut_off_note(result) -> str:
     """For an answer's end line: which limit cut it off, since finish_reason "length" says it for
-    both (the answer limit, or the model's context with no room left)."""
+    both (the answer limit, or the model's context with no room left); or the repeat guard."""
+    if result.finish_reason == "repeating":
+        return ", stopped: repeating itself"
     if result.finish_reason != "length":
         return ""
     return ", cut off: the context is full" if result.context_full else ", cut off at the answer limit"

@@ -67,6 +67,7 @@ class ChatPage:
     max_new_tokens: gr.Slider
     seed: gr.Textbox
     mode: gr.Radio
+    repetition_penalty: gr.Slider
 
     @property
     def settings_inputs(self) -> list:
@@ -218,6 +219,12 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
                                                    label="Answer limit (tokens)", elem_id="max-new-tokens")
                         seed = gr.Textbox("", label="Seed (blank = random)", elem_id="seed")
                     mode = gr.Radio(MODES, value="auto", label="Decoding", elem_id="mode")
+                    repetition_penalty = gr.Slider(1.0, 2.0, value=1.0, step=0.05, elem_id="repetition-penalty",
+                                                   label="Repetition penalty (1 = off; counts the answer's own words)")
+    # The preset's penalty when a person picks it (`input`: not when an opened conversation sets the
+    # preset, which keeps its own settings), as ui.py's `_preset_chosen` does for the temperature.
+    preset.input(lambda key, chat: gr.update() if chat is not None and chat.preset == key
+                 else PRESETS[key].repetition_penalty, [preset, conversation], repetition_penalty)
     return ChatPage(
         conversation=conversation, attachment=attachment, deleted=deleted, dark=dark, new=new, undo=undo,
         preset=preset, conversations=conversations, title=title, rename=rename, delete=delete, export=export,
@@ -226,4 +233,5 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
         cut_buttons=cut_buttons, pairs_row=pairs_row, longer_pairs=longer_pairs, switch=switch, message=message,
         send=send, stop=stop, attachment_line=attachment_line, meter=meter, stats=stats, pasted=pasted,
         detach=detach, color=color, stages=stages, tokens=tokens, system=system, temperature=temperature,
-        top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed, mode=mode)
+        top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed, mode=mode,
+        repetition_penalty=repetition_penalty)

@@ -28,7 +28,7 @@ import torch
 from .decoding import PlainDecoder, decode, prefill_all
 from .files import write_atomically
 from .model import CausalLM
-from .sampling import SamplingParams, sample_without_replacement, warp
+from .sampling import SamplingParams, apply_penalties, chain_counts, sample_without_replacement, warp
 from .speculative.types import DecodeState
 from .speculative.verify import verify_node
 
@@ -64,7 +64,8 @@ class AcceptanceVector:
         return len(self.accepted)
 
     def matches(self, params: SamplingParams) -> bool:
-        """Measured under the same warping as `params` (the seed does not matter)."""
+        """Measured under the same warping as `params` (the seed does not matter; nor do the
+        repetition penalties: they move P and Q alike, and the vector only shapes the tree)."""
         return (self.temperature, self.top_k, self.top_p) == (
             params.temperature, params.top_k, params.top_p)
 
@@ -131,9 +132,14 @@ def measure_acceptance(target: CausalLM, draft: CausalLM, sequences: list[torch.
     for ids, prompt_length in zip(sequences, prompt_lengths):
         if not 1 <= prompt_length <= ids.shape[0]:
             raise ValueError(f"prompt length {prompt_length} outside 1..{ids.shape[0]}")
-        p = warp(_context_logits(target, ids, prompt_length), params)  # [m, vocab]
+        # Each context penalized for the continuation before it, as the decoders verify.
+        counts = (chain_counts(torch.zeros(target.vocab_size), ids[prompt_length:-1]) if params.penalized
+                  else None)  # [m, vocab]
+        p = warp(_context_logits(target, ids, prompt_length), params, counts)  # [m, vocab]
         draft_logits = _context_logits(draft, ids, prompt_length)  # [m, vocab]
-        q = None if params.greedy else warp(draft_logits, params)  # [m, vocab]
+        q = None if params.greedy else warp(draft_logits, params, counts)  # [m, vocab]
+        if q is None and counts is not None:  # greedy children: the top tokens after the penalties
+            draft_logits = apply_penalties(draft_logits, counts, params)
         for row in range(p.shape[0]):
             if q is None:
                 children = draft_logits[row].topk(min(width, draft_logits.shape[1])).indices

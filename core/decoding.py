@@ -38,7 +38,7 @@ class PlainDecoder(StepsOnly):
     def step(self, state: DecodeState, budget: int) -> Step:
         position = state.ids.shape[0] - 1
         logits = state.model.forward(state.ids[-1:], torch.tensor([position]), state.cache)
-        token = sample(warp(logits[0], state.params), state.generator)
+        token = sample(warp(logits[0], state.params, state.counts()), state.generator)
         state.commit([token])
         return Step([token])
 
@@ -72,7 +72,7 @@ class ChainDecoder(StepsOnly):
             logits, queries = state.model.forward_with_queries(inputs, positions, state.cache)
         else:
             logits = state.model.forward(inputs, positions, state.cache)
-        p = warp(logits, state.params)
+        p = warp(logits, state.params, state.chain_counts(draft))  # each row with its own prefix
         if draft.numel():
             verdict = verify_chain(draft, proposal.q, p, state.generator)
             accepted, next_token = verdict.accepted, verdict.next_token
@@ -112,7 +112,7 @@ class TreeDecoder(StepsOnly):
 
     def step(self, state: DecodeState, budget: int) -> Step:
         self.drafter.prepare(state)
-        proposal = self.drafter.propose_tree(state.ids, state.params, state.generator, budget)
+        proposal = self.drafter.propose_tree(state, budget)
         observe = self.drafter.wants_queries
         if proposal is None or proposal.tree.size == 1:
             if not observe:
@@ -124,7 +124,8 @@ class TreeDecoder(StepsOnly):
             logits, queries = state.model.forward_with_queries(proposal.tokens, positions, state.cache, mask=mask)
         else:
             logits = state.model.forward(proposal.tokens, positions, state.cache, mask=mask)
-        verdict = verify_tree(tree, proposal.tokens, warp(logits, state.params), proposal.q, state.generator)
+        p = warp(logits, state.params, state.tree_counts(proposal.tokens, tree.ancestors))  # each node's own path
+        verdict = verify_tree(tree, proposal.tokens, p, proposal.q, state.generator)
         state.cache.keep(torch.cat([torch.arange(start), start + torch.tensor([0] + verdict.path)]))
         if observe:
             last = verdict.path[-1] if verdict.path else 0  # the last committed token that ran
@@ -276,7 +277,7 @@ def decode(state: DecodeState, decoder: Decoder, first_logits: torch.Tensor,
     The first step is the token sampled from the prefill's last logits: the prefill is the
     forward that produced it.
     """
-    first = sample(warp(first_logits, state.params), state.generator)
+    first = sample(warp(first_logits, state.params, state.counts()), state.generator)
     state.commit([first])
     yield Step([first])
     produced = 1

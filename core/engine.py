@@ -20,6 +20,7 @@ from .kv.document_store import DocumentStore
 from .kv.full import FullCache
 from .kv.prefix_store import PrefixStore
 from .model import CausalLM
+from .repeats import RepeatGuard
 from .request import ModeOptions, Request
 from .runtime import EngineSettings
 from .sampling import make_generator
@@ -64,7 +65,7 @@ class Result:
     prompt_tokens: int
     new_tokens: int
     mode: str
-    finish_reason: str  # "stop" (end of turn), "length", or "cancelled"
+    finish_reason: str  # "stop" (end of turn), "length", "cancelled" or "repeating" (the repeat guard)
     stats: Stats = field(default_factory=Stats)
     # "length" because no room was left in the model's context, not (only) the answer limit.
     context_full: bool = False
@@ -287,6 +288,7 @@ class Engine:
         new_ids: list[int] = []
         committed = 0  # tokens the target committed, the end-of-turn token included
         finish_reason = "length"
+        guard = RepeatGuard() if state.params.stop_repeats else None
         steps = decode(state, decoder, first_logits, max_new_tokens)
         try:
             for step in steps:
@@ -296,8 +298,12 @@ class Engine:
                 if stop_at is not None:
                     tokens = tokens[:stop_at]
                     finish_reason = "stop"
+                # Token by token, so that every mode stops at the same one however many a step commits.
+                repeated = guard.feed(tokens) if guard is not None else None
+                if repeated is not None:
+                    tokens, finish_reason = tokens[:repeated], "repeating"
                 new_ids.extend(tokens)
-                committed += len(tokens) + (stop_at is not None)  # what counts ends at the end of turn
+                committed += len(tokens) + (finish_reason == "stop")  # what counts ends at the end of turn
                 stats.target_forwards += 1
                 stats.drafted_tokens += step.drafted
                 stats.accepted_draft_tokens += step.accepted
@@ -309,7 +315,7 @@ class Engine:
                 stats.predicted_tokens_per_second = prediction.add(step, context, stats.stages, len(new_ids))
                 pieces = tuple((stream.add([token]), origin) for token, origin in zip(tokens, step.origins()))
                 yield TextDelta("".join(text for text, _ in pieces), tokens, replace(stats), pieces)
-                if finish_reason == "stop":
+                if finish_reason in ("stop", "repeating"):
                     break
                 if cancel.is_set():
                     finish_reason = "cancelled"

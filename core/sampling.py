@@ -4,6 +4,12 @@ Vocabulary: `warp` turns logits into the distribution a decoder samples from. Th
 the draft's logits go through the same warp, so that speculative verification compares P and Q
 as the user configured them. Temperature 0 is greedy: the warped distribution is the one-hot of
 the argmax, which makes greedy verification a special case of the sampling rule.
+
+Repetition controls are part of the warp, applied first: each row's logits are penalized by the
+counts of the tokens seen before that row's position (`apply_penalties`). A speculative step
+scores many positions at once, each with its own prefix, so it passes one row of counts per
+position (`chain_counts`, `path_counts`): the processed distribution is then the same whichever
+forward computed the row, and speculation stays exact.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_REPETITION_PENALTY = 2.0  # beyond it the penalty wrecks text (NVIDIA NIM's OpenAI API caps it there too)
+MAX_COUNT_PENALTY = 2.0  # OpenAI's range for the frequency and presence penalties: [-2, 2]
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +29,13 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0
     seed: int | None = None
+    # Seen: the answer's own tokens, never the prompt's, so a summary may quote its document (OpenAI's rule).
+    repetition_penalty: float = 1.0  # HF / llama.cpp: a seen token's logit / it if > 0, * it if < 0
+    frequency_penalty: float = 0.0  # OpenAI: logit -= frequency * count
+    presence_penalty: float = 0.0  # OpenAI: logit -= presence * (count > 0)
+    # End the answer once it repeats itself (core/repeats.py): a stop condition, no distribution
+    # change; here so that every front end building the sampling can ask for it (as in vLLM).
+    stop_repeats: bool = False
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -30,15 +46,71 @@ class SamplingParams:
             raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be between 0 and 2**63 - 1, got {self.seed}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                             f"got {self.repetition_penalty}")
+        for name in ("frequency", "presence"):
+            value = getattr(self, f"{name}_penalty")
+            if not (math.isfinite(value) and abs(value) <= MAX_COUNT_PENALTY):
+                raise ValueError(f"{name} penalty must be in [-{MAX_COUNT_PENALTY:g}, {MAX_COUNT_PENALTY:g}] "
+                                 f"(0 = off), got {value}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Some repetition control is on: `warp` then needs each row's counts of seen tokens."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits [..., vocab] -> fp32 probabilities [..., vocab]: temperature, then top-k, then top-p."""
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits [..., vocab] penalized by how often each token was seen before each row, counts
+    [..., vocab] (float): the repetition penalty, then the frequency and presence penalties."""
+    seen = counts > 0
+    if params.repetition_penalty != 1.0:
+        penalty = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    if params.frequency_penalty != 0.0:
+        logits = logits - params.frequency_penalty * counts
+    if params.presence_penalty != 0.0:
+        logits = logits - params.presence_penalty * seen.to(logits.dtype)
+    return logits
+
+
+def token_counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """How often each token id occurs in `tokens` [m] -> [vocab] float."""
+    return torch.bincount(tokens, minlength=vocab)[:vocab].float()
+
+
+def path_counts(base: torch.Tensor, tokens: torch.Tensor, on_path: torch.Tensor) -> torch.Tensor:
+    """Counts for nodes of a token tree scored in one forward -> [m, vocab]: `base` [vocab] (the
+    committed text's, the root included) plus the tokens on each node's path. tokens [n], with
+    tokens[0] the root; on_path [m, n] bool, True where node j is row i's node or above it (rows
+    of `Tree.ancestors`): row i predicts what follows them."""
+    rows, nodes = on_path[:, 1:].nonzero(as_tuple=True)
+    counts = base.expand(on_path.shape[0], -1).clone()
+    counts.index_put_((rows, tokens[nodes + 1]), torch.ones(rows.shape[0]), accumulate=True)
+    return counts
+
+
+def chain_counts(base: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """Counts for a chain: row i predicts after the first i of the draft tokens [g] -> [g + 1, vocab]."""
+    length = draft.shape[0] + 1
+    tokens = torch.cat([draft.new_zeros(1), draft])  # the root's token is in `base` already
+    return path_counts(base, tokens, torch.ones(length, length, dtype=torch.bool).tril())
+
+
+def warp(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [..., vocab] -> fp32 probabilities [..., vocab]: the penalties (with `counts`
+    [..., vocab], each row's seen tokens; needed when `params.penalized`), then temperature, top-k
+    and top-p."""
     logits = logits.float()
+    if params.penalized:
+        if counts is None:
+            raise ValueError("repetition penalties need each row's counts of the tokens seen before it")
+        logits = apply_penalties(logits, counts, params)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     # Shifted so the largest logit is 0 before dividing (softmax is shift-invariant, so the same

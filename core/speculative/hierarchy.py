@@ -56,10 +56,11 @@ class ModelDrafter(QueryBlind):
         tokens: list[int] = []
         rows = []
         for _ in range(max_tokens):
-            logits = self.follower.logits(torch.cat([seq, torch.tensor(tokens, dtype=torch.long)]), 1)[-1]
+            current = torch.cat([seq, torch.tensor(tokens, dtype=torch.long)])
+            logits = self.follower.logits(current, 1)[-1]
             if not tokens:
                 self.follower.cache.compact()  # between drafts only: rollback stays within the window
-            rows.append(warp(logits, state.params))
+            rows.append(warp(logits, state.params, state.counts(current)))
             tokens.append(sample(rows[-1], state.generator))
         return Proposal(torch.tensor(tokens), torch.stack(rows))
 
@@ -104,8 +105,9 @@ class VerifiedStage(QueryBlind):
             # This stage's forward yields one token beyond the draft: draft at most remaining - 1.
             proposal = self.drafter.draft(state, current, min(self.gamma, max_tokens - len(tokens) - 1))
             draft_tokens = proposal.tokens if proposal is not None else current[:0]
+            # [g + 1, vocab], each row penalized for its own prefix: the Q the next stage checks
             p = warp(self.follower.logits(torch.cat([current, draft_tokens]), draft_tokens.shape[0] + 1),
-                     state.params)  # [g + 1, vocab]
+                     state.params, state.chain_counts(draft_tokens, current))
             if proposal is None or len(proposal) == 0:
                 tokens.append(sample(p[0], state.generator))
                 rows.append(p[:1])

@@ -14,7 +14,7 @@ import torch
 
 from ..kv.retrieval import RetrievalCache
 from ..model import CausalLM
-from ..sampling import SamplingParams, sample_without_replacement, warp
+from ..sampling import apply_penalties, sample_without_replacement, warp
 from .drafters import PromptLookupDrafter, QueryBlind
 from .tree import Tree
 
@@ -35,7 +35,8 @@ class PromptLookupTreeDrafter(QueryBlind):
         self.max_branches = max_branches
         self.max_depth = max_depth
 
-    def propose_tree(self, ids: torch.Tensor, params: SamplingParams, generator, budget: int) -> TreeProposal | None:
+    def propose_tree(self, state, budget: int) -> TreeProposal | None:
+        ids = state.ids
         depth = min(self.max_depth, budget - 1)
         found = self.lookup.continuations(ids, depth, self.max_branches) if depth > 0 else []
         if not found:
@@ -71,9 +72,10 @@ class ModelTreeDrafter(QueryBlind):
     """A draft model grows the tree level by level following a template shape (the Sequoia
     DP tree): each node's children are drawn without replacement from the draft's warped
     distribution (Gumbel top-k), in the order verification tests them; at temperature 0 they
-    are the top-k tokens, chosen deterministically. A node whose distribution has fewer tokens
-    than the template asks for gets fewer children, so the tree never holds a token the draft
-    gave no probability.
+    are the top-k tokens, chosen deterministically. Repetition penalties apply to each node with
+    its own path, as the target's will (better acceptance; exactness does not depend on it). A
+    node whose distribution has fewer tokens than the template asks for gets fewer children, so
+    the tree never holds a token the draft gave no probability.
 
     The draft keeps its own KV cache of the committed text; it catches up on tokens it has not
     seen at the start of each proposal, and keeps the accepted path's entries afterwards.
@@ -88,7 +90,8 @@ class ModelTreeDrafter(QueryBlind):
         self._tokens: list[int] = []  # this proposal's token per node
         self.forwards = 0  # draft forwards (one per tree level), for the stats
 
-    def propose_tree(self, ids: torch.Tensor, params: SamplingParams, generator, budget: int) -> TreeProposal | None:
+    def propose_tree(self, state, budget: int) -> TreeProposal | None:
+        ids, params = state.ids, state.params
         max_depth = min(self.template.depth, budget - 1)
         if max_depth < 1:
             return None
@@ -101,15 +104,19 @@ class ModelTreeDrafter(QueryBlind):
             expanding = [node for node in level if self.template.children[template_of[node]]]
             if not expanding:
                 break
-            logits = self._forward_level(expanding, parents, tokens)  # [len(expanding), vocab]
+            tree = Tree(tuple(parents))
+            logits = self._forward_level(expanding, tree, tokens)  # [len(expanding), vocab]
+            counts = state.tree_counts(torch.tensor(tokens), tree.ancestors[expanding]) if params.penalized else None
             next_level = []
-            for node, row in zip(expanding, logits):
+            for index, (node, row) in enumerate(zip(expanding, logits)):
                 wanted = len(self.template.children[template_of[node]])
+                row_counts = None if counts is None else counts[index]
                 if params.greedy:
-                    children = row.topk(wanted).indices
+                    scores = row if row_counts is None else apply_penalties(row.float(), row_counts, params)
+                    children = scores.topk(wanted).indices
                 else:
-                    q_rows[node] = warp(row, params)
-                    children = sample_without_replacement(q_rows[node], wanted, generator)
+                    q_rows[node] = warp(row, params, row_counts)
+                    children = sample_without_replacement(q_rows[node], wanted, state.generator)
                 for rank, token in enumerate(children.tolist()):
                     parents.append(node)
                     tokens.append(token)
@@ -164,12 +171,11 @@ class ModelTreeDrafter(QueryBlind):
         """Cache slots holding the `committed` tokens' KV (all of them, in a full cache)."""
         return committed
 
-    def _forward_level(self, nodes: list[int], parents: list[int], tokens: list[int]) -> torch.Tensor:
-        """Draft logits for `nodes` (one tree level), each attending to the committed prefix
-        and its ancestors among the tree nodes already in the draft cache."""
+    def _forward_level(self, nodes: list[int], tree: Tree, tokens: list[int]) -> torch.Tensor:
+        """Draft logits for `nodes` (one tree level of `tree`, grown so far), each attending to
+        the committed prefix and its ancestors among the tree nodes already in the draft cache."""
         self.forwards += 1
         prefix = len(self._cached_ids)
-        tree = Tree(tuple(parents))
         cached_nodes = sorted(self._slots, key=self._slots.get)
         columns = torch.tensor(cached_nodes + nodes, dtype=torch.long)
         allowed = torch.cat([torch.ones(len(nodes), self._committed_slots(prefix), dtype=torch.bool),
@@ -210,8 +216,8 @@ class RetrievalTreeDrafter(ModelTreeDrafter):
         self._cached_ids, self._slots = state.ids[:full.length].tolist(), {}
         self.builds += 1
 
-    def propose_tree(self, ids: torch.Tensor, params: SamplingParams, generator, budget: int) -> TreeProposal | None:
-        return None if self.cache is None else super().propose_tree(ids, params, generator, budget)
+    def propose_tree(self, state, budget: int) -> TreeProposal | None:
+        return None if self.cache is None else super().propose_tree(state, budget)
 
     def accept(self, path: list[int]) -> None:
         if self.cache is not None:

@@ -12,7 +12,7 @@ import torch
 
 from ..kv.cache import KVCache
 from ..model import CausalLM
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, chain_counts, path_counts, token_counts
 
 if TYPE_CHECKING:
     from .drafters import Proposal
@@ -39,16 +39,45 @@ class Step:
 class DecodeState:
     """One answer's state: the target, its full cache, the text so far and how to sample. Unlike a
     `TokenCache` (token_cache.py), `ids` runs one token past the cache: the last committed token
-    is read by the next step's forward."""
+    is read by the next step's forward.
+
+    The repetition penalties count the answer's tokens (`ids` from `answer_start`): `counts` and
+    its chain and tree forms give each scored position the counts of its own prefix, or None when
+    the sampling has no penalties (then nothing is counted)."""
 
     model: CausalLM
     cache: KVCache
     ids: torch.Tensor  # [L] prompt and committed tokens
     params: SamplingParams
     generator: torch.Generator
+    answer_start: int = -1  # where the answer starts in `ids`; -1: after the ids given (the prompt)
+
+    def __post_init__(self):
+        if self.answer_start < 0:
+            self.answer_start = self.ids.shape[0]
 
     def commit(self, tokens: list[int]) -> None:
         self.ids = torch.cat([self.ids, torch.tensor(tokens, dtype=self.ids.dtype)])
+
+    def counts(self, seq: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[vocab] the answer's token counts in `seq` (default: the committed text), for the
+        position after it."""
+        if not self.params.penalized:
+            return None
+        seq = self.ids if seq is None else seq
+        return token_counts(seq[self.answer_start:], self.model.vocab_size)
+
+    def chain_counts(self, draft: torch.Tensor, seq: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[g + 1, vocab] for the positions after `seq` (default: the committed text) and after
+        each of the draft tokens [g] that follow it."""
+        base = self.counts(seq)
+        return None if base is None else chain_counts(base, draft)
+
+    def tree_counts(self, tokens: torch.Tensor, on_path: torch.Tensor) -> torch.Tensor | None:
+        """[m, vocab] for nodes of a token tree rooted at the last committed token (tokens [n];
+        on_path [m, n], rows of `Tree.ancestors`)."""
+        base = self.counts()
+        return None if base is None else path_counts(base, tokens, on_path)
 
 
 class Decoder(Protocol):
@@ -111,8 +140,10 @@ class TreeDrafter(Protocol):
         """Before each proposal: bring the drafter's own state up to the committed text."""
         ...
 
-    def propose_tree(self, ids: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-                     budget: int) -> TreeProposal | None: ...
+    def propose_tree(self, state: DecodeState, budget: int) -> TreeProposal | None:
+        """A tree rooted at the committed text's last token, sampled with `state`'s params and
+        generator (the penalties' counts from its answer)."""
+        ...
 
     def accept(self, path: list[int]) -> None: ...
 

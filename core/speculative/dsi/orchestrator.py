@@ -31,6 +31,7 @@ class Task:
     first: int  # the first position its rows predict (the frontier when it was sent)
     end: int  # tokens it ran; its last row predicts position `end`
     sent: float  # time.perf_counter() when it was sent
+    tokens: torch.Tensor  # [end] what it ran: each row's prefix, for the repetition penalties
 
 
 def resolve(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
@@ -201,7 +202,7 @@ class DsiDecoder:
             self._probe_beside()
         start = state.cache.length
         logits = state.model.forward(state.ids[start:], torch.arange(start, state.ids.shape[0]), state.cache)
-        p = warp(logits[-1], state.params)
+        p = warp(logits[-1], state.params, state.counts())
         token = sample(p, state.generator)
         if policy.lean_step():  # no lock: the drafting thread waits, and only this thread gives out instances
             state.commit([token])
@@ -244,7 +245,7 @@ class DsiDecoder:
     def _submit(self, state: DecodeState) -> None:
         tokens = torch.cat([state.ids, torch.tensor(self.drafts, dtype=torch.long)])
         task_id = self.pool.submit(tokens, len(self.drafts) + 1)
-        self.live[task_id] = Task(task_id, state.ids.shape[0], tokens.shape[0], time.perf_counter())
+        self.live[task_id] = Task(task_id, state.ids.shape[0], tokens.shape[0], time.perf_counter(), tokens)
         self.counts["dispatched"] += 1
 
     def _covering(self, frontier: int, finished_only: bool) -> Task | None:
@@ -264,7 +265,8 @@ class DsiDecoder:
         self._frontier_task = (task.sent, seconds) if task.first == frontier else None
         self.counts["accepted"] += 1  # a task whose verdict was used
         self._task_seconds += seconds
-        return self._verdict(state, warp(logits[frontier - task.first:], state.params), budget)
+        counts = state.chain_counts(task.tokens[frontier:], task.tokens[:frontier])  # each row's own prefix
+        return self._verdict(state, warp(logits[frontier - task.first:], state.params, counts), budget)
 
     def _verdict(self, state: DecodeState, p: torch.Tensor, budget: int) -> Step:
         """Commit what the target's P at the frontier and the positions after it (p [m, vocab])
