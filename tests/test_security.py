@@ -437,10 +437,13 @@ def test_only_uploaded_files_are_attached(tmp_path, monkeypatch):
             uploaded_file(str(outside))
 
 
-def test_allow_host_and_its_variable_reach_the_server(monkeypatch):
+def test_allow_host_and_its_variable_reach_the_server(monkeypatch, tmp_path):
     import specchat.app.ui as ui
     from specchat.app.cli import main
 
+    # The serve path points GRADIO_TEMP_DIR at an upload folder of its own unless one is set: set
+    # one here, so this process's environment is restored after the test (and the user's cache untouched).
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
     launched = {}
     monkeypatch.setattr(ui, "launch", lambda *args, **kwargs: launched.update(kwargs))
     monkeypatch.setenv("SPECCHAT_ALLOWED_HOSTS", "a.example, b.example")

@@ -52,7 +52,8 @@ def test_a_folder_chosen_by_the_user_is_left_as_it_is(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_the_server_keeps_uploads_in_its_own_folder_and_removes_it_at_the_end(embedded_dir, tmp_path):
-    with specchat_process(env={"SPECCHAT_CACHE_DIR": str(tmp_path / "cache")}) as (url, process):
+    # GRADIO_TEMP_DIR empty: unset for the app, whatever this process's environment holds.
+    with specchat_process(env={"SPECCHAT_CACHE_DIR": str(tmp_path / "cache"), "GRADIO_TEMP_DIR": ""}) as (url, process):
         response = httpx.post(url + "gradio_api/upload", files={"files": ("notes.txt", b"some notes")}, timeout=30)
         assert response.status_code == 200, response.text
         [stored] = response.json()
