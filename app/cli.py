@@ -17,7 +17,9 @@ from typing import NoReturn
 
 from ..core.errors import InputError, SpecchatError, first_line
 from ..core.modes import MAX_DSI_WORKERS, REQUEST_MODES
-from .session import context_of, cut_off_note, load, model_id, registry, request_from_args, sampling_params
+from .presets import PRESETS
+from .session import (context_of, cut_off_note, load, model_id, preset_question, registry, request_from_args,
+                      sampling_params, settle_preset)
 from .terminal_text import for_terminal
 
 EXIT_BAD_INPUT = 2
@@ -45,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_options(ui)
 
     generate = commands.add_parser("generate", help="answer one prompt and exit")
-    source = generate.add_mutually_exclusive_group(required=True)
+    source = generate.add_mutually_exclusive_group()  # one of them, or a --preset with a question
     source.add_argument("--prompt", help="the question or instruction")
     source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file")
     generate.add_argument("--document", metavar="FILE", help="a text file put ahead of the prompt")
@@ -141,21 +143,29 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_generation_options(parser: argparse.ArgumentParser, mode: bool = True) -> None:
+    # The preset-able options default to None: `settle_preset` fills them from --preset, else
+    # from GENERATION_DEFAULTS, so an option given on the command line always wins.
     _add_model_option(parser)
+    if mode:
+        parser.add_argument("--preset", choices=sorted(PRESETS),
+                            help="the app's preset: its system prompt, sampling settings and repeat guard, and "
+                                 "(summarize) its question when no prompt is given; options given explicitly win")
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, help="0 (default) is greedy")
+    parser.add_argument("--top-p", type=float, help="default 1 (no filter)")
     parser.add_argument("--top-k", type=int, default=0, help="0 (default): no top-k filter")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0,
-                        help="a token the answer already holds: logit / R if > 0, * R if < 0 (1 = off, at most 2)")
-    parser.add_argument("--frequency-penalty", type=float, default=0.0,
-                        help="logit -= F x the token's count in the answer so far (-2 to 2, 0 = off)")
-    parser.add_argument("--presence-penalty", type=float, default=0.0,
-                        help="logit -= P if the answer already holds the token (-2 to 2, 0 = off)")
-    parser.add_argument("--stop-repeats", action="store_true",
-                        help="end an answer that repeats a 12-token run 3 times, marked (stopped: repeating itself)")
+    parser.add_argument("--repetition-penalty", type=float,
+                        help="a token the answer already holds: logit / R if > 0, * R if < 0 (1 = off, the "
+                             "default; at most 2)")
+    parser.add_argument("--frequency-penalty", type=float,
+                        help="logit -= F x the token's count in the answer so far (-2 to 2, 0 = off, the default)")
+    parser.add_argument("--presence-penalty", type=float,
+                        help="logit -= P if the answer already holds the token (-2 to 2, 0 = off, the default)")
+    parser.add_argument("--stop-repeats", action=argparse.BooleanOptionalAction,
+                        help="end an answer that repeats a 12-token run 3 times, marked (stopped: repeating "
+                             "itself) (default: off, on with a preset)")
     if mode:
         parser.add_argument("--mode", choices=REQUEST_MODES, default="auto",
                             help="plain decoding, chain or tree speculation, triforce (a draft, the target "
@@ -184,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _set_vram_limit(args)
         _set_precision(args)
+        settle_preset(args)
         context_of(args)  # a bad --context fails here, before anything loads
         if args.command == "generate":
             return _generate(args)
@@ -270,11 +281,13 @@ def _generate(args) -> int:
     params = sampling_params(args)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    question = args.prompt if args.prompt is not None else read_text_file(args.prompt_file)
+    question = args.prompt if args.prompt is not None else \
+        read_text_file(args.prompt_file) if args.prompt_file is not None else preset_question(args)
     document = read_document_or_text(args.document) if args.document else None
     content = user_turn(question, document)
     if not question.strip():
-        raise InputError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file")
+        raise InputError("the prompt is empty: give --prompt TEXT, a non-empty --prompt-file, or a --preset "
+                         "with a question (summarize)")
 
     if args.draft_layers is not None and args.mode != "tree":
         raise InputError("--draft-layers goes with --mode tree")

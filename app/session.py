@@ -21,6 +21,31 @@ def context_of(args) -> int | None:
     return parse_context(args.context) if hasattr(args, "context") else None
 
 
+# What the sampling options are when neither the command line nor a --preset sets them.
+GENERATION_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0,
+                       "presence_penalty": 0.0, "stop_repeats": False}
+
+
+def settle_preset(args) -> None:
+    """Fill the sampling options and the system prompt left unset on the command line from
+    `--preset` (as the app's preset menu sets them), else from GENERATION_DEFAULTS."""
+    from .presets import PRESETS
+
+    preset = PRESETS[args.preset] if getattr(args, "preset", None) else None
+    for name, default in GENERATION_DEFAULTS.items():
+        if getattr(args, name, default) is None:
+            setattr(args, name, getattr(preset, name) if preset else default)
+    if preset and preset.system and getattr(args, "system", None) is None:
+        args.system = preset.system
+
+
+def preset_question(args) -> str:
+    """The preset's question (summarize: "Summarize this document."), "" without one."""
+    from .presets import PRESETS
+
+    return PRESETS[args.preset].question if getattr(args, "preset", None) else ""
+
+
 def sampling_params(args):
     """The sampling options; the repetition controls where the subcommand has them (off otherwise)."""
     from ..core.sampling import SamplingParams
