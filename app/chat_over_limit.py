@@ -1,17 +1,18 @@
 """The choices offered when a question does not fit the model's context: cut the document, leave
 earlier turns out, a shorter answer limit, summarize the document in parts, or switch to a pair
-with a longer context. Nothing is cut or left out without one of them being chosen."""
+with a longer context; each offered only where it makes room. Nothing is cut without one of them
+being chosen; earlier turns are left out unasked only as the settings say (`chat_follow_up`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import TYPE_CHECKING, Iterator
 
 from ..core.errors import InputError
 from .chat_view import Settings, View
-from .context_meter import CUT_MARGIN, CUTS, Meter, cut_document, split_document
+from .chat_follow_up import leave_out, turns_to_leave_out
+from .context_meter import CUT_MARGIN, CUTS, Meter, cut_document, cut_marker, split_document
 from .conversation import Conversation, title_from
 from .documents import user_turn
 from .engine_handle import EngineHandle
@@ -25,19 +26,25 @@ PART_SYSTEM = ("You summarize one part of a longer document faithfully: its main
                "numbers and dates exact, adding nothing it does not say.")
 
 
-def offer(handle: EngineHandle, registry_file: str | None, meter: Meter, attachment: dict | None,
-          conversation: Conversation | None) -> View:
-    """The view that says by how much the question is over and offers the choices that apply."""
-    engine = handle.get()
+def offer(chat: ChatLogic, meter: Meter, attachment: dict | None, question: str, conversation: Conversation | None,
+          settings: Settings) -> View:
+    """The view that says by how much the question is over and offers the choices that make room."""
+    engine = chat.handle.get()
+    cuts = _cut_labels(meter.excess, attachment) if _cut_makes_room(engine.tokenizer, meter.excess, attachment) else None
+    can_leave_out = bool(turns_to_leave_out(chat, conversation, attachment, question, settings))
+    in_parts = (attachment is not None and meter.document > meter.context // 2
+                and _summaries_fit(chat, conversation, question, settings, *_parts(chat, attachment)))
+    pairs = longer_pairs(chat.registry_file, meter.needed, chat.handle.model)
     text = (f"**This does not fit.** The prompt is {meter.prompt:,} tokens and the answer limit keeps "
             f"{meter.reserve:,} for the answer, but {engine.name} reads at most {meter.context:,}: "
-            f"{meter.excess:,} too many. Nothing is cut or left out without your choice:")
-    earlier = _earlier_messages(conversation)
-    return View(over_limit=text, attachment=attachment,
-                cuts=_cut_labels(meter.excess, attachment) if attachment is not None else None,
-                answer_room=meter.answer_room, can_leave_out=bool(earlier),
-                in_parts=attachment is not None and meter.document > meter.context // 2,
-                longer_pairs=longer_pairs(registry_file, meter.needed, handle.model),
+            f"{meter.excess:,} too many. ")
+    if cuts or can_leave_out or in_parts or pairs or meter.answer_room:
+        text += "Nothing is cut or left out without your choice:"
+    else:
+        text += ("Nothing here can make room for it: start a new conversation, or ask with a shorter question "
+                 "or document.")
+    return View(over_limit=text, attachment=attachment, cuts=cuts, answer_room=meter.answer_room,
+                can_leave_out=can_leave_out, in_parts=in_parts, longer_pairs=pairs,
                 status="⚠️ Too long for this model: see the choices below.")
 
 
@@ -71,22 +78,16 @@ def cut(chat: ChatLogic, where: str, message: str, attachment: dict | None, past
 
 def leave_out_turns(chat: ChatLogic, message: str, attachment: dict | None, pasted: str,
                     conversation: Conversation | None, settings: Settings) -> View:
-    """Leave the oldest messages out of what the model reads until the next question fits; every
-    document stays, and the messages stay in the chat, marked."""
+    """Leave the fewest oldest turns out of what the model reads for the next question to fit; every
+    document stays, and the turns stay in the chat, marked."""
     attachment = chat.with_pasted(attachment, pasted)
-    earlier = _earlier_messages(conversation)
-    for count in range(1, len(earlier) + 1):
-        for message_index in earlier[:count]:
-            conversation.messages[message_index]["left_out"] = True
-        if not chat.meter(conversation, attachment, "", message, settings).over:
-            chat.store.save(conversation)
-            return View(conversation=conversation, over_limit="",
-                        status=f"Left {count} earlier message{'s' if count > 1 else ''} out of what the model "
-                               "reads (documents stay).")
-    for message_index in earlier:
-        conversation.messages[message_index].pop("left_out", None)
-    raise InputError("leaving out every earlier turn is still not enough: cut the document, shorten the "
-                     "answer limit, or start a new conversation")
+    indexes = turns_to_leave_out(chat, conversation, attachment, message, settings)
+    if not indexes:
+        raise InputError("leaving out every earlier turn is still not enough: cut the document, shorten the "
+                         "answer limit, or start a new conversation")
+    note = leave_out(conversation, indexes)
+    chat.store.save(conversation)
+    return View(conversation=conversation, over_limit="", status=note)
 
 
 def summarize_in_parts(chat: ChatLogic, message: str, attachment: dict | None, pasted: str,
@@ -96,14 +97,9 @@ def summarize_in_parts(chat: ChatLogic, message: str, attachment: dict | None, p
     attachment = chat.with_pasted(attachment, pasted)
     if attachment is None:
         raise InputError("there is no document to summarize in parts")
-    engine = chat.handle.get()
-    summary_tokens = min(PART_ANSWER_TOKENS, engine.context_length // 8)
-    overhead = len(engine.chat_ids(_part_messages("", 99, 99)))
-    parts = split_document(engine.tokenizer, attachment["text"],
-                           engine.context_length - summary_tokens - overhead - CUT_MARGIN)
+    parts, summary_tokens = _parts(chat, attachment)
     question = (message or "").strip()
-    unread = dataclasses.replace(chat.meter(conversation, None, "", question, settings), document=0)
-    if unread.needed + len(parts) * (summary_tokens + CUT_MARGIN) > engine.context_length:
+    if not _summaries_fit(chat, conversation, question, settings, parts, summary_tokens):
         raise InputError(f"even the summaries of its {len(parts)} parts would not fit beside the conversation: "
                          "cut the document first, or start a new conversation")
     shown_turn = chat.shown_turn(conversation, question, attachment)
@@ -172,16 +168,34 @@ def switch_pair(handle: EngineHandle, registry_file: str | None, pair_id: str | 
                                       "and document are kept.")
 
 
+def _parts(chat: ChatLogic, attachment: dict) -> tuple[list[str], int]:
+    """The document's parts, each summarized alone, and the tokens each part's summary may take."""
+    engine = chat.handle.get()
+    summary_tokens = min(PART_ANSWER_TOKENS, engine.context_length // 8)
+    overhead = len(engine.chat_ids(_part_messages("", 99, 99)))
+    parts = split_document(engine.tokenizer, attachment["text"],
+                           engine.context_length - summary_tokens - overhead - CUT_MARGIN)
+    return parts, summary_tokens
+
+
+def _summaries_fit(chat: ChatLogic, conversation: Conversation | None, question: str, settings: Settings,
+                   parts: list[str], summary_tokens: int) -> bool:
+    """Whether the parts' summaries fit beside the conversation and the question."""
+    unread = chat.meter(conversation, None, "", question, settings)
+    return unread.needed + len(parts) * (summary_tokens + CUT_MARGIN) <= unread.context
+
+
+def _cut_makes_room(tokenizer, excess: int, attachment: dict | None) -> bool:
+    """Whether cutting `excess` tokens (and the marker in their place) leaves some of the document."""
+    if attachment is None or not attachment.get("tokens"):
+        return False
+    marker = len(tokenizer.encode(f"\n\n{cut_marker(attachment['tokens'])}\n\n", add_special_tokens=False))
+    return excess + marker + CUT_MARGIN < attachment["tokens"]
+
+
 def _part_messages(part: str, number: int, count: int) -> list[dict]:
     return [{"role": "system", "content": PART_SYSTEM},
             {"role": "user", "content": user_turn(f"Summarize part {number} of {count} of a longer document.", part)}]
-
-
-def _earlier_messages(conversation: Conversation | None) -> list[int]:
-    """The indexes of the messages that can still be left out of what the model reads, oldest first."""
-    if conversation is None:
-        return []
-    return [index for index, message in enumerate(conversation.messages) if not message.get("left_out")]
 
 
 def _cut_labels(excess: int, attachment: dict) -> dict[str, str]:

@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from ..core.errors import InputError, SpecchatError
 from .conversation import Conversation, shown_messages
 
-KEPT_SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "mode", "repetition_penalty")
+KEPT_SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "mode", "repetition_penalty",
+                 "follow_up_room")
+# What a follow-up that does not fit does (`follow_up_room`): the oldest turns are left out of what the
+# model reads, marked in the chat, or the over-limit choices are offered. Words, not a bool: a
+# conversation's saved settings hold numbers and words.
+LEAVE_OUT_OLDEST, ASK_FIRST = "leave out the oldest turns", "ask"
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,7 @@ class Settings:
     max_new_tokens: int
     mode: str
     repetition_penalty: float = 1.0
+    follow_up_room: str = LEAVE_OUT_OLDEST
 
     def kept(self) -> dict:
         """The settings a conversation keeps and brings back when reopened (the system prompt and
@@ -58,7 +64,7 @@ class View:
     over_limit: str | None = None  # the over-limit choice's text; "" hides it
     cuts: dict[str, str] | None = None  # where -> the cut's button label; None: no document to cut
     answer_room: int = 0  # a shorter answer limit that fits, offered as a choice; 0: none does
-    can_leave_out: bool = False  # earlier turns can be left out to make room
+    can_leave_out: bool = False  # leaving earlier turns out makes room
     in_parts: bool = False  # the document can be summarized in parts
     longer_pairs: list[tuple[str, str]] | None = None
     streaming: bool = False

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -24,6 +26,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 
 from ..core import limits  # noqa: E402
+from .chat_drafts import kept as kept_draft  # noqa: E402
+from .chat_drafts import restored as restored_draft  # noqa: E402
 from .chat_view import Settings, View, problem_text  # noqa: E402
 from .engine_handle import EngineHandle  # noqa: E402
 from .history import HistoryStore, default_folder  # noqa: E402
@@ -64,6 +68,9 @@ table td, table th, table td *, table th *, #pairs span.text {
 """
 RESTORE_DARK_MODE_JS = """() => { const saved = localStorage.getItem('specchat-dark');
   if (saved !== null) document.body.classList.toggle('dark', saved === '1'); }"""
+# Escape stops the answer, as in other chat apps: a click on Stop, which does nothing when none runs.
+ESCAPE_STOPS_JS = """() => { document.addEventListener('keydown', (event) => {
+  if (event.key === 'Escape') document.querySelector('#stop')?.click(); }); }"""
 
 
 def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | None = None) -> gr.Blocks:
@@ -82,6 +89,7 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
         _wire_model_line(page, model_status, downloads)
         page.dark.click(None, js=DARK_MODE_JS)
         demo.load(None, js=RESTORE_DARK_MODE_JS)
+        demo.load(None, js=ESCAPE_STOPS_JS)
     return demo
 
 
@@ -96,24 +104,49 @@ class _ChatHandlers:
         return render(self.page, view, self.logic.conversation_choices)
 
     def streamed(self, views):
-        """A handler's stream of views, rendered; an error ends it as a line in the page."""
+        """A handler's stream of views, rendered; an error ends it as a line in the page, and an
+        over-limit panel shown before it goes (its choices were for what failed)."""
         try:
             with contextlib.closing(views()) as stream:
                 for view in stream:
                     yield self.draw(view)
         except Exception as error:
-            yield self.draw(View(status=problem_text(error)))
+            yield self.draw(View(status=problem_text(error), over_limit=""))
 
-    def once(self, handler, stop_chain: bool = False):
-        """A one-shot handler's view, rendered; with `stop_chain` an error is raised as a
-        Gradio error (a message in the page) so the `.success` after it does not run."""
+    def once(self, handler):
+        """A one-shot handler's view, rendered; an error becomes a line in the page."""
         def run(*args):
             try:
                 return self.draw(handler(*args))
             except Exception as error:
-                if stop_chain:
-                    raise gr.Error(problem_text(error)) from None
                 return self.draw(View(status=problem_text(error)))
+        return run
+
+    def moving(self, handler):
+        """A handler that shows another conversation (`once`): the one left keeps what was typed,
+        attached and pasted in it, and the one shown gets its own back (`chat_drafts`)."""
+        def run(drafts, chat, box, attached, pasted_text, preset, *args):
+            drafts = kept_draft(drafts, chat, typed(box), attached, pasted_text)
+            try:
+                view = restored_draft(handler(*args), drafts, PRESETS.get(preset, PRESETS["free"]).question)
+            except Exception as error:
+                view = View(status=problem_text(error))
+            return {**self.draw(view), self.page.drafts: drafts}
+        return run
+
+    def choose_then_send(self, choose):
+        """An over-limit choice (a cut, a shorter answer, leaving turns out), then the question sent
+        as the choice left it; a choice that fails says why in the page and sends nothing."""
+        def run(request: gr.Request, box, attached, pasted_text, chat, *values):
+            def views():
+                chosen = choose(typed(box), attached, pasted_text, chat, self.settings_of(values))
+                yield chosen
+                settings = dataclasses.replace(self.settings_of(values), **(chosen.settings or {}))
+                yield from self.logic.send(
+                    typed(box), attached if chosen.attachment is None else chosen.attachment,
+                    pasted_text if chosen.pasted is None else chosen.pasted, chosen.conversation or chat,
+                    settings, request.session_hash)
+            yield from self.streamed(views)
         return run
 
     def settings_of(self, values) -> Settings:
@@ -156,6 +189,13 @@ class _ChatHandlers:
     def stop_answer(self, request: gr.Request):
         self.logic.stop(request.session_hash)
 
+    def pasted_chip(self, attached, pasted_text):
+        """The attachment line for pasted text; an attached file's line stays."""
+        try:
+            return gr.update() if attached else self.logic.pasted_chip(pasted_text)
+        except Exception as error:
+            return problem_text(error)
+
     def update_meter(self, chat, attached, pasted_text, box, *values):
         try:
             return self.logic.meter_text(chat, attached, pasted_text, typed(box), self.settings_of(values))
@@ -173,14 +213,10 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     answering.append(page.chatbot.retry(on.regenerate, [page.conversation, *settings_inputs], outputs, **QUIET))
     answering.append(page.chatbot.edit(on.edit, [page.conversation, *settings_inputs], outputs, **QUIET))
     # The over-limit choices each change what is sent, then send it: the question and document are kept.
-    settings_of = on.settings_of
-    choices = {button: (lambda box, *args, where=where: logic.cut(where, typed(box), *args[:3], settings_of(args[3:])))
-               for where, button in page.cut_buttons.items()}
-    choices[page.shorter] = lambda box, *args: logic.shorter_answer(typed(box), *args[:3], settings_of(args[3:]))
-    choices[page.leave_out] = lambda box, *args: logic.leave_out_turns(typed(box), *args[:3], settings_of(args[3:]))
-    for button, choose in choices.items():
-        chosen = button.click(on.once(choose, stop_chain=True), send_inputs, outputs, **LIGHT)
-        answering.append(chosen.success(on.send_message, send_inputs, outputs, **QUIET))
+    choices = {button: functools.partial(logic.cut, where) for where, button in page.cut_buttons.items()}
+    choices |= {page.shorter: logic.shorter_answer, page.leave_out: logic.leave_out_turns}
+    answering += [button.click(on.choose_then_send(choose), send_inputs, outputs, **QUIET)
+                  for button, choose in choices.items()]
     answering.append(page.in_parts.click(on.summarize_in_parts, send_inputs, outputs, **QUIET))
     for event in answering:
         event.then(on.update_meter, meter_inputs, page.meter, **METERING)
@@ -192,14 +228,14 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     # Typing recounts the meter; a file put in the box is attached first, then counted.
     page.message.change(on.once(on.attach_dropped), page.message, outputs, trigger_mode="always_last", **READING).then(
         on.update_meter, meter_inputs, page.meter, **METERING)
-    page.pasted.change(lambda attached, text: gr.update() if attached else logic.pasted_chip(text),
-                       [page.attachment, page.pasted], page.attachment_line, trigger_mode="always_last", **LIGHT)
+    page.pasted.change(on.pasted_chip, [page.attachment, page.pasted], page.attachment_line,
+                       trigger_mode="always_last", **LIGHT)
     page.detach.click(lambda: (None, "", ""), None, [page.attachment, page.attachment_line, page.pasted]).then(
         on.update_meter, meter_inputs, page.meter, **METERING)
     page.switch.click(on.once(logic.switch_pair), page.longer_pairs, outputs)
     page.color.change(lambda colored: gr.update(visible=colored), page.color, page.tokens)
     page.preset.change(_preset_chosen, [page.preset, page.message, page.conversation],
-                       [page.system, page.message, page.temperature, page.top_p])
+                       [page.system, page.message, page.temperature, page.top_p, page.repetition_penalty])
     return answering
 
 
@@ -207,18 +243,20 @@ def _wire_conversations(demo: gr.Blocks, page: ChatPage, logic: ChatLogic, on: _
                         answering: list) -> None:
     """New, open, rename, delete and undo, export, and the newest conversation at each page load."""
     outputs, meter_inputs = page.outputs, page.meter_inputs
+    # Moving to another conversation keeps the draft of the one left (`_ChatHandlers.moving`).
+    leaving = [page.drafts, page.conversation, page.message, page.attachment, page.pasted, page.preset]
+    moved = [*outputs, page.drafts]
     # The chat's own Clear starts afresh too; nothing is deleted.
     for clear in (page.new.click, page.chatbot.clear):
-        clear(on.once(lambda: View(clear_conversation=True, conversations_changed=True, status="", stats="",
-                                   stages="", tokens="", over_limit="", message="", clear_attachment=True,
-                                   pasted="")), None, outputs, cancels=answering, **LIGHT).then(
-            on.update_meter, meter_inputs, page.meter, **METERING)
-    page.conversations.input(on.once(logic.open), page.conversations, outputs, cancels=answering, **LIGHT).then(
-        on.update_meter, meter_inputs, page.meter, **METERING)
+        clear(on.moving(lambda: View(clear_conversation=True, conversations_changed=True, status="", stats="",
+                                     stages="", tokens="", over_limit="")), leaving, moved, cancels=answering,
+              **LIGHT).then(on.update_meter, meter_inputs, page.meter, **METERING)
+    page.conversations.input(on.moving(logic.open), [*leaving, page.conversations], moved, cancels=answering,
+                             **LIGHT).then(on.update_meter, meter_inputs, page.meter, **METERING)
     page.rename.click(on.once(logic.rename), [page.conversation, page.title], outputs, **LIGHT)
-    page.delete.click(on.once(logic.delete), page.conversation, outputs, cancels=answering, **LIGHT).then(
-        on.update_meter, meter_inputs, page.meter, **METERING)
-    page.undo.click(on.once(logic.undelete), page.deleted, outputs, **LIGHT).then(
+    page.delete.click(on.moving(logic.delete), [*leaving, page.conversation], moved, cancels=answering,
+                      **LIGHT).then(on.update_meter, meter_inputs, page.meter, **METERING)
+    page.undo.click(on.moving(logic.undelete), [*leaving, page.deleted], moved, **LIGHT).then(
         on.update_meter, meter_inputs, page.meter, **METERING)
     page.export.click(_exporter(logic), page.conversation, [page.exported, page.status])
     # Leaving a running answer (new, open, delete) cancels its Gradio event, which abandons the
@@ -249,14 +287,15 @@ def typed(box) -> str:
 
 
 def _preset_chosen(key: str, box, chat) -> tuple:
-    """The system prompt, message box, temperature and top-p for a preset. The conversation's own
-    preset (set as it is opened) keeps its own system prompt and settings, which may have been
-    edited, and adds no question."""
+    """The system prompt, message box, temperature, top-p and repetition penalty for a preset. The
+    conversation's own preset (set as it is opened) keeps its own system prompt and settings,
+    which may have been edited, and adds no question."""
     text = typed(box)
     if chat is not None and chat.preset == key:
-        return chat.system, {"text": text, "files": []}, gr.update(), gr.update()
+        return chat.system, {"text": text, "files": []}, gr.update(), gr.update(), gr.update()
     preset = PRESETS[key]
-    return preset.system, {"text": text or preset.question, "files": []}, preset.temperature, preset.top_p
+    return (preset.system, {"text": text or preset.question, "files": []}, preset.temperature, preset.top_p,
+            preset.repetition_penalty)
 
 
 def _exporter(logic: ChatLogic):

@@ -1,7 +1,8 @@
 """The chat tab's behaviour, without its layout: sending, streaming, stop, regenerate, edit,
 documents and the context meter. Every handler returns a `View` of what changed (`chat_view`);
-`ui_chat_page.render` draws views onto components. The over-limit choices live in `chat_over_limit`, the
-list of conversations in `chat_list`; `ChatLogic` hands their calls on.
+`ui_chat_page.render` draws views onto components. The over-limit choices live in `chat_over_limit`,
+leaving turns out unasked in `chat_follow_up`, the list of conversations in `chat_list`; `ChatLogic`
+hands their calls on.
 
 The conversation on disk is the source of truth: a question is saved before its answer starts,
 the answer is saved as it streams and when it ends, each write atomic. A server killed in the
@@ -20,6 +21,7 @@ from typing import Iterator
 
 from ..core.errors import SpecchatError
 from ..core.request import Request
+from . import chat_follow_up as follow_up
 from . import chat_over_limit as over_limit
 from .chat_list import ConversationList
 from .chat_view import Settings, View, problem_text
@@ -136,8 +138,9 @@ class ChatLogic:
                 return
         attachment = self.with_pasted(attachment, pasted)
         meter = self.meter(conversation, attachment, "", question, settings)
-        if meter.over:
-            offer = over_limit.offer(self.handle, self.registry_file, meter, attachment, conversation)
+        left_out = follow_up.make_room(self, conversation, attachment, question, settings) if meter.over else ""
+        if meter.over and not left_out:
+            offer = over_limit.offer(self, meter, attachment, question, conversation, settings)
             yield dataclasses.replace(offer, message=question, conversation=conversation,
                                       clear_conversation=conversation is None)
             return
@@ -149,8 +152,8 @@ class ChatLogic:
         conversation.messages.append({"role": "user", "content": question, "document": attachment})
         self.store.save(conversation)  # the question is on disk before the answer starts
         yield View(conversation=conversation, message="", clear_attachment=True, pasted="", over_limit="",
-                   conversations_changed=True, status="")
-        yield from self._answer(conversation, settings, session)
+                   conversations_changed=True, status=left_out)
+        yield from follow_up.noted(self._answer(conversation, settings, session), left_out)
 
     def _wait_for_the_model(self, question: str, attachment: dict | None, pasted: str, conversation: Conversation | None,
                             settings: Settings, session: str) -> Iterator[View]:

@@ -11,7 +11,7 @@ from typing import Callable
 import gradio as gr
 
 from ..core.modes import REQUEST_MODES
-from .chat_view import KEPT_SETTINGS, Settings, View, shown
+from .chat_view import ASK_FIRST, KEPT_SETTINGS, LEAVE_OUT_OLDEST, Settings, View, shown
 from .context_meter import ANSWER_STEP, CUTS
 from .conversation import attachment_label
 from .documents import DOCUMENT_SUFFIXES
@@ -25,6 +25,7 @@ class ChatPage:
     conversation: gr.State
     attachment: gr.State
     deleted: gr.State  # the conversation just deleted, for Undo
+    drafts: gr.State  # what was typed, attached and pasted in each conversation and not sent (`chat_drafts`)
     dark: gr.Button
     new: gr.Button
     undo: gr.Button
@@ -68,6 +69,7 @@ class ChatPage:
     seed: gr.Textbox
     mode: gr.Radio
     repetition_penalty: gr.Slider
+    follow_up_room: gr.Radio
 
     @property
     def settings_inputs(self) -> list:
@@ -147,6 +149,7 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
     conversation = gr.State(None)
     attachment = gr.State(None)
     deleted = gr.State("")
+    drafts = gr.State({})
     with gr.Row():
         gr.Markdown("## specchat\nLong-document chat, sped up by lossless speculative decoding.")
         dark = gr.Button("🌓 Dark mode", size="sm", scale=0, elem_id="dark-mode")
@@ -221,17 +224,17 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
                     mode = gr.Radio(MODES, value="auto", label="Decoding", elem_id="mode")
                     repetition_penalty = gr.Slider(1.0, 2.0, value=1.0, step=0.05, elem_id="repetition-penalty",
                                                    label="Repetition penalty (1 = off; counts the answer's own words)")
-    # The preset's penalty when a person picks it (`input`: not when an opened conversation sets the
-    # preset, which keeps its own settings), as ui.py's `_preset_chosen` does for the temperature.
-    preset.input(lambda key, chat: gr.update() if chat is not None and chat.preset == key
-                 else PRESETS[key].repetition_penalty, [preset, conversation], repetition_penalty)
+                    follow_up_room = gr.Radio(
+                        [("Leave the oldest turns out of what the model reads (documents stay; marked in the chat)",
+                          LEAVE_OUT_OLDEST), ("Ask me first", ASK_FIRST)],
+                        value=LEAVE_OUT_OLDEST, label="When a follow-up does not fit", elem_id="follow-up-room")
     return ChatPage(
-        conversation=conversation, attachment=attachment, deleted=deleted, dark=dark, new=new, undo=undo,
-        preset=preset, conversations=conversations, title=title, rename=rename, delete=delete, export=export,
+        conversation=conversation, attachment=attachment, deleted=deleted, drafts=drafts, dark=dark, new=new,
+        undo=undo, preset=preset, conversations=conversations, title=title, rename=rename, delete=delete, export=export,
         exported=exported, model_line=shown_model, get_pair=get_pair, chatbot=chatbot, status=status,
         over_group=over_group, over_text=over_text, shorter=shorter, leave_out=leave_out, in_parts=in_parts,
         cut_buttons=cut_buttons, pairs_row=pairs_row, longer_pairs=longer_pairs, switch=switch, message=message,
         send=send, stop=stop, attachment_line=attachment_line, meter=meter, stats=stats, pasted=pasted,
         detach=detach, color=color, stages=stages, tokens=tokens, system=system, temperature=temperature,
         top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed, mode=mode,
-        repetition_penalty=repetition_penalty)
+        repetition_penalty=repetition_penalty, follow_up_room=follow_up_room)

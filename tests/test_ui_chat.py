@@ -11,7 +11,7 @@ from conftest import DATA, holding
 from specchat.app.conversation import model_messages
 from specchat.app.engine_handle import EngineHandle
 from specchat.app.history import HistoryStore
-from specchat.app.chat_view import KEPT_SETTINGS, Settings
+from specchat.app.chat_view import ASK_FIRST, KEPT_SETTINGS, Settings
 from specchat.app.ui_chat import ChatLogic
 from specchat.core.loading import load_engine
 
@@ -127,7 +127,7 @@ def test_a_shorter_answer_limit_is_offered_when_the_prompt_leaves_room_for_one(l
 
 def test_a_follow_up_over_the_limit_can_leave_earlier_messages_out_and_the_document_stays(logic):
     document = (DATA / "apache-2.0.txt").read_text()[:250].strip()
-    settings = dataclasses.replace(SETTINGS, max_new_tokens=40)
+    settings = dataclasses.replace(SETTINGS, max_new_tokens=40, follow_up_room=ASK_FIRST)  # else it is done unasked
     conversation = run(logic.send("What is this?", None, document, None, settings))[-1].conversation
     question = "And what else does it say about it?"
     for _ in range(6):  # follow-ups until one does not fit (the tiny model's answers vary in length)

@@ -1,0 +1,39 @@
+"""What a person has started in a conversation and not sent: the message box's text (a preset's
+question included), the attached document and the pasted text. Each conversation keeps its own
+while the page is open (a `gr.State`, keyed by conversation id; nothing of it is saved): leaving a
+conversation keeps its draft, coming back brings it back, and a new conversation starts with
+nothing but the chosen preset's question, so that nothing attached elsewhere goes out with it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .chat_view import View
+from .conversation import Conversation
+
+NEW = ""  # the key of the conversation not started yet
+
+
+def kept(drafts: dict | None, conversation: Conversation | None, message: str, attachment: dict | None,
+         pasted: str | None) -> dict:
+    """`drafts` with the draft of the conversation being left (none when nothing is in it)."""
+    key = conversation.id if conversation is not None else NEW
+    drafts = {other: draft for other, draft in (drafts or {}).items() if other != key}
+    if (message or "").strip() or attachment is not None or (pasted or "").strip():
+        drafts[key] = {"message": message or "", "attachment": attachment, "pasted": pasted or ""}
+    return drafts
+
+
+def restored(view: View, drafts: dict, preset_question: str) -> View:
+    """The view with the draft of the conversation it shows in the box: that conversation's own,
+    or for a new one (always started afresh) the preset's question; a view that shows no other
+    conversation is left as it is."""
+    if view.clear_conversation:
+        draft = {"message": preset_question}
+    elif view.conversation is not None:
+        draft = drafts.get(view.conversation.id, {})
+    else:
+        return view
+    attachment = draft.get("attachment")
+    return dataclasses.replace(view, message=draft.get("message", ""), attachment=attachment,
+                               clear_attachment=attachment is None, pasted=draft.get("pasted", ""))

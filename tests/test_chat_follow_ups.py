@@ -1,0 +1,146 @@
+"""Follow-ups on a long document without a click, choices only where they make room, every error's
+reason in the page, and what is typed, attached and pasted kept with its own conversation; on the
+tiny model (256-token context). The browser tests drive the same code through the page."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
+
+from conftest import DATA
+from specchat.app.chat_view import ASK_FIRST, LEAVE_OUT_OLDEST, Settings, View
+from specchat.app.conversation import LEFT_OUT, model_messages, shown_messages
+from specchat.app.engine_handle import EngineHandle
+from specchat.app.history import HistoryStore
+from specchat.app.ui import _ChatHandlers, _preset_chosen
+from specchat.app.ui_chat import ChatLogic
+from specchat.app.ui_chat_page import chat_page
+from specchat.core.errors import InputError
+from specchat.core.loading import load_engine
+
+SETTINGS = Settings(system="", preset="free", temperature=0.0, top_p=1.0, top_k=0, seed=None,
+                    max_new_tokens=24, mode="auto")
+# About 125 tokens of question: beside a 120-token document it cannot fit a 256-token context.
+LONG_QUESTION = "Does it say anything about " + "patents and trademarks and " * 25 + "the rest?"
+
+
+@pytest.fixture
+def logic(tiny_model_dir, tmp_path):
+    handle = EngineHandle(lambda model, progress: load_engine(model, progress), str(tiny_model_dir))
+    handle.get()
+    yield ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
+    handle.close()
+
+
+@pytest.fixture
+def handlers(logic):
+    with gr.Blocks():
+        page = chat_page(lambda: "")
+    return _ChatHandlers(page, logic)
+
+
+def run(views):
+    return list(views)
+
+
+def saved(logic):
+    (summary,) = logic.store.list()
+    return logic.store.load(summary.id)
+
+
+def page_values(settings: Settings) -> list:
+    """The settings as the page sends them, one value per component."""
+    return [getattr(settings, field.name) for field in dataclasses.fields(Settings)]
+
+
+def test_a_follow_up_that_does_not_fit_leaves_the_oldest_turns_out_unasked_and_says_so(logic):
+    document = (DATA / "apache-2.0.txt").read_text()[:250].strip()
+    settings = dataclasses.replace(SETTINGS, max_new_tokens=40)
+    assert settings.follow_up_room == LEAVE_OUT_OLDEST  # the default
+    conversation = run(logic.send("What is this?", None, document, None, settings))[-1].conversation
+    question = "And what else does it say about it?"
+    for _ in range(8):  # follow-ups until one does not fit (the tiny model's answers vary in length)
+        views = run(logic.send(question, None, "", conversation, settings))
+        assert not any(view.over_limit for view in views)  # never a choice to click
+        if any(message.get("left_out") for message in conversation.messages):
+            break
+    kept = saved(logic)
+    left = [index for index, message in enumerate(kept.messages) if message.get("left_out")]
+    assert left and left[0] == 0  # the oldest first
+    assert all(kept.messages[index + 1].get("left_out") for index in left if kept.messages[index]["role"] == "user")
+    answer = kept.messages[-1]
+    assert answer["role"] == "assistant" and not answer["partial"] and not answer.get("left_out")
+    assert views[-1].status.startswith("✂ The ") and "left out of what the model reads" in views[-1].status
+    assert all(LEFT_OUT in shown_messages(kept)[index]["content"] for index in left)  # marked in the chat
+    read = model_messages(kept)
+    assert document in read[0]["content"] and read[-2] == {"role": "user", "content": question}
+
+
+def test_leaving_turns_out_is_offered_only_where_it_makes_room(logic):
+    document = (DATA / "apache-2.0.txt").read_text()[:600].strip()  # about 120 tokens: it stays
+    conversation = run(logic.send("What is this?", None, document, None, SETTINGS))[-1].conversation
+    for room in (LEAVE_OUT_OLDEST, ASK_FIRST):
+        (view,) = run(logic.send(LONG_QUESTION, None, "", conversation,
+                                 dataclasses.replace(SETTINGS, follow_up_room=room)))
+        assert view.over_limit and not view.can_leave_out and view.message == LONG_QUESTION
+    assert not any(message.get("left_out") for message in saved(logic).messages)  # nothing left out in vain
+    with pytest.raises(InputError, match="still not enough"):
+        logic.leave_out_turns(LONG_QUESTION, None, "", conversation, SETTINGS)
+
+
+def test_a_cut_is_offered_only_where_it_leaves_some_of_the_document(logic):
+    (view,) = run(logic.send(LONG_QUESTION * 2, None, "A short note.", None, SETTINGS))
+    assert view.over_limit and view.cuts is None and not view.can_leave_out
+    assert "Nothing here can make room" not in view.over_limit  # a longer-context pair still can
+    assert view.longer_pairs
+
+
+def test_a_choice_that_fails_says_why_in_the_page_and_the_stale_choices_go(logic, handlers):
+    document = (DATA / "apache-2.0.txt").read_text()[:600].strip()
+    conversation = run(logic.send("What is this?", None, document, None, SETTINGS))[-1].conversation
+    page = handlers.page
+    leave_out = handlers.choose_then_send(logic.leave_out_turns)
+    drawn = list(leave_out(SimpleNamespace(session_hash="s"), {"text": LONG_QUESTION, "files": []}, None, "",
+                           conversation, *page_values(SETTINGS)))
+    last = drawn[-1]
+    assert "still not enough" in last[page.status] and last[page.over_group]["visible"] is False
+    assert len(saved(logic).messages) == 2  # nothing sent
+
+
+def test_a_choice_that_works_sends_the_question_as_it_left_it(logic, handlers):
+    document = (DATA / "apache-2.0.txt").read_text()[:3000].strip()  # about 600 tokens
+    cut = handlers.choose_then_send(lambda *args: logic.cut("end", *args))
+    drawn = list(cut(SimpleNamespace(session_hash="s"), {"text": "What is this?", "files": []}, None, document,
+                     None, *page_values(SETTINGS)))
+    (question, answer) = saved(logic).messages
+    assert "from the end" in question["document"]["note"] and answer["content"]
+    assert not any(str(value).startswith("⚠️") for value in drawn[-1].values())
+
+
+def test_what_is_typed_attached_and_pasted_stays_with_its_conversation(logic, handlers):
+    page = handlers.page
+    first = run(logic.send("First", None, "", None, SETTINGS))[-1].conversation
+    second = run(logic.send("Second", None, "", None, SETTINGS))[-1].conversation
+    notes = logic.attach("notes.txt", "Some notes.")
+    opened = handlers.moving(logic.open)({}, second, {"text": "About these notes?", "files": []}, notes,
+                                         "pasted here", "free", first.id)
+    assert opened[page.conversation].id == first.id
+    assert opened[page.attachment] is None and opened[page.message]["text"] == "" and opened[page.pasted] == ""
+    back = handlers.moving(logic.open)(opened[page.drafts], first, {"text": "", "files": []}, None, "", "free",
+                                       second.id)
+    assert back[page.attachment] == notes and back[page.message]["text"] == "About these notes?"
+    assert back[page.pasted] == "pasted here"
+    new = handlers.moving(lambda: View(clear_conversation=True))(back[page.drafts], second, {"text": "Typed"},
+                                                                 notes, "", "summarize")
+    assert new[page.message]["text"] == "Summarize this document." and new[page.attachment] is None
+    again = handlers.moving(logic.open)(new[page.drafts], None, {"text": ""}, None, "", "summarize", second.id)
+    assert again[page.message]["text"] == "Typed" and again[page.attachment] == notes
+
+
+def test_a_chosen_preset_sets_its_repetition_penalty_and_an_opened_conversations_own_stays(logic):
+    *_, penalty = _preset_chosen("summarize", {"text": "", "files": []}, None)
+    assert penalty == 1.1
+    summarized = run(logic.send("Hello", None, "", None, dataclasses.replace(SETTINGS, preset="summarize")))
+    *_, kept = _preset_chosen("summarize", {"text": ""}, summarized[-1].conversation)
+    assert kept == gr.update()
