@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..core.errors import InputError
 from .documents import user_turn
+from .token_counts import counter
 
 # The shortest answer limit offered when the one set does not fit: less is no answer worth having.
 MIN_ANSWER = 128
@@ -51,15 +52,18 @@ class Meter:
 
 def measure(engine, system: str, history: list[dict], document: str, question: str,
             max_new_tokens: int) -> Meter:
-    """The meter for the next turn: `document` and `question` form the new user message."""
+    """The meter for the next turn: `document` and `question` form the new user message. Counts
+    are remembered (`token_counts`): recounting after a keystroke or a reopening tokenizes only
+    what changed."""
     messages = ([{"role": "system", "content": system}] if system else []) + history
     messages = messages + [{"role": "user", "content": user_turn(question, document)}]
+    counts = counter(engine.tokenizer)
     return Meter(
-        system=engine.count_tokens(system) if system else 0,
-        history=sum(engine.count_tokens(message["content"]) for message in history),
-        document=engine.count_tokens(document.strip()) if document else 0,
-        question=engine.count_tokens(question.strip()),
-        prompt=len(engine.chat_ids(messages)),
+        system=counts.count(system) if system else 0,
+        history=sum(counts.count(message["content"]) for message in history),
+        document=counts.count(document.strip()) if document else 0,
+        question=counts.count(question.strip()),
+        prompt=counts.prompt(messages),
         context=engine.context_length,
         reserve=max_new_tokens,
     )

@@ -148,3 +148,48 @@ def test_a_document_too_short_to_cut(tokenizer):
 def test_unknown_cut(tokenizer):
     with pytest.raises(InputError, match="unknown cut 'top': choose from start, middle, end"):
         cut_document(tokenizer, DOCUMENT, 10, "top")
+
+
+class CountingTokenizer:
+    """A real tokenizer that records how many characters it was asked to tokenize."""
+
+    def __init__(self, tokenizer, extra: int = 0):
+        self.tokenizer, self.extra, self.tokenized = tokenizer, extra, 0
+        self.added_tokens_decoder = tokenizer.added_tokens_decoder
+
+    def encode(self, text, add_special_tokens=False):
+        self.tokenized += len(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens) + [0] * self.extra
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.encode(text) if tokenize else text
+
+
+def long_history(turns: int) -> list[dict]:
+    return [{"role": role, "content": f"Turn {turn}: {DOCUMENT}"} for turn in range(turns)
+            for role in ("user", "assistant")]
+
+
+def test_a_reopened_conversation_is_not_tokenized_again(tokenizer):
+    # Found: the meter, recounted at each keystroke and reopening, tokenized the whole
+    # conversation every time (145 s and 11 GB at 60 MB).
+    engine = TokenizerEngine(CountingTokenizer(tokenizer), 1_000_000)
+    history = long_history(20)
+    first = measure(engine, "Answer briefly.", history, "", "What is first?", 512)
+    engine.tokenizer.tokenized = 0
+    again = measure(engine, "Answer briefly.", history, "", "What is last?", 512)
+    assert engine.tokenizer.tokenized < 200  # the new question and the turn around it, not the history
+    assert again.history == first.history
+    assert again.prompt == len(Engine.chat_ids(TokenizerEngine(tokenizer, 0), [
+        {"role": "system", "content": "Answer briefly."}, *history, {"role": "user", "content": "What is last?"}]))
+
+
+def test_a_tokenizer_whose_pieces_do_not_add_up_is_counted_whole(tokenizer):
+    # Each encode call makes one token more than its text: counting between the template's
+    # markers would overcount, so the whole prompt is counted, exactly.
+    engine = TokenizerEngine(CountingTokenizer(tokenizer, extra=1), 8192)
+    meter = measure(engine, "Answer briefly.", HISTORY, "", "Which?", 512)
+    whole = engine.chat_ids([{"role": "system", "content": "Answer briefly."}, *HISTORY,
+                             {"role": "user", "content": "Which?"}])
+    assert meter.prompt == len(whole)

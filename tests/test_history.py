@@ -23,6 +23,8 @@ from specchat.app.conversation import (LEFT_OUT, PASTED_NAME, Conversation, from
 from specchat.app.documents import user_turn
 from specchat.app.history import HistoryStore, SaveFailed, default_folder
 from specchat.core.errors import InputError
+from specchat.core.files import human_size
+from specchat.core.limits import CONVERSATION_FILE
 
 DOCUMENT = {"name": "report.pdf", "text": "Line one of the report.\nLine two.", "tokens": 7402,
             "note": "cut 1,234 tokens from the middle"}
@@ -445,9 +447,18 @@ def test_a_file_over_the_limit_is_skipped_without_reading_it(tmp_path):
     assert [summary.id for summary in store.list()] == [good.id]
     assert time.perf_counter() - started < 1
     assert store.take_problems() == [
-        f"the saved conversation {huge} is 100.0 GB, over the conversation file limit of 64.0 MB (set "
+        f"the saved conversation {huge} is 100.0 GB, over the conversation file limit of "
+        f"{human_size(CONVERSATION_FILE.bytes)} (set "
         "SPECCHAT_MAX_CONVERSATION_MB in MB to change it); it was left as it is and skipped"]
     assert huge.stat().st_size == 100 * 10**9
+
+
+@pytest.mark.xfail(strict=True, reason="core/limits.py still allows 64 MB; lowering it is core's change")
+def test_the_conversation_limit_is_one_the_meter_handles():
+    # Found: a 60 MB conversation opened, then its meter took 145 s and 11 GB, a send 138 s more.
+    # Measured on 2 cores (embedded tokenizer): the first meter of a 4 MB conversation takes 6-7 s
+    # and 0.3 GB (counted twice: by part and whole); later counts come from token_counts.
+    assert CONVERSATION_FILE.default_mb <= 4
 
 
 def test_a_conversation_too_large_to_reopen_is_not_written(tmp_path, monkeypatch):
