@@ -30,6 +30,7 @@ from ..core.sampling import MAX_COUNT_PENALTY, MAX_REPETITION_PENALTY, SamplingP
 from .engine_handle import EngineHandle
 from .engine_queue import Busy
 from .stop_text import StopText
+from .token_bound import check_fits
 
 DEFAULT_MAX_TOKENS = 512
 MAX_STOPS = 4
@@ -134,8 +135,10 @@ async def _unless_gone(awaitable, gone: asyncio.Future):
 
 
 def _job(options: Options):
-    """The answer as a job for the engine thread: tokenizing included, off the event loop."""
+    """The answer as a job for the engine thread: tokenizing included, off the event loop. A prompt
+    whose length alone shows it past the context is refused before it is tokenized."""
     def job(engine, cancel) -> Iterator:
+        check_fits(engine, options.conversation)
         prompt_ids = engine.chat_ids(options.conversation)
         events = engine.generate(prompt_ids, AnswerRequest(options.max_tokens, options.sampling), cancel)
         return _until_stop(events, StopText(options.stops), cancel) if options.stops else events

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from api_server import serving_api
-from conftest import holding
+from conftest import DATA, holding
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -186,3 +186,24 @@ def test_a_full_line_is_a_503_with_the_count(embedded_engine):
         finally:
             gate.set()
             assert list(held) == ["held"] and list(waiting) == ["waited"]
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenized(server, embedded_engine, monkeypatch):
+    # Found: a 7.8 MB prompt was tokenized whole on the engine thread (7.6 s, +0.7 GB) before its 400.
+    tokenized = []
+    monkeypatch.setattr(embedded_engine, "chat_ids", lambda messages: tokenized.append(messages) or [])
+    for stream in (False, True):
+        response = post(server, {"messages": [{"role": "user", "content": "word " * 400_000}], "stream": stream})
+        error = refused(response)
+        assert "the prompt is at least 24,694 tokens" in error["message"] and error["type"] == "invalid_request_error"
+    assert tokenized == []
+
+
+def test_the_bound_is_never_above_the_true_count(embedded_engine):
+    from specchat.app.token_bound import fewest_tokens
+
+    tokenizer = embedded_engine.tokenizer
+    # The worst case: text made of the vocabulary's longest token (a newline and 80 spaces).
+    longest = tokenizer.convert_tokens_to_string([max(tokenizer.get_vocab(), key=len)])
+    for text in ("word " * 1000, "ĊĠ" * 500, longest * 50, "你好" * 300, (DATA / "apache-2.0.txt").read_text()):
+        assert 0 < fewest_tokens(tokenizer, text) <= len(tokenizer.encode(text, add_special_tokens=False))
