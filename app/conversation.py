@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from .documents import user_turn
 from .safe_markdown import inert_markdown
+from .terminal_text import for_terminal, json_escaped
 
 NEW_TITLE = "New chat"
 TITLE_LENGTH = 48
@@ -134,7 +135,7 @@ def title_from(question: str, document: dict | None = None) -> str:
     the same question about different documents gives different titles."""
     first = _first_line(question)
     if document:
-        named = document["name"] if document["name"] != PASTED_NAME else _first_line(document["text"])
+        named = one_line(document["name"]) if document["name"] != PASTED_NAME else _first_line(document["text"])
         first = " — ".join(part for part in (_shortened(named, TITLE_LENGTH * 2 // 3), first) if part)
     return _shortened(first, TITLE_LENGTH) or NEW_TITLE
 
@@ -151,13 +152,21 @@ def _shortened(line: str, length: int) -> str:
 
 
 def _first_line(text: str) -> str:
-    lines = (" ".join(line.split()) for line in text.splitlines())
+    lines = (one_line(line) for line in text.splitlines())
     return next((line for line in lines if line), "")
 
 
+def one_line(title: str) -> str:
+    """`title` as the list shows it: runs of spaces as one, and no control character or direction
+    override, which would show a title other than the one written (or act on a terminal it is
+    printed to)."""
+    return " ".join(for_terminal(title).split())
+
+
 def to_json(conversation: Conversation) -> str:
-    """The full record, documents included: what the store writes and the JSON export."""
-    return json.dumps(asdict(conversation), ensure_ascii=False, indent=1)
+    """The full record, documents included: what the store writes and the JSON export. Lossless,
+    with what a terminal would act on escaped, so the file is safe to print."""
+    return json_escaped(json.dumps(asdict(conversation), ensure_ascii=False, indent=1))
 
 
 def from_json(text: str) -> Conversation:
@@ -174,13 +183,15 @@ def from_json(text: str) -> Conversation:
     except TypeError as error:
         raise ValueError(f"not a conversation: {error}") from None
     _check_types(conversation)
+    conversation.title = one_line(conversation.title) or NEW_TITLE  # one saved before titles were cleaned, or edited
     return conversation
 
 
 def to_markdown(conversation: Conversation) -> str:
     """A readable export: title, system prompt, then each turn; documents fold away in <details>.
     Each text is made inert in the form it is written in (heading, quote), so no title, prompt,
-    question or answer renders as HTML or loads an image wherever the file is opened."""
+    question or answer renders as HTML or loads an image wherever the file is opened; nor acts on a
+    terminal it is printed to, or shows text other than what was written (direction overrides)."""
     started = time.strftime("%Y-%m-%d %H:%M", time.localtime(conversation.created))
     parts = [inert_markdown(f"# {conversation.title}"), f"*specchat conversation · started {started}*"]
     if conversation.system.strip():
@@ -196,7 +207,7 @@ def to_markdown(conversation: Conversation) -> str:
         else:
             parts.append("**specchat:**")
             parts.append(inert_markdown(answer_text(message)))
-    return "\n\n".join(parts) + "\n"
+    return for_terminal("\n\n".join(parts)) + "\n"
 
 
 def _folded_document(document: dict) -> str:

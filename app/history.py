@@ -21,7 +21,7 @@ from pathlib import Path
 from ..core.errors import InputError, SpecchatError
 from ..core.files import human_size, write_atomically
 from ..core.limits import CONVERSATION_FILE
-from .conversation import NEW_TITLE, Conversation, from_json, to_json
+from .conversation import NEW_TITLE, Conversation, from_json, one_line, to_json
 
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 DELETED_SUFFIX = ".deleted"  # a deleted conversation, kept until the next start so that it can be undone
@@ -110,7 +110,7 @@ class HistoryStore:
         return sorted(summaries, key=lambda summary: summary.updated, reverse=True)
 
     def rename(self, conversation_id: str, title: str) -> None:
-        title = " ".join(title.split())
+        title = one_line(title)
         if not title:
             raise InputError("a conversation needs a title: type at least one character")
         conversation = self.load(conversation_id)

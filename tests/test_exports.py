@@ -107,3 +107,15 @@ def test_a_folder_removed_under_it_is_made_again():
 
     shutil.rmtree(exports.export_folder())
     assert Path(write_export(chat())[0]).is_file()
+
+
+def test_exports_carry_no_control_character_nor_direction_override(tmp_path):
+    # Found: the export kept right-to-left overrides and control characters: printed with `cat`,
+    # the file could retitle the terminal or show a line other than the one written.
+    unsafe = "\x1b]0;owned\x07\u202egnp.exe\u202c\x9b2J\x7f"
+    conversation = chat(title=f"Title {unsafe}", text=f"answer {unsafe}")
+    markdown, record = (Path(path).read_text(encoding="utf-8") for path in write_export(conversation))
+    for text in (markdown, record):
+        assert not any(character in text for character in "\x1b\x07\u202e\u202c\x9b\x7f")
+    assert "answer ]0;ownedgnp.exe2J" in markdown
+    assert json.loads(record)["messages"][1]["content"].startswith(f"answer {unsafe}")  # the record loses nothing

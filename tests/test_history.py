@@ -530,3 +530,39 @@ def test_a_really_full_disk(tiny_tmpfs):
         store.save(conversation)
     assert sorted(path.name for path in tiny_tmpfs.iterdir()) == [f"{conversation.id}.json"]
     assert (tiny_tmpfs / f"{conversation.id}.json").read_bytes() == before
+
+
+UNSAFE = "\x1b]0;owned\x07\x1b[2J\u202egnp.exe\u202c\x9b31m\x7f\r"
+
+
+def test_titles_show_no_control_character_nor_direction_override(tmp_path):
+    # Found: titles kept right-to-left overrides and control characters (also in the export).
+    assert title_from(f"Why {UNSAFE}") == "Why ]0;owned[2Jgnp.exe31m"
+    assert title_from("Q", {**DOCUMENT, "name": f"a{UNSAFE}.pdf"}) == "a]0;owned[2Jgnp.exe31m.pdf — Q"
+    store = HistoryStore(tmp_path)
+    conversation = saved(store)
+    store.rename(conversation.id, f"Renamed {UNSAFE}")
+    assert store.load(conversation.id).title == "Renamed ]0;owned[2Jgnp.exe31m"
+    with pytest.raises(InputError, match="needs a title"):
+        store.rename(conversation.id, "\u202e\x1b\u2066")
+
+
+def test_a_title_saved_before_titles_were_cleaned_is_cleaned_when_read(tmp_path):
+    store = HistoryStore(tmp_path)
+    conversation = saved(store)
+    path = tmp_path / f"{conversation.id}.json"
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "title": f"Old {UNSAFE}"}, ensure_ascii=False))
+    assert [summary.title for summary in store.list()] == ["Old ]0;owned[2Jgnp.exe31m"]
+    path.write_text(json.dumps({**record, "title": "\u202e\x1b"}, ensure_ascii=False))
+    assert store.load(conversation.id).title == "New chat"
+
+
+def test_a_saved_file_is_safe_to_print_and_keeps_every_character(tmp_path):
+    store = HistoryStore(tmp_path)
+    conversation = saved(store)
+    conversation.messages.append(user(f"q {UNSAFE}"))
+    store.save(conversation)
+    text = (tmp_path / f"{conversation.id}.json").read_text()
+    assert not any(character in text for character in "\x1b\x9b\u202e\u202c\x7f\r")
+    assert store.load(conversation.id).messages[-1]["content"] == f"q {UNSAFE}"
