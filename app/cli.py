@@ -226,8 +226,15 @@ def main(argv: list[str] | None = None) -> int:
 
         use_own_upload_folder(cache_root())  # before gradio is imported
         from .ui import launch
-        launch(lambda model, progress: load(args, model, progress=progress), model_id(args), getattr(args, "models_file", None),
-               host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 7860),
+        host, port = getattr(args, "host", "127.0.0.1"), getattr(args, "port", 7860)
+
+        def load_for_app(model, progress):
+            engine = load(args, model, progress=progress, calibrate_when_idle=True)
+            print(f"specchat: ready: {engine.name} answers at http://{host}:{port}/", file=sys.stderr)
+            return engine
+
+        launch(load_for_app, model_id(args), getattr(args, "models_file", None),
+               host=host, port=port,
                open_browser=not getattr(args, "no_browser", False),
                api_key=api_key,
                allowed_hosts=hosts)

@@ -27,8 +27,8 @@ class EngineHandle:
         self._engine = None
         self._error: Exception | None = None
         self.model = model
+        self._line = EngineLine(self.get, max_waiting, stall_seconds, idle_work=self._idle_work)
         self._start(model)
-        self._line = EngineLine(self.get, max_waiting, stall_seconds)
 
     def _start(self, model: str) -> None:
         ready = threading.Event()
@@ -47,11 +47,20 @@ class EngineHandle:
             if self._ready is ready:  # a later switch supersedes this load
                 self._engine, self._error = engine, error
             ready.set()
+        self._line.wake()  # its first calibration may wait for idle time
 
     def _note(self, line: str, ready: threading.Event) -> None:
         with self._lock:
             if self._ready is ready:
                 self._progress = line.strip()
+
+    def _idle_work(self):
+        """The loaded engine's first calibration while it is still to finish, else None; never
+        waits for a load (the engine thread asks whenever it is idle)."""
+        with self._lock:
+            engine = self._engine if self._ready.is_set() else None
+        calibration = getattr(engine, "idle_calibration", None)  # stand-in engines of the tests have none
+        return calibration if calibration is not None and not calibration.finished else None
 
     def progress(self) -> str:
         """The loading model's latest progress line ("" when none, or once loaded)."""

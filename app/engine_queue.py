@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator
 
 from ..core.env_settings import env_number
-from ..core.errors import SpecchatError
+from ..core.errors import SpecchatError, first_line
 
 Job = Callable[[Any, threading.Event], Iterator[Any]]
 _END = object()  # the job ended (finished, cancelled or removed from the line)
@@ -179,11 +180,18 @@ class EngineLine:
     """The waiting line and the thread that serves it, in order, one job at a time.
 
     `get_engine()` returns the engine a job runs on (waiting for a model that is still loading;
-    its error becomes the job's)."""
+    its error becomes the job's). `idle_work()` returns, without waiting, work for the thread's
+    idle time, an object with `steps() -> Iterator` (the first use's calibration), or None: a
+    step runs only while no job waits, and a job that comes closes the steps (the work starts
+    them again at the next idle spell, from where its own bookkeeping says); a different object
+    (another model loaded) replaces the steps of the one before."""
 
     def __init__(self, get_engine: Callable[[], Any], max_waiting: int | None = None,
-                 stall_seconds: float | None = None):
+                 stall_seconds: float | None = None, idle_work: Callable[[], Any] = lambda: None):
         self._get_engine = get_engine
+        self._idle_work = idle_work
+        self._idle_steps: Iterator | None = None  # the idle work's steps, paused between them
+        self._idle_owner = None  # the work they belong to
         self.max_waiting = max_waiting or env_number("SPECCHAT_MAX_WAITING", 128, int)
         self.stall_seconds = stall_seconds or env_number("SPECCHAT_STALL_SECONDS", 30.0)
         self._lock = threading.Condition()
@@ -250,19 +258,53 @@ class EngineLine:
 
     # --- the engine thread ---------------------------------------------------------------------
 
+    def wake(self) -> None:
+        """Look for idle work again (a model has loaded)."""
+        with self._lock:
+            self._lock.notify()
+
     def _serve(self) -> None:
         while True:
             with self._lock:
-                while not self._waiting and not self._closed:
+                while not self._waiting and not self._closed and not self._start_idle_steps():
                     self._lock.wait()
                 if self._closed:
+                    self._stop_idle_steps()
                     return
-                ticket = self._running = self._waiting.popleft()
+                ticket = self._running = self._waiting.popleft() if self._waiting else None
+            if ticket is None:
+                self._idle_step()
+                continue
+            self._stop_idle_steps()  # the job has the machine to itself
             try:
                 self._run(ticket)
             finally:
                 with self._lock:
                     self._running = None
+
+    def _start_idle_steps(self) -> bool:
+        """Whether idle work is there to step (holding self._lock)."""
+        work = self._idle_work()
+        if work is not self._idle_owner:
+            self._stop_idle_steps()
+            self._idle_owner = work
+        if self._idle_steps is None and work is not None:
+            self._idle_steps = work.steps()
+        return self._idle_steps is not None
+
+    def _idle_step(self) -> None:
+        try:
+            next(self._idle_steps)
+        except StopIteration:
+            self._idle_steps = self._idle_owner = None
+        except Exception as error:  # idle work never takes the engine thread down
+            self._idle_steps = self._idle_owner = None
+            print(f"specchat: idle work stopped: {first_line(error) or type(error).__name__}", file=sys.stderr)
+
+    def _stop_idle_steps(self) -> None:
+        if self._idle_steps is not None:
+            self._idle_steps.close()
+            self._idle_steps = None
 
     def _run(self, ticket: Ticket) -> None:
         try:

@@ -78,9 +78,10 @@ def registry(args):
     return load_registry(getattr(args, "models_file", None))
 
 
-def load(args, model: str | None = None, progress=None):
+def load(args, model: str | None = None, progress=None, calibrate_when_idle: bool = False):
     """The engine for `model` (default: `--model`); progress lines go to stderr, and to
-    `progress` when given (the app's status line)."""
+    `progress` when given (the app's status line). `calibrate_when_idle`: the app's load, which
+    leaves a first calibration to the engine's idle time (step_calibration.IdleCalibration)."""
     from .models_cmd import ProgressLine
 
     reg = registry(args)  # a bad registry fails before transformers is imported
@@ -95,7 +96,8 @@ def load(args, model: str | None = None, progress=None):
     # --context is for the model named at the start; a pair the app switches to later loads whole.
     context = context_of(args) if model in (None, model_id(args)) else None
     return load_engine(model or model_id(args), progress=report,
-                       registry=reg, download_progress=ProgressLine(), context=context)
+                       registry=reg, download_progress=ProgressLine(), context=context,
+                       calibrate_when_idle=calibrate_when_idle)
 
 
 def quiet_transformers() -> None:

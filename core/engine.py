@@ -106,8 +106,9 @@ Event = PrefillProgress | TextDelta | Finished | Notice
 
 
 class Engine:
-    """Built once from its settings (runtime.py) and never reconfigured: per-answer choices are
-    a `Request` to `generate`."""
+    """Built once from its settings (runtime.py) and never reconfigured but for step times that
+    an idle calibration measures after the build (`use_step_times`): per-answer choices are a
+    `Request` to `generate`."""
 
     def __init__(self, model: CausalLM, tokenizer, name: str, prefixes: PrefixStore | None = None,
                  documents: DocumentStore | None = None, settings: EngineSettings = EngineSettings(),
@@ -126,6 +127,7 @@ class Engine:
         self.stop_ids = _stop_ids(tokenizer, model)
         self.plan = plan  # core.planning.Plan for this machine, when the model is a registry pair
         self.calibration_key = calibration_key  # its step times' name in the machine's profile ("": none)
+        self.idle_calibration = None  # the app's first-use calibration, run between answers (step_calibration.py)
         # One step at a time (a prefill chunk, a decoding step, the prefix store's bookkeeping):
         # two answers driven from two threads interleave step by step, each on its own cache and
         # decoder. The app runs every answer on one engine thread (app/engine_queue.py) anyway.
@@ -137,6 +139,11 @@ class Engine:
         self._decoders: dict[str, Callable[[ModeOptions | None], Decoder]] = {
             "plain": self._lookup_decoder("plain"), "chain": self._lookup_decoder("chain"),
             "tree": self._lookup_decoder("tree"), "triforce": self._triforce_decoder, "dsi": self._dsi_decoder}
+
+    def use_step_times(self, times: StepTimes | None) -> None:
+        """Answer by `times` from the next answer on (an idle calibration has ended); called on
+        the thread that runs the answers."""
+        self.settings = replace(self.settings, step_times=times)
 
     @property
     def auto_mode(self) -> str:

@@ -16,7 +16,6 @@ import math
 import platform
 import re
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -29,7 +28,6 @@ FORMAT_VERSION = 1  # of the profile and curve files; bump when a field changes 
 VRAM_LIMIT_ENV = "SPECCHAT_VRAM_LIMIT"  # GB per GPU; `--vram-limit` sets it, so worker processes see it too
 BANDWIDTH_BYTES = 256 * 2**20  # one timed copy: large enough that launch overhead is noise
 BANDWIDTH_REPEATS = 5
-CURVE_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -277,7 +275,7 @@ def load_or_probe(refresh: bool = False, root: Path | None = None) -> HardwarePr
     profile = _with_fresh_free_memory(saved, current)
     for curves_path in sorted((folder / "curves").glob("*.json")):
         try:
-            profile = profile.with_curves(_read_curves(curves_path))
+            profile = profile.with_curves(read_curves(curves_path))
         except ValueError:
             curves_path.unlink(missing_ok=True)
     return capped(profile, vram_limit_bytes())
@@ -328,11 +326,12 @@ def _with_fresh_free_memory(saved: HardwareProfile, current: HardwareProfile) ->
     return dataclasses.replace(saved, gpus=gpus, ram_available_bytes=current.ram_available_bytes, os=current.os)
 
 
-def _curves_path(folder: Path, model_key: str) -> Path:
+def curves_path(folder: Path, model_key: str) -> Path:
+    """Where the curves of `model_key` on the machine of `folder` are kept."""
     return folder / "curves" / (hashlib.sha256(model_key.encode()).hexdigest()[:16] + ".json")
 
 
-def _read_curves(path: Path) -> ModelCurves:
+def read_curves(path: Path) -> ModelCurves:
     try:
         data = json.loads(path.read_text())
         if data.pop("version") != FORMAT_VERSION:
@@ -340,57 +339,3 @@ def _read_curves(path: Path) -> ModelCurves:
         return _curves_from_dict(data)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path} is not a curves file: {error}") from None
-
-
-def measure_curves(model, model_key: str, contexts: list[int], sizes: list[int], refresh: bool = False,
-                   root: Path | None = None, repeats: int = CURVE_REPEATS,
-                   progress: Callable[[str], None] | None = None, measure: bool = True) -> ModelCurves | None:
-    """t(n) of `model` (a core.model.CausalLM) at each of `contexts`, from this machine's cache
-    when measured before (unless `refresh`), else measured with optimizer.measure_forward_times
-    and saved. Contexts are capped by what fits: those past the model's positions are skipped,
-    and on a GPU the first that runs out of memory ends the series (the longer ones would too).
-    Use `curve_key` for `model_key`, so the planner finds the curves again. With `measure` False,
-    only the cache is read (None when it has nothing)."""
-    path = _curves_path((root or cache_dir()) / probe_key(), model_key)
-    if not refresh and path.is_file():
-        try:
-            cached = _read_curves(path)
-            if cached.model_key == model_key and [t.context for t in cached.times] == _fitting(model, contexts, sizes):
-                return cached
-        except ValueError:
-            pass
-    if not measure:
-        return None
-    from .speculative.optimizer import measure_forward_times  # torch: only when measuring
-
-    times = []
-    fitting = _fitting(model, contexts, sizes)
-    for index, context in enumerate(fitting):
-        if progress is not None:
-            progress(f"Calibrating on this machine, once: forward times at {context:,} tokens of context "
-                     f"({index + 1}/{len(fitting)})...")
-        try:
-            times.append(measure_forward_times(model, context, sizes, repeats))
-        except MemoryError:
-            break
-        except RuntimeError as error:  # torch.cuda.OutOfMemoryError is a RuntimeError
-            if "out of memory" not in str(error):
-                raise
-            _release_gpu_memory()
-            break
-    if not times:
-        raise ValueError(f"no context of {contexts} fits {model_key}")
-    curves = ModelCurves(model_key, tuple(times))
-    write_atomically(path, json.dumps({"version": FORMAT_VERSION, **dataclasses.asdict(curves)}))
-    return curves
-
-
-def _fitting(model, contexts: list[int], sizes: list[int]) -> list[int]:
-    return sorted(context for context in set(contexts) if context + max(sizes, default=1) <= model.context_length)
-
-
-def _release_gpu_memory() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -13,7 +13,7 @@ from .speculative.dsi.pool import TargetLoader
 from .engine import Engine
 from .hardware import curve_key
 from .runtime import EngineSettings, settings_from_plan
-from .step_calibration import calibrated_step_times
+from .step_calibration import IdleCalibration, calibrated_step_times, saved_step_times
 from .errors import InputError, ModelUnavailable, first_line
 from .kv.document_store import DocumentStore
 from .model import TransformersLM
@@ -25,12 +25,13 @@ DOCUMENT_CACHE_BYTES = 8 * 10**9  # disk for saved document caches, least recent
 
 def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = print,
                 registry: Registry | None = None, download_progress: ProgressCallback | None = None,
-                context: int | None = None) -> Engine:
+                context: int | None = None, calibrate_when_idle: bool = False) -> Engine:
     """Load a pair id from the registry, or a local directory with a config.json.
 
     A Hub pair is downloaded first if it is not in the cache (offline, a missing file is an error
     that names it); its draft must share the target's tokenizer. The first load on a machine
-    calibrates the target's step times (step_calibration.py). A pair is planned, and then reads,
+    calibrates the target's step times (step_calibration.py) before it returns, or, with
+    `calibrate_when_idle`, leaves that to `engine.idle_calibration`. A pair is planned, and then reads,
     at `context` tokens (default: its full context): a shorter one may fit where the full does not.
     """
     registry = registry or load_registry()
@@ -40,7 +41,7 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
     if model_id not in registry.pairs:
         path = Path(model_id)
         if (path / "config.json").is_file():
-            return _load(path, model_id, f"{path.resolve()}@{_newest_weights(path)}", progress)
+            return _load(path, model_id, f"{path.resolve()}@{_newest_weights(path)}", progress, calibrate_when_idle)
         if path.exists():
             raise ModelUnavailable(f"no model at {model_id!r}: a model directory needs a config.json")
         if "/" in model_id or os.sep in model_id:
@@ -67,10 +68,24 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
         progress(f"Loading the draft {pair.draft.repo}...")
         draft, draft_name = _load_draft(tokenizer, model, paths["draft"], pair.draft.repo, draft_options(plan)), pair.draft.repo
     key = curve_key(pair.target.repo, pair.target.revision, plan.weights)
-    times = calibrated_step_times(model, key, plan.context, progress)
-    return Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
-                  settings=settings_from_plan(plan, times, draft is not None), draft=draft, draft_name=draft_name,
-                  plan=plan, calibration_key=key, target_loader=TargetLoader(str(paths["target"]), options))
+    times, unmeasured = _step_times(model, key, plan.context, progress, calibrate_when_idle)
+    engine = Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
+                    settings=settings_from_plan(plan, times, draft is not None), draft=draft, draft_name=draft_name,
+                    plan=plan, calibration_key=key, target_loader=TargetLoader(str(paths["target"]), options))
+    return _calibrating_when_idle(engine, unmeasured)
+
+
+def _step_times(model, key: str, context: int, progress: Callable[[str], None], when_idle: bool):
+    """(the step times to answer by now, the contexts left to measure when the engine is idle)."""
+    if when_idle:
+        return saved_step_times(model, key, context)
+    return calibrated_step_times(model, key, context, progress), []
+
+
+def _calibrating_when_idle(engine: Engine, unmeasured: list[int]) -> Engine:
+    if unmeasured:
+        engine.idle_calibration = IdleCalibration(engine, engine.calibration_key, unmeasured)
+    return engine
 
 
 def _plan(pair, registry: Registry, context: int):
@@ -83,14 +98,15 @@ def _plan(pair, registry: Registry, context: int):
     return make_plan(load_or_probe(), pair, context, Overrides(precision=precision_setting()), registry=registry)
 
 
-def _load(path: Path, name: str, weights_key: str, progress: Callable[[str], None]) -> Engine:
+def _load(path: Path, name: str, weights_key: str, progress: Callable[[str], None], calibrate_when_idle: bool) -> Engine:
     """A local model directory, without a plan: fp32 on the CPU, calibrated like a pair."""
     tokenizer, model = _load_model(path, None)
     key = curve_key(str(path.resolve()), weights_key, "float32")
-    times = calibrated_step_times(model, key, model.context_length, progress)
-    return Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
-                  settings=EngineSettings(step_times=times), calibration_key=key,
-                  target_loader=TargetLoader(str(path)))
+    times, unmeasured = _step_times(model, key, model.context_length, progress, calibrate_when_idle)
+    engine = Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
+                    settings=EngineSettings(step_times=times), calibration_key=key,
+                    target_loader=TargetLoader(str(path)))
+    return _calibrating_when_idle(engine, unmeasured)
 
 
 def _load_model(path: Path, options: LoadOptions | None):

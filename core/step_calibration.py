@@ -1,9 +1,11 @@
 """Calibration that runs itself: the first time a model runs on a machine, its t(n) is measured
-at the context lengths that matter and kept with the machine's profile (hardware.measure_curves,
-keyed by model, revision, weights format and machine), so the cost model that picks each
+at the context lengths that matter and kept with the machine's profile (keyed by model,
+revision, weights format and machine: `hardware.curve_key`), so the cost model that picks each
 verification's length, and the answer's predicted tok/s, rest on this machine's figures.
 
-On this project's 2-core CPU the embedded model takes about three minutes, once.
+On this project's 2-core CPU the embedded model takes about three minutes, once. The CLI
+measures before its first answer; the app answers at once with the stated defaults and measures
+while the engine is idle (`IdleCalibration`), so a first launch is not four minutes of waiting.
 `SPECCHAT_CALIBRATE=0` measures nothing (the tests set it: they check decoding, not this
 machine): a calibration made before is still used; without one the cost model takes its stated
 default and answers carry no prediction.
@@ -11,15 +13,20 @@ default and answers carry no prediction.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
-from .hardware import measure_curves
+from .files import write_atomically
+from .hardware import FORMAT_VERSION, ModelCurves, cache_dir, curves_path, probe_key, read_curves
 from .speculative.lookahead import MAX_DRAFT
 from .speculative.step_times import StepTimes
 
 # Verification sizes the cost model chooses among: up to MAX_DRAFT drafts and the root.
 SIZES = (2, 3, 4, 5, 6, 8, 12, MAX_DRAFT + 1)
+CURVE_REPEATS = 3
 
 
 def contexts_for(context_length: int) -> list[int]:
@@ -40,3 +47,127 @@ def calibrated_step_times(model, model_key: str, context_length: int,
                             list(SIZES), refresh=refresh, progress=progress,
                             measure=refresh or calibration_enabled())
     return StepTimes.of(curves)
+
+
+def saved_step_times(model, model_key: str, context_length: int) -> tuple[StepTimes | None, list[int]]:
+    """The step times measured before, else None and the contexts to measure when the engine is
+    idle (none with calibration off)."""
+    contexts = contexts_for(min(context_length, model.context_length))
+    times = StepTimes.of(saved_curves(model, model_key, contexts, list(SIZES)))
+    if times is not None or not calibration_enabled():
+        return times, []
+    return None, fitting_contexts(model, contexts, list(SIZES))
+
+
+class IdleCalibration:
+    """The first use's calibration as the app runs it: between answers, a forward at a time
+    (`steps`), so a question waits for one forward of it at most. A question that comes in the
+    middle of a context closes `steps`: that context's cache and samples are dropped and it is
+    measured again at the next idle spell; finished contexts are kept. When the last one is
+    measured the curves are saved and the engine answers by them (`Engine.use_step_times`)."""
+
+    def __init__(self, engine, model_key: str, contexts: list[int], sizes: tuple[int, ...] = SIZES,
+                 repeats: int = CURVE_REPEATS, root: Path | None = None):
+        self.engine, self.model_key, self.sizes, self.repeats, self.root = engine, model_key, list(sizes), repeats, root
+        self.pending = list(contexts)  # still to measure, shortest first
+        self.measured: list = []  # ForwardTimes of the contexts done
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending
+
+    def steps(self) -> Iterator[None]:
+        """Measure what is pending on the engine's model, yielding after every forward; at the
+        end, hand the step times to the engine."""
+        from .speculative.optimizer import forward_time_steps  # torch: only when measuring
+
+        while self.pending:
+            try:
+                times = yield from forward_time_steps(self.engine.model, self.pending[0], self.sizes, self.repeats)
+            except Exception as error:
+                if not out_of_memory(error):
+                    self.pending = []  # never retried: the next launch measures again
+                    raise
+                self.pending = []  # the longer contexts would not fit either
+                break
+            self.measured.append(times)
+            self.pending.pop(0)
+        if self.measured:
+            self.engine.use_step_times(StepTimes.of(save_curves(self.model_key, self.measured, self.root)))
+
+
+def measure_curves(model, model_key: str, contexts: list[int], sizes: list[int], refresh: bool = False,
+                   root: Path | None = None, repeats: int = CURVE_REPEATS,
+                   progress: Callable[[str], None] | None = None, measure: bool = True) -> ModelCurves | None:
+    """t(n) of `model` (a core.model.CausalLM) at each of `contexts`, from this machine's cache
+    when measured before (unless `refresh`), else measured with optimizer.measure_forward_times
+    and saved. Contexts are capped by what fits: those past the model's positions are skipped,
+    and on a GPU the first that runs out of memory ends the series (the longer ones would too).
+    Use `curve_key` for `model_key`, so the planner finds the curves again. With `measure` False,
+    only the cache is read (None when it has nothing)."""
+    cached = None if refresh else saved_curves(model, model_key, contexts, sizes, root)
+    if cached is not None or not measure:
+        return cached
+    from .speculative.optimizer import measure_forward_times  # torch: only when measuring
+
+    times = []
+    fitting = fitting_contexts(model, contexts, sizes)
+    for index, context in enumerate(fitting):
+        if progress is not None:
+            progress(f"Calibrating on this machine, once: forward times at {context:,} tokens of context "
+                     f"({index + 1}/{len(fitting)})...")
+        try:
+            times.append(measure_forward_times(model, context, sizes, repeats))
+        except Exception as error:
+            if not out_of_memory(error):
+                raise
+            break
+    if not times:
+        raise ValueError(f"no context of {contexts} fits {model_key}")
+    return save_curves(model_key, times, root)
+
+
+def saved_curves(model, model_key: str, contexts: list[int], sizes: list[int],
+                 root: Path | None = None) -> ModelCurves | None:
+    """The curves measured before for `model_key` at these contexts (as far as they fit), or None."""
+    path = curves_path((root or cache_dir()) / probe_key(), model_key)
+    if not path.is_file():
+        return None
+    try:
+        cached = read_curves(path)
+    except ValueError:
+        return None
+    fits = cached.model_key == model_key and [t.context for t in cached.times] == fitting_contexts(model, contexts, sizes)
+    return cached if fits else None
+
+
+def save_curves(model_key: str, times: list, root: Path | None = None) -> ModelCurves:
+    """Keep measured `ForwardTimes` with this machine's profile, where `saved_curves` and the
+    planner find them."""
+    curves = ModelCurves(model_key, tuple(times))
+    path = curves_path((root or cache_dir()) / probe_key(), model_key)
+    write_atomically(path, json.dumps({"version": FORMAT_VERSION, **dataclasses.asdict(curves)}))
+    return curves
+
+
+def fitting_contexts(model, contexts: list[int], sizes: list[int]) -> list[int]:
+    """`contexts` that leave room for the largest of `sizes` in the model's positions, in order."""
+    return sorted(context for context in set(contexts) if context + max(sizes, default=1) <= model.context_length)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """A measurement that ran out of memory (the longer contexts would too); GPU memory is
+    released for what comes next."""
+    if isinstance(error, MemoryError):
+        return True
+    if isinstance(error, RuntimeError) and "out of memory" in str(error):  # torch.cuda.OutOfMemoryError
+        _release_gpu_memory()
+        return True
+    return False
+
+
+def _release_gpu_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from conftest import DATA, needs_cuda, tiny_llama
-from specchat.core import hardware
+from specchat.core import step_calibration
 from specchat.core.hardware import (
     HardwareProfile,
     ModelCurves,
@@ -112,7 +112,7 @@ def test_the_profile_records_the_os_and_windows_pins_at_most_half_the_ram(tmp_pa
 def test_measure_curves_caps_contexts_caches_and_joins_the_profile(tmp_path, monkeypatch):
     model = tiny_llama(0)  # 512 positions
     key = curve_key("tiny/llama", "", "float64")
-    curves = hardware.measure_curves(model, key, contexts=[64, 16, 1000], sizes=[4, 8], root=tmp_path, repeats=1)
+    curves = step_calibration.measure_curves(model, key, contexts=[64, 16, 1000], sizes=[4, 8], root=tmp_path, repeats=1)
     assert [times.context for times in curves.times] == [16, 64]  # 1000 + 8 tokens do not fit 512 positions
     assert all(times.sizes == (1, 4, 8) and times.ratios[0] == 1.0 for times in curves.times)
     assert curves.at(40).context == 64 and curves.at(20).context == 16
@@ -120,7 +120,7 @@ def test_measure_curves_caps_contexts_caches_and_joins_the_profile(tmp_path, mon
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again instead of reading the cache")
 
-    monkeypatch.setattr(optimizer, "measure_forward_times", no_measuring)  # hardware imports it when measuring
-    assert hardware.measure_curves(model, key, contexts=[16, 64, 1000], sizes=[4, 8], root=tmp_path) == curves
+    monkeypatch.setattr(optimizer, "measure_forward_times", no_measuring)  # step_calibration imports it when measuring
+    assert step_calibration.measure_curves(model, key, contexts=[16, 64, 1000], sizes=[4, 8], root=tmp_path) == curves
     assert load_or_probe(root=tmp_path).curves_for(key) == curves
 

@@ -20,7 +20,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generator
 
 import torch
 
@@ -57,7 +57,21 @@ def relative_times(times: ForwardTimes, n: torch.Tensor) -> torch.Tensor:
 
 def measure_forward_times(model: CausalLM, context: int, sizes: list[int],
                           repeats: int) -> ForwardTimes:
-    """Measure t(n) for n in `sizes` (1 is always added) after a cache of `context` random tokens.
+    """Measure t(n) for n in `sizes` (1 is always added) after a cache of `context` random tokens
+    (`forward_time_steps` run to its end)."""
+    steps = forward_time_steps(model, context, sizes, repeats)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def forward_time_steps(model: CausalLM, context: int, sizes: list[int],
+                       repeats: int) -> Generator[None, None, ForwardTimes]:
+    """Measure t(n) for n in `sizes` (1 is always added) after a cache of `context` random tokens,
+    yielding after every forward (a caller may pause between them, or close the measurement and
+    free its cache); returns the `ForwardTimes`.
 
     Each size gets one untimed warm-up forward (allocations, kernel selection), then `repeats`
     timed ones, in rounds over the sizes; t(n) = median time(n) / median time(1). The forwards
@@ -77,6 +91,7 @@ def measure_forward_times(model: CausalLM, context: int, sizes: list[int],
     for start in range(0, context, FILL_CHUNK):
         end = min(context, start + FILL_CHUNK)
         model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
+        yield
 
     def timed(n: int) -> tuple[float, torch.device]:
         begin = time.perf_counter()
@@ -88,6 +103,7 @@ def measure_forward_times(model: CausalLM, context: int, sizes: list[int],
 
     for n in sizes:
         device = timed(n)[1]  # the warm-ups
+        yield
     # Rounds over the sizes rather than each size's repeats in a row: a slow spell of the machine
     # then touches every size alike instead of skewing the ratios (timed one size after another,
     # a 2,261-token context once gave t(2) = 0.87, t(1) caught in such a spell).
@@ -95,6 +111,7 @@ def measure_forward_times(model: CausalLM, context: int, sizes: list[int],
     for _ in range(repeats):
         for n in sizes:
             samples[n].append(timed(n)[0])
+            yield  # a pause here falls between timed forwards, never inside one
     medians = {n: statistics.median(samples[n]) for n in sizes}
     unit = medians[1]
     return ForwardTimes(sizes=tuple(sizes), ratios=tuple(medians[n] / unit for n in sizes),
