@@ -23,6 +23,7 @@ from fastapi.responses import HTMLResponse
 
 from specchat.app.api import add_api
 from specchat.app.engine_handle import EngineHandle
+from specchat.app.slow_clients import HeadDeadlineProtocol
 
 
 def free_port() -> int:
@@ -48,7 +49,7 @@ def serving_api(engine, **line_options) -> Iterator[tuple[str, EngineHandle]]:
     app = api_app(handle)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+                                           timeout_graceful_shutdown=2, http=HeadDeadlineProtocol))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -78,7 +79,7 @@ def serve_forever(model: str, port: int) -> None:
     with tempfile.TemporaryDirectory(prefix="specchat-data-") as data:
         app = build_app(handle, HistoryStore(Path(data)))
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",
-                    timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS, http=HeadDeadlineProtocol)
 
 
 @contextlib.contextmanager
