@@ -35,5 +35,7 @@ def restored(view: View, drafts: dict, preset_question: str) -> View:
     else:
         return view
     attachment = draft.get("attachment")
+    # The status line spoke of the conversation left ("Attached notes.txt."): it goes unless the view has its own.
     return dataclasses.replace(view, message=draft.get("message", ""), attachment=attachment,
-                               clear_attachment=attachment is None, pasted=draft.get("pasted", ""))
+                               clear_attachment=attachment is None, pasted=draft.get("pasted", ""),
+                               status="" if view.status is None else view.status)

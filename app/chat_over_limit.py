@@ -30,7 +30,8 @@ def offer(chat: ChatLogic, meter: Meter, attachment: dict | None, question: str,
           settings: Settings) -> View:
     """The view that says by how much the question is over and offers the choices that make room."""
     engine = chat.handle.get()
-    cuts = _cut_labels(meter.excess, attachment) if _cut_makes_room(engine.tokenizer, meter.excess, attachment) else None
+    makes_room = _cut_makes_room(engine.tokenizer, meter.excess, attachment)
+    cuts = _cut_labels(meter.excess, attachment) if makes_room else None
     can_leave_out = bool(turns_to_leave_out(chat, conversation, attachment, question, settings))
     in_parts = (attachment is not None and meter.document > meter.context // 2
                 and _summaries_fit(chat, conversation, question, settings, *_parts(chat, attachment)))

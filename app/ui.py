@@ -277,7 +277,13 @@ def _wire_model_line(page: ChatPage, model_status: ModelNotice, downloads: PairD
                                               and not downloads.downloading(model_status.recommended.id))
 
     gr.Timer(MODEL_LINE_SECONDS).tick(model_state, None, [page.model_line, page.get_pair], **LIGHT)
-    page.get_pair.click(lambda: model_status.get_recommended() or "", None, page.status, **LIGHT).then(
+    def get_recommended():
+        try:
+            return model_status.get_recommended() or ""
+        except Exception as error:  # a line in the page, as every chat handler's error is
+            return problem_text(error)
+
+    page.get_pair.click(get_recommended, None, page.status, **LIGHT).then(
         model_state, None, [page.model_line, page.get_pair], **LIGHT)
 
 
