@@ -147,7 +147,7 @@ def shorter_answer(chat: ChatLogic, message: str, attachment: dict | None, paste
     """Lower the answer limit to what the prompt leaves."""
     meter = chat.meter(conversation, chat.with_pasted(attachment, pasted), "", message, settings)
     if not meter.answer_room:
-        raise InputError("no useful answer fits after this prompt: cut the document or leave out earlier turns")
+        raise InputError("no useful answer fits after this prompt: shorten the question, or cut the document")
     return View(over_limit="", settings={"max_new_tokens": meter.answer_room},
                 status=f"The answer limit is now {meter.answer_room:,} tokens for this conversation.")
 

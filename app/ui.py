@@ -277,6 +277,7 @@ def _wire_model_line(page: ChatPage, model_status: ModelNotice, downloads: PairD
                                               and not downloads.downloading(model_status.recommended.id))
 
     gr.Timer(MODEL_LINE_SECONDS).tick(model_state, None, [page.model_line, page.get_pair], **LIGHT)
+
     def get_recommended():
         try:
             return model_status.get_recommended() or ""

@@ -626,3 +626,21 @@ def test_an_attachment_stays_with_its_conversation(page, tmp_path):
     wait_for(lambda: answers(page).count() == 0 and box.input_value() == PRESETS["summarize"].question
              and attachment.inner_text().strip() == "", what="a new conversation with the preset's question")
     shot(page, "new-conversation-keeps-the-preset-question")
+
+
+def test_a_choice_that_fails_says_why_in_the_page(page):
+    """A choice that no longer makes room when clicked (the question grew after it was offered)
+    says why in the status line, not in a bare "Error", and its stale panel goes."""
+    new_conversation(page)
+    choose_preset(page, PRESETS["free"])
+    set_max_new_tokens(page, 512)
+    paste_document(page, (DATA / "gpl-3.0.txt").read_text())  # ~7.7K tokens: a shorter answer fits beside it
+    send(page, "What is this?")
+    shorter = page.locator("#shorter-answer")
+    wait_for(shorter.is_visible, what="the offer of an answer that fits")
+    fill_until_kept(page.locator("#message textarea"), "What is this? " + (DATA / "apache-2.0.txt").read_text()[:3000])
+    shorter.click()
+    status = page.locator("#status")
+    wait_for(lambda: "no useful answer fits" in status.inner_text(), what="the reason in the page")
+    assert not page.locator("#over-limit").is_visible() and answers(page).count() == 0  # nothing sent
+    shot(page, "choice-error-reason")
