@@ -44,5 +44,7 @@ DOCUMENT_TEXT = Limit("document text", "SPECCHAT_MAX_DOCUMENT_TEXT_MB", 8)
 REQUEST_BODY = Limit("request body", "SPECCHAT_MAX_REQUEST_MB", 8)
 # One file uploaded through the page.
 UPLOAD = Limit("upload", "SPECCHAT_MAX_UPLOAD_MB", 50)
-# One saved conversation file (documents included).
-CONVERSATION_FILE = Limit("conversation file", "SPECCHAT_MAX_CONVERSATION_MB", 64)
+# One saved conversation file (documents included): what the meter counts within ~10 s on a
+# 2-core CPU the first time (4 MB: 6-7 s; 60 MB took 145 s and 11 GB). A sent document fits a
+# context (128K tokens: ~0.5 MB of text); larger ones are cut or summarized in parts first.
+CONVERSATION_FILE = Limit("conversation file", "SPECCHAT_MAX_CONVERSATION_MB", 4)
