@@ -30,6 +30,7 @@ from .chat_drafts import kept as kept_draft  # noqa: E402
 from .chat_drafts import restored as restored_draft  # noqa: E402
 from .chat_view import Settings, View, problem_text  # noqa: E402
 from .engine_handle import EngineHandle  # noqa: E402
+from .slow_clients import HeadDeadlineProtocol  # noqa: E402
 from .history import HistoryStore, default_folder  # noqa: E402
 from .model_notice import ModelNotice  # noqa: E402
 from .presets import PRESETS  # noqa: E402
@@ -372,8 +373,10 @@ def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "e
         threading.Timer(1.5, webbrowser.open, args=(f"{url}/",)).start()
     # Open streams (an answer, a tab's event stream) get SHUTDOWN_GRACE_SECONDS to end on Ctrl-C,
     # then are cut: waiting for all of them kept the server up for minutes with a tab open.
+    # HeadDeadlineProtocol: a client that dribbles its request head is cut off (slow_clients.py).
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", ws_max_size=limits.REQUEST_BODY.bytes,
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)  # configures uvicorn's logging
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,  # configures uvicorn's logging
+                            http=HeadDeadlineProtocol)
     logging.getLogger("uvicorn.error").addFilter(_quiet_forced_shutdown)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again with the handler found at
     # start: Python's default would end the process there, exit handlers (the export folder) unrun.
