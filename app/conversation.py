@@ -7,7 +7,9 @@ A user message: {"role": "user", "content": question as typed, "document": None 
 closed before it was counted, "note": str}}.
 An assistant message: {"role": "assistant", "content": str, "partial": bool, "stats": dict or None,
 "origins": list or None, "finish_reason": "stop" | "length" | "cancelled" | "repeating", "context_full": bool,
-"new_tokens": int}; `partial` stays True while it streams and after a crash cut it short.
+"new_tokens": int}; `partial` stays True while it streams and after a crash cut it short. The last
+answer may also carry its other versions (Retry keeps them): "versions": [the fields above, for
+each], "version": the shown one's place among all of them (`chat_versions`).
 Either kind may carry "left_out": True: the user chose to leave it out of what the model reads, to
 make room (it stays in the chat; a left-out question's document is still read).
 `settings`: the sampling and decoding settings the conversation last answered with, restored when
@@ -33,6 +35,8 @@ INTERRUPTED = "*(interrupted)*"
 PASTED_NAME = "pasted document"  # the name of a document pasted rather than uploaded
 LAST_SHOWABLE_TIME = 253402300799  # 9999-12-31 23:59:59 UTC: time.localtime's last year on every platform
 LEFT_OUT = "*(left out of what the model reads, to make room)*"
+# A message's own fields; an answer's others are those of the version it shows (`chat_versions`).
+MESSAGE_FIELDS = ("role", "left_out", "versions", "version")
 
 
 @dataclass
@@ -268,6 +272,7 @@ def _check_document(document) -> None:
 
 
 def _check_answer(message: dict) -> None:
+    _check_versions(message)
     if not isinstance(message.get("partial", False), bool):
         raise ValueError("an answer's `partial` is true or false")
     origins = message.get("origins")
@@ -285,6 +290,21 @@ def _check_answer(message: dict) -> None:
             isinstance(counts, dict) and all(_is_number(count) for count in counts.values())
             for counts in stages.values())):
         raise ValueError("an answer's stages hold counts")
+
+
+def _check_versions(message: dict) -> None:
+    """An answer's other versions, each an answer of its own (with no versions), and the shown one's place."""
+    earlier = message.get("versions", [])
+    if not isinstance(earlier, list):
+        raise ValueError("an answer's versions are a list")
+    at = message.get("version", len(earlier))
+    if not (_is_number(at, int) and 0 <= at <= len(earlier)):
+        raise ValueError("an answer's `version` is its place among its versions")
+    for version in earlier:
+        if not (isinstance(version, dict) and isinstance(version.get("content"), str)
+                and not any(name in version for name in MESSAGE_FIELDS)):
+            raise ValueError("an answer's version holds an answer's fields")
+        _check_answer(version)
 
 
 def _is_number(value, kind: type | tuple = (int, float)) -> bool:

@@ -26,6 +26,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 
 from ..core import limits  # noqa: E402
+from . import chat_over_limit as over_limit  # noqa: E402
 from .chat_drafts import kept as kept_draft  # noqa: E402
 from .chat_drafts import restored as restored_draft  # noqa: E402
 from .chat_view import Settings, View, problem_text  # noqa: E402
@@ -184,8 +185,8 @@ class _ChatHandlers:
                                                          self.settings_of(values), request.session_hash))
 
     def summarize_in_parts(self, request: gr.Request, box, attached, pasted_text, chat, *values):
-        yield from self.streamed(lambda: self.logic.summarize_in_parts(typed(box), attached, pasted_text, chat,
-                                                                       self.settings_of(values), request.session_hash))
+        yield from self.streamed(lambda: over_limit.summarize_in_parts(
+            self.logic, typed(box), attached, pasted_text, chat, self.settings_of(values), request.session_hash))
 
     def stop_answer(self, request: gr.Request):
         self.logic.stop(request.session_hash)
@@ -214,13 +215,19 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     answering.append(page.chatbot.retry(on.regenerate, [page.conversation, *settings_inputs], outputs, **QUIET))
     answering.append(page.chatbot.edit(on.edit, [page.conversation, *settings_inputs], outputs, **QUIET))
     # The over-limit choices each change what is sent, then send it: the question and document are kept.
-    choices = {button: functools.partial(logic.cut, where) for where, button in page.cut_buttons.items()}
-    choices |= {page.shorter: logic.shorter_answer, page.leave_out: logic.leave_out_turns}
+    choices = {button: functools.partial(over_limit.cut, logic, where) for where, button in page.cut_buttons.items()}
+    choices |= {page.shorter: functools.partial(over_limit.shorter_answer, logic),
+                page.leave_out: functools.partial(over_limit.leave_out_turns, logic)}
     answering += [button.click(on.choose_then_send(choose), send_inputs, outputs, **QUIET)
                   for button, choose in choices.items()]
     answering.append(page.in_parts.click(on.summarize_in_parts, send_inputs, outputs, **QUIET))
     for event in answering:
         event.then(on.update_meter, meter_inputs, page.meter, **METERING)
+    # Paging through the last answer's versions is a save, never behind an answer.
+    for button, step in ((page.older, -1), (page.newer, 1)):
+        paged = on.once(functools.partial(logic.page_version, step=step))
+        button.click(paged, page.conversation, outputs, **LIGHT).then(on.update_meter, meter_inputs, page.meter,
+                                                                      **METERING)
     # Stop ends the answer gracefully (saved, with its figures); it skips the queue, which an answer holds.
     page.stop.click(on.stop_answer, None, None, queue=False)
 
@@ -233,7 +240,8 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
                        trigger_mode="always_last", **LIGHT)
     page.detach.click(lambda: (None, "", ""), None, [page.attachment, page.attachment_line, page.pasted]).then(
         on.update_meter, meter_inputs, page.meter, **METERING)
-    page.switch.click(on.once(logic.switch_pair), page.longer_pairs, outputs)
+    page.switch.click(on.once(functools.partial(over_limit.switch_pair, logic.handle, logic.registry_file)),
+                      page.longer_pairs, outputs)
     page.color.change(lambda colored: gr.update(visible=colored), page.color, page.tokens)
     page.preset.change(_preset_chosen, [page.preset, page.message, page.conversation],
                        [page.system, page.message, page.temperature, page.top_p, page.repetition_penalty])

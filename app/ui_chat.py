@@ -1,8 +1,9 @@
 """The chat tab's behaviour, without its layout: sending, streaming, stop, regenerate, edit,
 documents and the context meter. Every handler returns a `View` of what changed (`chat_view`);
-`ui_chat_page.render` draws views onto components. The over-limit choices live in `chat_over_limit`,
-leaving turns out unasked in `chat_follow_up`, the list of conversations in `chat_list`; `ChatLogic`
-hands their calls on.
+`ui_chat_page.render` draws views onto components. The over-limit choices live in `chat_over_limit`
+(`ui.py` calls them with this `ChatLogic`), leaving turns out unasked in `chat_follow_up`, the last
+answer's versions and continuations in `chat_versions`, the list of conversations in `chat_list`,
+whose calls `ChatLogic` hands on.
 
 The conversation on disk is the source of truth: a question is saved before its answer starts,
 the answer is saved as it streams and when it ends, each write atomic. A server killed in the
@@ -23,6 +24,7 @@ from ..core.errors import SpecchatError
 from ..core.request import Request
 from . import chat_follow_up as follow_up
 from . import chat_over_limit as over_limit
+from . import chat_versions as versions
 from .chat_list import ConversationList
 from .chat_view import Settings, View, problem_text
 from .context_meter import Meter, describe, measure
@@ -207,13 +209,26 @@ class ChatLogic:
             {"role": "assistant", "content": "", "partial": True}]})
 
     def regenerate(self, conversation: Conversation | None, settings: Settings, session: str = "") -> Iterator[View]:
-        """A new answer to the last question (the old one is replaced)."""
+        """A new version of the last answer; the earlier ones stay, to page through (`chat_versions`)."""
         if conversation is None or not conversation.messages:
             yield View(status="Nothing to regenerate yet.")
             return
-        while conversation.messages and conversation.messages[-1]["role"] == "assistant":
-            conversation.messages.pop()
-        yield from self._answer(conversation, settings, session)
+        restore = [*conversation.messages]  # no new answer (stopped in the line, an error): the old one stays
+        old = versions.last_answer(conversation)
+        if old is None:  # a question left unanswered (an error, a stop in the line): its first answer
+            yield from self._answer(conversation, settings, session)
+            return
+        conversation.messages[-1] = versions.retried(old)
+        yield from self._answer(conversation, settings, session, restore)
+
+    def page_version(self, conversation: Conversation | None, step: int) -> View:
+        """Show another version of the last answer (the conversation goes on from the one shown)."""
+        answer = versions.last_answer(conversation)
+        if answer is None or not answer.get("versions"):
+            return View(status="This answer has no other version.")
+        conversation.messages[-1] = versions.paged(answer, step)
+        self.store.save(conversation)
+        return View(conversation=conversation, status="", **versions.figures(conversation.messages[-1]))
 
     def edit(self, conversation: Conversation | None, index: int, text: str, settings: Settings,
              session: str = "") -> Iterator[View]:
@@ -233,9 +248,16 @@ class ChatLogic:
         self.store.save(conversation)
         yield from self._answer(conversation, settings, session)
 
-    def _answer(self, conversation: Conversation, settings: Settings, session: str) -> Iterator[View]:
-        reply = {"role": "assistant", "content": "", "partial": True, "stats": None, "origins": []}
-        conversation.messages.append(reply)
+    def _answer(self, conversation: Conversation, settings: Settings, session: str,
+                restore: list[dict] | None = None) -> Iterator[View]:
+        """Answer into the conversation's last message when `restore` is given (a retry's new
+        version), else into a new one; with no answer (an error before its first word, a Stop in
+        the line) the messages go back to `restore` (by default, as they were)."""
+        if restore is None:
+            restore = [*conversation.messages]
+            conversation.messages.append({"role": "assistant", "content": "", "partial": True, "stats": None,
+                                          "origins": []})
+        reply = conversation.messages[-1]
         ticket = None
         try:
             # The previous answer's figures go as this one starts: a stale "done" misleads.
@@ -252,13 +274,13 @@ class ChatLogic:
                 yield View(conversation=conversation, streaming=True, status=waiting, pending=f"⏳ *{waiting}*")
             yield from self._stream(conversation, reply, ticket)
             if reply["partial"]:  # stopped while it waited in line: no answer, the question stays
-                conversation.messages[:] = [m for m in conversation.messages if m is not reply]
+                conversation.messages[:] = restore
                 reply["partial"] = False
                 self.store.save(conversation)
                 yield View(conversation=conversation, status="Stopped before the answer started.")
         except Exception as error:  # shown in the page, never as a traceback; the question stays
             if not reply["content"]:  # an empty answer is no answer: the question stays, to retry
-                conversation.messages[:] = [m for m in conversation.messages if m is not reply]
+                conversation.messages[:] = restore
             reply["partial"] = False
             also = self._save_after_error(conversation)
             yield View(conversation=conversation, status=" ".join(filter(None, [problem_text(error), also])))
@@ -312,27 +334,6 @@ class ChatLogic:
                 yield View(conversation=conversation, status="",
                            stats=stats_line(reply["stats"], result.mode, result.new_tokens, ending(reply)),
                            stages=stage_table(reply["stats"]), tokens=colored_tokens(reply["origins"]))
-
-    # --- over the limit: the choices, in `chat_over_limit` ------------------------------------
-
-    def cut(self, where: str, message: str, attachment: dict | None, pasted: str,
-            conversation: Conversation | None, settings: Settings) -> View:
-        return over_limit.cut(self, where, message, attachment, pasted, conversation, settings)
-
-    def leave_out_turns(self, message: str, attachment: dict | None, pasted: str, conversation: Conversation | None,
-                        settings: Settings) -> View:
-        return over_limit.leave_out_turns(self, message, attachment, pasted, conversation, settings)
-
-    def summarize_in_parts(self, message: str, attachment: dict | None, pasted: str,
-                           conversation: Conversation | None, settings: Settings, session: str = "") -> Iterator[View]:
-        return over_limit.summarize_in_parts(self, message, attachment, pasted, conversation, settings, session)
-
-    def shorter_answer(self, message: str, attachment: dict | None, pasted: str, conversation: Conversation | None,
-                       settings: Settings) -> View:
-        return over_limit.shorter_answer(self, message, attachment, pasted, conversation, settings)
-
-    def switch_pair(self, pair_id: str | None) -> View:
-        return over_limit.switch_pair(self.handle, self.registry_file, pair_id)
 
     # --- conversations: `chat_list` -------------------------------------------------------------
 

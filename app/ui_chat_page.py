@@ -11,6 +11,7 @@ from typing import Callable
 import gradio as gr
 
 from ..core.modes import REQUEST_MODES
+from . import chat_versions as versions
 from .chat_view import ASK_FIRST, KEPT_SETTINGS, LEAVE_OUT_OLDEST, Settings, View, shown
 from .context_meter import ANSWER_STEP, CUTS
 from .conversation import attachment_label
@@ -39,6 +40,9 @@ class ChatPage:
     model_line: gr.Markdown
     get_pair: gr.Button
     chatbot: gr.Chatbot
+    older: gr.Button  # the last answer's versions (`chat_versions`): the one before the shown one
+    version_label: gr.Markdown
+    newer: gr.Button
     status: gr.Markdown
     over_group: gr.Group
     over_text: gr.Markdown
@@ -93,7 +97,8 @@ class ChatPage:
     @property
     def outputs(self) -> list:
         """The components a `View` is drawn on: every chat handler's outputs."""
-        return [self.conversation, self.chatbot, self.status, self.message, self.attachment, self.attachment_line,
+        return [self.conversation, self.chatbot, self.older, self.version_label, self.newer, self.status,
+                self.message, self.attachment, self.attachment_line,
                 self.pasted, self.stats, self.stages, self.tokens, self.over_group, self.over_text, self.shorter,
                 self.leave_out, self.in_parts, *self.cut_buttons.values(), self.pairs_row, self.longer_pairs,
                 self.conversations, self.title, self.system, self.preset, *self.kept_settings.values(),
@@ -110,6 +115,8 @@ def render(page: ChatPage, view: View, choices: Callable[[], list[tuple[str, str
     elif chat is not None:
         drawn |= {page.conversation: chat, page.chatbot: shown(chat, view.streaming, view.pending),
                   page.title: chat.title}
+    if view.clear_conversation or chat is not None:
+        drawn |= _answer_controls(page, None if view.clear_conversation else chat, view.streaming)
     if view.conversations_changed:
         drawn[page.conversations] = gr.update(choices=choices(), value=chat.id if chat else None)
     if view.attachment is not None or view.clear_attachment:
@@ -143,6 +150,15 @@ def render(page: ChatPage, view: View, choices: Callable[[], list[tuple[str, str
     return drawn
 
 
+def _answer_controls(page: ChatPage, chat, streaming: bool) -> dict:
+    """The last answer's pager ("‹ 2/3 ›"), shown where it has versions, hidden while one streams."""
+    number, count = versions.pager(chat)
+    paging = count > 1 and not streaming
+    return {page.older: gr.update(visible=paging, interactive=number > 1),
+            page.version_label: gr.update(visible=paging, value=f"Answer {number}/{count}"),
+            page.newer: gr.update(visible=paging, interactive=number < count)}
+
+
 def chat_page(model_line: Callable[[], str]) -> ChatPage:
     """The page's header and its Chat tab (call inside the `gr.Blocks`); `model_line` draws the
     model's line at each page load."""
@@ -174,6 +190,10 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
                                          visible=False, elem_id="get-recommended")
                 chatbot = gr.Chatbot(label="Chat", height=460, elem_id="chat", editable="user",
                                      buttons=["copy", "copy_all"])
+                with gr.Row(elem_id="answer-controls"):
+                    older = gr.Button("‹", size="sm", scale=0, min_width=40, visible=False, elem_id="older-version")
+                    version_label = gr.Markdown("", visible=False, elem_id="version-label")
+                    newer = gr.Button("›", size="sm", scale=0, min_width=40, visible=False, elem_id="newer-version")
                 status = gr.Markdown("", elem_id="status")
                 with gr.Group(visible=False, elem_id="over-limit") as over_group:
                     over_text = gr.Markdown("")
@@ -231,7 +251,8 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
     return ChatPage(
         conversation=conversation, attachment=attachment, deleted=deleted, drafts=drafts, dark=dark, new=new,
         undo=undo, preset=preset, conversations=conversations, title=title, rename=rename, delete=delete, export=export,
-        exported=exported, model_line=shown_model, get_pair=get_pair, chatbot=chatbot, status=status,
+        exported=exported, model_line=shown_model, get_pair=get_pair, chatbot=chatbot, older=older,
+        version_label=version_label, newer=newer, status=status,
         over_group=over_group, over_text=over_text, shorter=shorter, leave_out=leave_out, in_parts=in_parts,
         cut_buttons=cut_buttons, pairs_row=pairs_row, longer_pairs=longer_pairs, switch=switch, message=message,
         send=send, stop=stop, attachment_line=attachment_line, meter=meter, stats=stats, pasted=pasted,

@@ -3,12 +3,14 @@ reason in the page, and what is typed, attached and pasted kept with its own con
 tiny model (256-token context). The browser tests drive the same code through the page."""
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 
 import gradio as gr
 import pytest
 
 from conftest import DATA
+from specchat.app import chat_over_limit as over_limit
 from specchat.app.chat_view import ASK_FIRST, LEAVE_OUT_OLDEST, Settings, View
 from specchat.app.conversation import LEFT_OUT, model_messages, shown_messages
 from specchat.app.engine_handle import EngineHandle
@@ -86,7 +88,7 @@ def test_leaving_turns_out_is_offered_only_where_it_makes_room(logic):
         assert view.over_limit and not view.can_leave_out and view.message == LONG_QUESTION
     assert not any(message.get("left_out") for message in saved(logic).messages)  # nothing left out in vain
     with pytest.raises(InputError, match="still not enough"):
-        logic.leave_out_turns(LONG_QUESTION, None, "", conversation, SETTINGS)
+        over_limit.leave_out_turns(logic, LONG_QUESTION, None, "", conversation, SETTINGS)
 
 
 def test_a_cut_is_offered_only_where_it_leaves_some_of_the_document(logic):
@@ -100,7 +102,7 @@ def test_a_choice_that_fails_says_why_in_the_page_and_the_stale_choices_go(logic
     document = (DATA / "apache-2.0.txt").read_text()[:600].strip()
     conversation = run(logic.send("What is this?", None, document, None, SETTINGS))[-1].conversation
     page = handlers.page
-    leave_out = handlers.choose_then_send(logic.leave_out_turns)
+    leave_out = handlers.choose_then_send(functools.partial(over_limit.leave_out_turns, logic))
     drawn = list(leave_out(SimpleNamespace(session_hash="s"), {"text": LONG_QUESTION, "files": []}, None, "",
                            conversation, *page_values(SETTINGS)))
     last = drawn[-1]
@@ -110,7 +112,7 @@ def test_a_choice_that_fails_says_why_in_the_page_and_the_stale_choices_go(logic
 
 def test_a_choice_that_works_sends_the_question_as_it_left_it(logic, handlers):
     document = (DATA / "apache-2.0.txt").read_text()[:3000].strip()  # about 600 tokens
-    cut = handlers.choose_then_send(lambda *args: logic.cut("end", *args))
+    cut = handlers.choose_then_send(lambda *args: over_limit.cut(logic, "end", *args))
     drawn = list(cut(SimpleNamespace(session_hash="s"), {"text": "What is this?", "files": []}, None, document,
                      None, *page_values(SETTINGS)))
     (question, answer) = saved(logic).messages

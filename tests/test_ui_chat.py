@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from conftest import DATA, holding
+from specchat.app import chat_over_limit as over_limit
 from specchat.app.conversation import model_messages
 from specchat.app.engine_handle import EngineHandle
 from specchat.app.history import HistoryStore
@@ -89,9 +90,9 @@ def test_over_the_limit_nothing_is_sent_until_a_cut_is_chosen(logic):
     assert logic.store.list() == []  # nothing sent, nothing saved
     longer = dict((pair_id, label) for label, pair_id in view.longer_pairs)
     assert "embedded" in longer and all("tokens" in label for label in longer.values())
-    switch = logic.switch_pair("qwen2.5-7b")
+    switch = over_limit.switch_pair(logic.handle, logic.registry_file, "qwen2.5-7b")
     assert "not downloaded" in switch.status and "kept" in switch.status  # offline here: nothing to load
-    cut = logic.cut("middle", "What is this?", view.attachment, "", None, SETTINGS)
+    cut = over_limit.cut(logic, "middle", "What is this?", view.attachment, "", None, SETTINGS)
     assert "from the middle" in cut.attachment["note"] and "tokens cut" in cut.attachment["text"]
     views = run(logic.send("What is this?", cut.attachment, "", None, SETTINGS))
     conversation = views[-1].conversation
@@ -104,7 +105,7 @@ def test_a_document_too_long_for_the_model_can_be_summarized_in_parts_then_asked
     document = (DATA / "apache-2.0.txt").read_text()[:1500].strip()  # about 300 tokens; the context is 256
     (view,) = run(logic.send("What is this?", None, document, None, SETTINGS))
     assert view.over_limit and view.in_parts
-    views = run(logic.summarize_in_parts("What is this?", view.attachment, "", None, SETTINGS, session="s1"))
+    views = run(over_limit.summarize_in_parts(logic, "What is this?", view.attachment, "", None, SETTINGS, session="s1"))
     pending = " ".join(v.pending for v in views if v.pending.startswith("⏳ *Summarizing part"))
     assert "part 1 of 3" in pending and "part 3 of 3" in pending
     conversation = saved(logic)
@@ -119,7 +120,7 @@ def test_a_shorter_answer_limit_is_offered_when_the_prompt_leaves_room_for_one(l
     greedy = dataclasses.replace(SETTINGS, max_new_tokens=240)
     (view,) = run(logic.send("What is this?", None, document, None, greedy))
     assert view.over_limit and 128 <= view.answer_room < 240
-    shorter = logic.shorter_answer("What is this?", view.attachment, "", None, greedy)
+    shorter = over_limit.shorter_answer(logic, "What is this?", view.attachment, "", None, greedy)
     assert shorter.settings == {"max_new_tokens": view.answer_room}
     fitted = dataclasses.replace(greedy, max_new_tokens=view.answer_room)
     assert run(logic.send("What is this?", view.attachment, "", None, fitted))[-1].conversation.messages[-1]["content"]
@@ -135,7 +136,7 @@ def test_a_follow_up_over_the_limit_can_leave_earlier_messages_out_and_the_docum
         if view.over_limit:
             break
     assert view.over_limit and view.can_leave_out and not view.cuts and len(conversation.messages) >= 4
-    left = logic.leave_out_turns(question, None, "", conversation, settings)
+    left = over_limit.leave_out_turns(logic, question, None, "", conversation, settings)
     assert left.over_limit == "" and "documents stay" in left.status
     assert any(m.get("left_out") for m in saved(logic).messages)
     answered = run(logic.send(question, None, "", conversation, settings))[-1].conversation
