@@ -159,10 +159,17 @@ def _curves_from_dict(data: dict) -> ModelCurves:
 FORWARD_KERNELS = 3
 
 
-def curve_key(repo: str, revision: str, weights: str) -> str:
+def curve_key(repo: str, revision: str, weights: str, kv: str = "") -> str:
     """The name a model's curves are stored under: t(n) depends on the weights and their format
-    (a 4-bit forward dequantizes on the fly), so all three are in it, and on the forward's kernels."""
-    return f"{repo}@{revision[:12] or 'local'}:{weights}#k{FORWARD_KERNELS}"
+    (a 4-bit forward dequantizes on the fly), so all three are in it, on how the KV is held
+    (`kv_label`; "" for the model's own dtype where it computes) and on the forward's kernels."""
+    return f"{repo}@{revision[:12] or 'local'}:{weights}{'+' + kv if kv else ''}#k{FORWARD_KERNELS}"
+
+
+def kv_label(int8: bool, offloaded: bool) -> str:
+    """The part of a curve key for a KV that changes t(n): 8-bit codes (dequantized per step)
+    and one streamed from CPU memory (a PCIe read per verification)."""
+    return "+".join(part for part, held in (("kv-int8", int8), ("kv-offloaded", offloaded)) if held)
 
 
 # ---- probing -------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
     if "draft" in paths and draft_options(plan) is not None:
         progress(f"Loading the draft {pair.draft.repo}...")
         draft, draft_name = _load_draft(tokenizer, model, paths["draft"], pair.draft.repo, draft_options(plan)), pair.draft.repo
-    key = curve_key(pair.target.repo, pair.target.revision, plan.weights)
+    key = curve_key(pair.target.repo, pair.target.revision, plan.weights, plan.kv_label())
     times, unmeasured = _step_times(model, key, plan.context, progress, calibrate_when_idle)
     engine = Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
                     settings=settings_from_plan(plan, times, draft is not None), draft=draft, draft_name=draft_name,

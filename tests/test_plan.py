@@ -475,7 +475,7 @@ def test_triforce_verifies_a_tree_where_the_optimizer_says_it_beats_the_chain():
     unmeasured = make_plan(profile, pair, 131072, triforce)
     assert unmeasured.mode == "triforce" and unmeasured.triforce_verify == "chain"
     assert "measured" in unmeasured.reasons["triforce_verify"]
-    key = curve_key(pair.target.repo, pair.target.revision, unmeasured.weights)
+    key = curve_key(pair.target.repo, pair.target.revision, unmeasured.weights, unmeasured.kv_label())
 
     def with_t(ratios):
         times = ForwardTimes(sizes=(1, 8, 16, 32, 64), ratios=ratios, one_token_seconds=0.03, context=131072,
@@ -490,3 +490,25 @@ def test_triforce_verifies_a_tree_where_the_optimizer_says_it_beats_the_chain():
     steep = with_t((1.0, 4.0, 8.0, 16.0, 32.0))  # dear verification: a smaller tree, if any
     assert steep.triforce_verify == "chain" or steep.tree_size < flat.tree_size
     assert settings_from_plan(unmeasured).triforce.tree is None
+
+
+def test_the_curves_of_an_8bit_or_offloaded_kv_are_their_own():
+    """t(n) with an 8-bit or an offloaded KV is another curve than with the model's own KV on the
+    GPU: the planner and the loader name it alike, and a CPU plan's name is what it was."""
+    profile, pair = PROFILES["rtx3090-24gb-32gb"], REGISTRY.get("llama3.1-8b")
+    on_chip = make_plan(profile, pair, 131072)
+    offloaded = make_plan(profile, pair, 131072, Overrides(precision="exact"))
+    assert on_chip.kv_device == "cuda:0" and on_chip.kv_label() == ""
+    assert offloaded.kv_device == "cpu-pinned" and offloaded.kv_label() == "kv-offloaded"
+    assert dataclasses.replace(on_chip, kv_dtype="int8").kv_label() == "kv-int8"
+    assert dataclasses.replace(offloaded, kv_dtype="int8").kv_label() == "kv-int8+kv-offloaded"
+    times = (ForwardTimes(sizes=(1, 2), ratios=(1.0, 1.1), one_token_seconds=0.5, context=131072, device="synthetic"),)
+
+    def missing_t(kv: str) -> bool:
+        key = curve_key(pair.target.repo, pair.target.revision, offloaded.weights, kv)
+        plan = make_plan(profile.with_curves(ModelCurves(key, times)), pair, 131072, Overrides(precision="exact"))
+        return "the target's t(n)" in plan.reasons["tree"]
+
+    assert missing_t("") and not missing_t(offloaded.kv_label())  # curves of the KV on the GPU are not these
+    cpu = make_plan(PROFILES["cpu-only-32gb"], REGISTRY.get("embedded"), 8192)
+    assert cpu.kv_label() == "" and curve_key("r", "", "float32", cpu.kv_label()) == curve_key("r", "", "float32")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ..files import human_size
-from ..hardware import HardwareProfile
+from ..hardware import HardwareProfile, curve_key, kv_label
 from ..registry import DTYPE_BYTES, ModelPair, ModelSpec
 from .types import DeviceMemory, MemoryItem
 
@@ -251,6 +251,12 @@ class Layout:
 
     def weights_label(self) -> str:
         return self.dtype if self.quantization == "none" else self.quantization
+
+    def curve_key(self) -> str:
+        """The name of the target's measured t(n) in this placement (the loader uses the same)."""
+        target = self.pair.target
+        return curve_key(target.repo, target.revision, self.weights_label(),
+                         kv_label(self.kv_int8, bool(self.profile.gpus) and not self.kv_on_chip))
 
     def head_label(self) -> str:
         return self.quantization if self.head_quantized else self.dtype

@@ -76,8 +76,7 @@ def _triforce_verify(layout: Layout, costs: tuple[float, float] | None, gamma2: 
     gamma2 chain: Speedup = G(n, d) / (t(n) + d c), c = one middle-stage token / one full
     verification, against E(gamma2) / (t(gamma2 + 1) + gamma2 c) for the chain (both in full
     verifications' time; the chosen one's is returned, None without measured t(n))."""
-    target = layout.pair.target
-    curves = layout.profile.curves_for(curve_key(target.repo, target.revision, layout.weights_label()))
+    curves = layout.profile.curves_for(layout.curve_key())
     if costs is None or curves is None:
         reasons["triforce_verify"] = ("chain: a tree needs t(n) and the bandwidths measured on this machine "
                                       "(the first use calibrates)")
@@ -98,8 +97,7 @@ def _triforce_verify(layout: Layout, costs: tuple[float, float] | None, gamma2: 
 
 def _step_times_source(layout: Layout) -> str:
     """Where the cost model's t(n) comes from: measured here, or the stated default."""
-    target = layout.pair.target
-    curves = layout.profile.curves_for(curve_key(target.repo, target.revision, layout.weights_label()))
+    curves = layout.profile.curves_for(layout.curve_key())
     if curves is None:
         return "a stated t(n) until the first use calibrates this machine (`specchat calibrate`)"
     times = curves.at(min(layout.context, 2048))
@@ -109,9 +107,9 @@ def _step_times_source(layout: Layout) -> str:
 
 def _tree(layout: Layout, reasons: dict):
     """((n, d) for tree mode, the optimizer's tree choice or None, its chain choice or None)."""
-    target, profile = layout.pair.target, layout.profile
+    profile = layout.profile
     overrides_acceptance, draft_cost = _acceptance(layout)
-    curves = profile.curves_for(curve_key(target.repo, target.revision, layout.weights_label()))
+    curves = profile.curves_for(layout.curve_key())
     if curves is None or overrides_acceptance is None or draft_cost is None:
         missing = [what for what, value in (("the target's t(n) on this machine", curves),
                                             ("the draft's acceptance vector", overrides_acceptance),
@@ -136,8 +134,7 @@ def _acceptance(layout: Layout) -> tuple[tuple[float, ...] | None, float | None]
     draft = layout.draft
     cost = overrides.draft_cost
     if cost is None and draft is not None:
-        target = layout.pair.target
-        target_curves = layout.profile.curves_for(curve_key(target.repo, target.revision, layout.weights_label()))
+        target_curves = layout.profile.curves_for(layout.curve_key())
         draft_curves = layout.profile.curves_for(curve_key(draft.repo, draft.revision, layout.draft_dtype()))
         if target_curves and draft_curves:
             window = DRAFT_SINKS + layout.draft_window

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..errors import InputError
+from ..hardware import kv_label
 
 
 class PlanRefused(InputError):
@@ -110,6 +111,10 @@ class Plan:
     predicted_prefill_seconds: float | None = None  # a prompt filling the context less the answer
     # The exact placement's predicted decode, for comparison (None where it does not fit).
     exact_tokens_per_second: float | None = None
+
+    def kv_label(self) -> str:
+        """How the KV is held where it changes t(n), for the target's curve key (hardware.kv_label)."""
+        return kv_label(self.kv_dtype == "int8", self.kv_device == "cpu-pinned")
 
     def to_dict(self) -> dict:
         data = asdict(self)
