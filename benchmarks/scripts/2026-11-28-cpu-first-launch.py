@@ -25,15 +25,22 @@ def post(path: str, body: dict) -> dict:
         return json.load(response)
 
 
-def ask(question: str) -> tuple[float, str]:
-    started = time.monotonic()
+def model_id() -> str:
     while True:
         try:
-            reply = post("/chat/completions", {"model": "embedded", "max_tokens": 32,
-                                               "messages": [{"role": "user", "content": question}]})
-            return time.monotonic() - started, reply["choices"][0]["message"]["content"]
+            with urllib.request.urlopen(URL + "/models", timeout=600) as response:
+                return json.load(response)["data"][0]["id"]
+        except urllib.error.HTTPError:
+            raise
         except (urllib.error.URLError, ConnectionError):
             time.sleep(0.2)  # the server is not listening yet
+
+
+def ask(question: str) -> tuple[float, str]:
+    started = time.monotonic()
+    reply = post("/chat/completions", {"model": model_id(), "max_tokens": 32,
+                                       "messages": [{"role": "user", "content": question}]})
+    return time.monotonic() - started, reply["choices"][0]["message"]["content"]
 
 
 home = Path(tempfile.mkdtemp(prefix="specchat-first-launch-"))
@@ -47,8 +54,9 @@ launched = time.monotonic()
 server = subprocess.Popen([str(Path(sys.executable).parent / "specchat"), "--no-browser", "--port", str(PORT)],
                           stdout=log, stderr=subprocess.STDOUT, env=env)
 try:
-    first_seconds, first_text = ask("Hello! Who are you?")
+    first_text = ask("Hello! Who are you?")[1]
     first_seconds = time.monotonic() - launched
+    print(f"first answer after {first_seconds:.1f} s", file=sys.stderr, flush=True)
     curves = home / "cache" / "specchat" / "hardware"
     idle_started = time.monotonic()
     while time.monotonic() - idle_started < IDLE_SECONDS and not list(curves.glob("*/curves/*.json")):
