@@ -10,6 +10,7 @@ version shown. The others wait in its `versions`, each an answer's fields and no
 
 from __future__ import annotations
 
+from ..core.errors import InputError
 from .conversation import MESSAGE_FIELDS, Conversation
 from .speculation_view import colored_tokens, ending, stage_table, stats_line
 
@@ -56,11 +57,40 @@ def pager(conversation: Conversation | None) -> tuple[int, int]:
     return shown_at(answer) + 1, len(answer.get("versions") or []) + 1
 
 
+def can_continue(conversation: Conversation | None) -> bool:
+    """The last answer was cut, with something to go on from: at the answer limit (not with the
+    context full: nothing more fits), or stopped. One that stopped repeating itself is not offered."""
+    answer = last_answer(conversation)
+    if answer is None or not answer["content"] or answer.get("partial") or answer.get("left_out"):
+        return False
+    reason = answer.get("finish_reason")
+    return reason == "cancelled" or (reason == "length" and not answer.get("context_full"))
+
+
+def continued_ids(engine, messages: list[dict]) -> list[int]:
+    """Token ids of the conversation with its last answer left open: the chat template's
+    `continue_final_message`, so that the model carries the answer on from its last word rather
+    than answering the question again."""
+    try:
+        encoded = engine.tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    except ValueError:  # the template drops or rewrites the answer's text (its message quotes the whole chat)
+        raise InputError(f"{engine.name}'s chat template cannot continue an answer: ask it to go on instead") from None
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def continued_note(message: dict) -> str:
+    """What the figures line adds for an answer that was continued ("" for one that was not)."""
+    times = message.get("continued", 0)
+    if not times:
+        return ""
+    return f" · continued {'once' if times == 1 else f'{times} times'} (these figures: the last part)"
+
+
 def figures(message: dict | None) -> dict:
     """The figures line, the stage table and the colored tokens of an answer, as a `View`'s fields."""
     stats = (message or {}).get("stats")
     if not stats:
         return {"stats": "", "stages": "", "tokens": colored_tokens((message or {}).get("origins") or [])}
     line = stats_line(stats, message.get("mode", ""), message.get("new_tokens"), ending(message))
-    return {"stats": line, "stages": stage_table(stats),
+    return {"stats": line + continued_note(message), "stages": stage_table(stats),
             "tokens": colored_tokens(message.get("origins") or [])}

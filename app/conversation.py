@@ -7,9 +7,10 @@ A user message: {"role": "user", "content": question as typed, "document": None 
 closed before it was counted, "note": str}}.
 An assistant message: {"role": "assistant", "content": str, "partial": bool, "stats": dict or None,
 "origins": list or None, "finish_reason": "stop" | "length" | "cancelled" | "repeating", "context_full": bool,
-"new_tokens": int}; `partial` stays True while it streams and after a crash cut it short. The last
-answer may also carry its other versions (Retry keeps them): "versions": [the fields above, for
-each], "version": the shown one's place among all of them (`chat_versions`).
+"new_tokens": int, "continued": int, how many times Continue carried it on (absent: never)}; `partial`
+stays True while it streams and after a crash cut it short. The last answer may also carry its
+other versions (Retry keeps them): "versions": [the fields above, for each], "version": the shown
+one's place among all of them (`chat_versions`).
 Either kind may carry "left_out": True: the user chose to leave it out of what the model reads, to
 make room (it stays in the chat; a left-out question's document is still read).
 `settings`: the sampling and decoding settings the conversation last answered with, restored when
@@ -129,7 +130,7 @@ def ending_mark(message: dict) -> str:
     if reason == "length":
         count = message.get("new_tokens")
         limit = f" of {count:,} tokens" if isinstance(count, int) else ""
-        return f"*(cut off at the answer limit{limit}: ask it to continue, or raise the limit in Settings)*"
+        return f"*(cut off at the answer limit{limit}: Continue carries it on, or raise the limit in Settings)*"
     return ""
 
 
@@ -275,6 +276,8 @@ def _check_answer(message: dict) -> None:
     _check_versions(message)
     if not isinstance(message.get("partial", False), bool):
         raise ValueError("an answer's `partial` is true or false")
+    if not (_is_number(message.get("continued", 0), int) and message.get("continued", 0) >= 0):
+        raise ValueError("an answer's `continued` is a count")
     origins = message.get("origins")
     if origins is not None and not (isinstance(origins, list) and all(
             isinstance(piece, list) and len(piece) == 2 and all(isinstance(part, str) for part in piece)

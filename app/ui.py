@@ -57,7 +57,7 @@ READING = {"show_progress": "hidden", "concurrency_id": "reading", "concurrency_
 DARK_MODE_JS = """() => { const dark = !document.body.classList.contains('dark');
   document.body.classList.toggle('dark', dark); localStorage.setItem('specchat-dark', dark ? '1' : '0'); }"""
 # Below 900 px the conversations sidebar goes above the chat, which keeps the whole width; table
-# cells break between words, never inside one.
+# cells break between words, never inside one; the answer's "‹ 2/3 ›" stays together.
 APP_CSS = """
 @media (max-width: 900px) {
   #chat-row { flex-direction: column !important; }
@@ -67,6 +67,7 @@ APP_CSS = """
 table td, table th, table td *, table th *, #pairs span.text {
   word-break: normal !important; overflow-wrap: normal !important; hyphens: none; }
 #exported .file-name, #exported a { word-break: break-all; white-space: normal; }
+#version-label { flex: 0 0 auto !important; width: auto !important; align-self: center; }
 """
 RESTORE_DARK_MODE_JS = """() => { const saved = localStorage.getItem('specchat-dark');
   if (saved !== null) document.body.classList.toggle('dark', saved === '1'); }"""
@@ -177,8 +178,11 @@ class _ChatHandlers:
         view.message = typed(box)
         return view
 
-    def regenerate(self, request: gr.Request, chat, *values):
-        yield from self.streamed(lambda: self.logic.regenerate(chat, self.settings_of(values), request.session_hash))
+    def again(self, handler):
+        """An answer to the conversation as it stands: Retry (`logic.regenerate`), Continue."""
+        def run(request: gr.Request, chat, *values):
+            yield from self.streamed(lambda: handler(chat, self.settings_of(values), request.session_hash))
+        return run
 
     def edit(self, request: gr.Request, edited: gr.EditData, chat, *values):
         yield from self.streamed(lambda: self.logic.edit(chat, edited.index, str(edited.value),
@@ -212,8 +216,10 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     send_inputs, meter_inputs = page.send_inputs, page.meter_inputs
     answering = [trigger(on.send_message, send_inputs, outputs, **QUIET)
                  for trigger in (page.message.submit, page.send.click)]
-    answering.append(page.chatbot.retry(on.regenerate, [page.conversation, *settings_inputs], outputs, **QUIET))
-    answering.append(page.chatbot.edit(on.edit, [page.conversation, *settings_inputs], outputs, **QUIET))
+    chat_inputs = [page.conversation, *settings_inputs]
+    answering.append(page.chatbot.retry(on.again(logic.regenerate), chat_inputs, outputs, **QUIET))
+    answering.append(page.chatbot.edit(on.edit, chat_inputs, outputs, **QUIET))
+    answering.append(page.go_on.click(on.again(logic.continue_answer), chat_inputs, outputs, **QUIET))
     # The over-limit choices each change what is sent, then send it: the question and document are kept.
     choices = {button: functools.partial(over_limit.cut, logic, where) for where, button in page.cut_buttons.items()}
     choices |= {page.shorter: functools.partial(over_limit.shorter_answer, logic),
@@ -223,11 +229,9 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     answering.append(page.in_parts.click(on.summarize_in_parts, send_inputs, outputs, **QUIET))
     for event in answering:
         event.then(on.update_meter, meter_inputs, page.meter, **METERING)
-    # Paging through the last answer's versions is a save, never behind an answer.
-    for button, step in ((page.older, -1), (page.newer, 1)):
-        paged = on.once(functools.partial(logic.page_version, step=step))
-        button.click(paged, page.conversation, outputs, **LIGHT).then(on.update_meter, meter_inputs, page.meter,
-                                                                      **METERING)
+    for button, step in ((page.older, -1), (page.newer, 1)):  # paging a version saves: never behind an answer
+        button.click(on.once(functools.partial(logic.page_version, step=step)), page.conversation, outputs,
+                     **LIGHT).then(on.update_meter, meter_inputs, page.meter, **METERING)
     # Stop ends the answer gracefully (saved, with its figures); it skips the queue, which an answer holds.
     page.stop.click(on.stop_answer, None, None, queue=False)
 

@@ -1,4 +1,4 @@
-"""The chat tab's behaviour, without its layout: sending, streaming, stop, regenerate, edit,
+"""The chat tab's behaviour, without its layout: sending, streaming, stop, retry, continue, edit,
 documents and the context meter. Every handler returns a `View` of what changed (`chat_view`);
 `ui_chat_page.render` draws views onto components. The over-limit choices live in `chat_over_limit`
 (`ui.py` calls them with this `ChatLogic`), leaving turns out unasked in `chat_follow_up`, the last
@@ -13,30 +13,30 @@ middle of an answer loses at most that answer's last seconds.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from ..core.errors import SpecchatError
-from ..core.request import Request
 from . import chat_follow_up as follow_up
 from . import chat_over_limit as over_limit
 from . import chat_versions as versions
 from .chat_list import ConversationList
 from .chat_view import Settings, View, problem_text
 from .context_meter import Meter, describe, measure
+from .answer_job import Started, answer_job, opening_document
 from .conversation import (LEFT_OUT, PASTED_NAME, Conversation, attachment_label, model_messages, shown_messages,
                            title_from)
-from .documents import document_tokens, read_document
+from .documents import read_document
 from .engine_handle import EngineHandle
 from .engine_queue import Ticket
 from .history import HistoryStore
 from .read_progress import ReadProgress
 from .safe_markdown import inert_markdown
-from .speculation_view import colored_tokens, ending, stage_table, stats_line
+from .speculation_view import colored_tokens, stage_table, stats_line
 
 SAVE_EVERY_SECONDS = 2.0  # while an answer streams; bounds what a crash can lose of it
 LOADING_POLL_SECONDS = 0.5
@@ -63,10 +63,11 @@ class ChatLogic:
             waiting.set()
 
     def submit(self, session: str, messages: list[dict], max_new_tokens: int, settings: Settings,
-               document: str = "") -> Ticket:
-        """An answer to `messages` put in the engine's line as the session's, for `stop` to cancel."""
+               document: str = "", continued: bool = False) -> Ticket:
+        """An answer to `messages` (or their last answer `continued`) put in the engine's line as the
+        session's, for `stop` to cancel."""
         ticket = self._cancels[session] = self.handle.submit(
-            _answer_job(messages, max_new_tokens, settings.sampling(), settings.mode, document))
+            answer_job(messages, max_new_tokens, settings.sampling(), settings.mode, document, continued))
         return ticket
 
     def release(self, session: str, ticket: Ticket) -> None:
@@ -221,6 +222,17 @@ class ChatLogic:
         conversation.messages[-1] = versions.retried(old)
         yield from self._answer(conversation, settings, session, restore)
 
+    def continue_answer(self, conversation: Conversation | None, settings: Settings,
+                        session: str = "") -> Iterator[View]:
+        """Carry the last answer on from its last word, in the same message: one cut at the answer
+        limit, or stopped (`chat_versions.can_continue`)."""
+        if not versions.can_continue(conversation):
+            yield View(status="Only an answer cut off at the answer limit, or stopped, can be continued.")
+            return
+        restore = [*conversation.messages[:-1], copy.deepcopy(conversation.messages[-1])]
+        conversation.messages[-1]["partial"] = True
+        yield from self._answer(conversation, settings, session, restore)
+
     def page_version(self, conversation: Conversation | None, step: int) -> View:
         """Show another version of the last answer (the conversation goes on from the one shown)."""
         answer = versions.last_answer(conversation)
@@ -251,13 +263,15 @@ class ChatLogic:
     def _answer(self, conversation: Conversation, settings: Settings, session: str,
                 restore: list[dict] | None = None) -> Iterator[View]:
         """Answer into the conversation's last message when `restore` is given (a retry's new
-        version), else into a new one; with no answer (an error before its first word, a Stop in
-        the line) the messages go back to `restore` (by default, as they were)."""
+        version, or an answer continued: its text so far the start of the assistant's turn), else
+        into a new one; with no answer (an error before its first word, a Stop in the line) the
+        messages go back to `restore` (by default, as they were)."""
         if restore is None:
             restore = [*conversation.messages]
             conversation.messages.append({"role": "assistant", "content": "", "partial": True, "stats": None,
                                           "origins": []})
         reply = conversation.messages[-1]
+        start = reply["content"]  # "" unless the answer is continued
         ticket = None
         try:
             # The previous answer's figures go as this one starts: a stale "done" misleads.
@@ -267,19 +281,19 @@ class ChatLogic:
             # closing (the page moved on to another conversation) gives the engine up now.
             self.stop(session)
             ticket = self.submit(session, model_messages(conversation), int(settings.max_new_tokens), settings,
-                                 _opening_document(conversation))
+                                 opening_document(conversation), continued=bool(start))
             ahead = ticket.position
             if ahead:
                 waiting = f"Waiting for the engine: {ahead} answer{'s' if ahead > 1 else ''} before yours…"
                 yield View(conversation=conversation, streaming=True, status=waiting, pending=f"⏳ *{waiting}*")
-            yield from self._stream(conversation, reply, ticket)
+            yield from self._stream(conversation, reply, ticket, start)
             if reply["partial"]:  # stopped while it waited in line: no answer, the question stays
                 conversation.messages[:] = restore
                 reply["partial"] = False
                 self.store.save(conversation)
                 yield View(conversation=conversation, status="Stopped before the answer started.")
         except Exception as error:  # shown in the page, never as a traceback; the question stays
-            if not reply["content"]:  # an empty answer is no answer: the question stays, to retry
+            if reply["content"] == start:  # nothing said is no answer: the question stays, to retry
                 conversation.messages[:] = restore
             reply["partial"] = False
             also = self._save_after_error(conversation)
@@ -301,14 +315,15 @@ class ChatLogic:
             return problem_text(error)
         return ""
 
-    def _stream(self, conversation, reply, events) -> Iterator[View]:
+    def _stream(self, conversation, reply, events, start: str = "") -> Iterator[View]:
+        """The answer's events written into `reply`, after `start` (a continued answer's text so far)."""
         from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
 
         mode, pending = "", STARTING
         reading = ReadProgress()
         saved_at = time.monotonic()
         for event in events:
-            if isinstance(event, _Started):
+            if isinstance(event, Started):
                 mode = reply["mode"] = event.mode
             elif isinstance(event, PrefillProgress):
                 pending = reading.update(event.done, event.total, time.monotonic())
@@ -327,13 +342,14 @@ class ChatLogic:
                            tokens=colored_tokens(reply["origins"]))
             elif isinstance(event, Finished):
                 result = event.result
-                reply.update(content=result.text, partial=False, stats=dataclasses.asdict(result.stats),
+                earlier = (reply.get("new_tokens") or 0) if start else 0
+                if start and result.text:
+                    reply["continued"] = reply.get("continued", 0) + 1
+                reply.update(content=start + result.text, partial=False, stats=dataclasses.asdict(result.stats),
                              finish_reason=result.finish_reason, context_full=result.context_full,
-                             new_tokens=result.new_tokens, mode=result.mode)
+                             new_tokens=earlier + result.new_tokens, mode=result.mode)
                 self.store.save(conversation)
-                yield View(conversation=conversation, status="",
-                           stats=stats_line(reply["stats"], result.mode, result.new_tokens, ending(reply)),
-                           stages=stage_table(reply["stats"]), tokens=colored_tokens(reply["origins"]))
+                yield View(conversation=conversation, status="", **versions.figures(reply))
 
     # --- conversations: `chat_list` -------------------------------------------------------------
 
@@ -357,32 +373,6 @@ class ChatLogic:
 
     def export(self, conversation: Conversation | None) -> list[str]:
         return self.conversations.export(conversation)
-
-
-@dataclass(frozen=True)
-class _Started:
-    """The first event of the page's answer job: the mode that runs (`auto` resolved)."""
-    mode: str
-
-
-def _answer_job(messages: list[dict], max_new_tokens: int, sampling, mode: str, document: str = ""):
-    """An answer as a job for the engine thread (`engine_queue`). `document`: the text the
-    conversation opens with, whose KV is saved to disk, so that the conversation reopened after
-    a restart does not read it again."""
-    def job(engine, cancel) -> Iterator:
-        system = messages[:1] if messages and messages[0]["role"] == "system" else []
-        saved = document_tokens(engine, system, document) if document else 0
-        events = engine.generate(engine.chat_ids(messages), Request(max_new_tokens, sampling, mode, document_tokens=saved),
-                                 cancel)
-        yield _Started(engine.resolve_mode(mode))
-        yield from events
-    return job
-
-
-def _opening_document(conversation: Conversation) -> str:
-    """The text of the document the conversation opens with ("" when it opens without one)."""
-    first = conversation.messages[0] if conversation.messages else {}
-    return (first.get("document") or {}).get("text", "") if first.get("role") == "user" else ""
 
 
 def _document_text(attachment: dict | None, pasted: str | None) -> str:

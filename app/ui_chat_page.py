@@ -43,6 +43,7 @@ class ChatPage:
     older: gr.Button  # the last answer's versions (`chat_versions`): the one before the shown one
     version_label: gr.Markdown
     newer: gr.Button
+    go_on: gr.Button  # Continue: carries a cut answer on (`chat_versions.can_continue`)
     status: gr.Markdown
     over_group: gr.Group
     over_text: gr.Markdown
@@ -97,7 +98,8 @@ class ChatPage:
     @property
     def outputs(self) -> list:
         """The components a `View` is drawn on: every chat handler's outputs."""
-        return [self.conversation, self.chatbot, self.older, self.version_label, self.newer, self.status,
+        return [self.conversation, self.chatbot, self.older, self.version_label, self.newer, self.go_on,
+               self.status,
                 self.message, self.attachment, self.attachment_line,
                 self.pasted, self.stats, self.stages, self.tokens, self.over_group, self.over_text, self.shorter,
                 self.leave_out, self.in_parts, *self.cut_buttons.values(), self.pairs_row, self.longer_pairs,
@@ -151,12 +153,14 @@ def render(page: ChatPage, view: View, choices: Callable[[], list[tuple[str, str
 
 
 def _answer_controls(page: ChatPage, chat, streaming: bool) -> dict:
-    """The last answer's pager ("‹ 2/3 ›"), shown where it has versions, hidden while one streams."""
+    """The last answer's pager ("‹ 2/3 ›"), shown where it has versions, and Continue, where it was
+    cut; neither while an answer streams."""
     number, count = versions.pager(chat)
     paging = count > 1 and not streaming
     return {page.older: gr.update(visible=paging, interactive=number > 1),
             page.version_label: gr.update(visible=paging, value=f"Answer {number}/{count}"),
-            page.newer: gr.update(visible=paging, interactive=number < count)}
+            page.newer: gr.update(visible=paging, interactive=number < count),
+            page.go_on: gr.update(visible=versions.can_continue(chat) and not streaming)}
 
 
 def chat_page(model_line: Callable[[], str]) -> ChatPage:
@@ -192,8 +196,10 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
                                      buttons=["copy", "copy_all"])
                 with gr.Row(elem_id="answer-controls"):
                     older = gr.Button("‹", size="sm", scale=0, min_width=40, visible=False, elem_id="older-version")
-                    version_label = gr.Markdown("", visible=False, elem_id="version-label")
+                    version_label = gr.Markdown("", visible=False, scale=0, min_width=90, elem_id="version-label")
                     newer = gr.Button("›", size="sm", scale=0, min_width=40, visible=False, elem_id="newer-version")
+                    go_on = gr.Button("Continue", size="sm", scale=0, min_width=110, visible=False,
+                                      elem_id="continue")
                 status = gr.Markdown("", elem_id="status")
                 with gr.Group(visible=False, elem_id="over-limit") as over_group:
                     over_text = gr.Markdown("")
@@ -252,7 +258,7 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
         conversation=conversation, attachment=attachment, deleted=deleted, drafts=drafts, dark=dark, new=new,
         undo=undo, preset=preset, conversations=conversations, title=title, rename=rename, delete=delete, export=export,
         exported=exported, model_line=shown_model, get_pair=get_pair, chatbot=chatbot, older=older,
-        version_label=version_label, newer=newer, status=status,
+        version_label=version_label, newer=newer, go_on=go_on, status=status,
         over_group=over_group, over_text=over_text, shorter=shorter, leave_out=leave_out, in_parts=in_parts,
         cut_buttons=cut_buttons, pairs_row=pairs_row, longer_pairs=longer_pairs, switch=switch, message=message,
         send=send, stop=stop, attachment_line=attachment_line, meter=meter, stats=stats, pasted=pasted,

@@ -644,3 +644,55 @@ def test_a_choice_that_fails_says_why_in_the_page(page):
     wait_for(lambda: "no useful answer fits" in status.inner_text(), what="the reason in the page")
     assert not page.locator("#over-limit").is_visible() and answers(page).count() == 0  # nothing sent
     shot(page, "choice-error-reason")
+
+
+def shown_text(page) -> str:
+    """The last answer's words, without its ending mark ("(cut off at the answer limit…)")."""
+    return " ".join(re.split(r"\((?:cut off|stopped)", last_answer(page))[0].split())
+
+
+def test_continue_extends_a_cut_answer_and_retry_keeps_versions_to_page_through(page):
+    """Continue carries an answer cut at the answer limit on in the same bubble, marked in the
+    figures, and Stop (Escape) stops it; Retry writes a second version, and ‹ › page between them,
+    each with its own figures, the one shown kept through a reload."""
+    new_conversation(page)
+    choose_preset(page, PRESETS["free"])
+    set_max_new_tokens(page, 16)
+    send(page, "Write a long story about a lighthouse keeper.")
+    wait_until_finished(page, lambda: answers(page).count() == 1, "the first answer")
+    assert "16 tokens, cut off at the answer limit" in stats(page)
+    go_on, label = page.locator("#continue"), page.locator("#version-label")
+    wait_for(go_on.is_visible, what="the Continue button")
+    cut = shown_text(page)
+    shot(page, "continue-offered")
+    go_on.click()
+    wait_until_finished(page, lambda: "continued once" in stats(page), "the continued answer")
+    continued = shown_text(page)
+    assert answers(page).count() == 1 and "32 tokens, cut off" in stats(page)
+    assert continued.startswith(cut[:-10]) and len(continued) > len(cut)  # the same answer, longer
+    shot(page, "continued")
+
+    page.get_by_label("Retry").last.click()
+    wait_until_finished(page, lambda: label.is_visible() and "2/2" in label.inner_text(), "the second version")
+    second = shown_text(page)
+    assert answers(page).count() == 1 and questions(page).count() == 1 and "continued" not in stats(page)
+    shot(page, "retry-second-version")
+    page.locator("#older-version").click()
+    wait_for(lambda: "1/2" in label.inner_text() and shown_text(page) == continued, what="the first version back")
+    assert "continued once" in stats(page)  # the version's own figures
+    shot(page, "retry-first-version")
+    page.reload()
+    page.locator("#message textarea").wait_for(timeout=60_000)
+    wait_for(lambda: label.is_visible() and "1/2" in label.inner_text() and shown_text(page) == continued,
+             what="the version shown to stay through a reload")
+    page.locator("#newer-version").click()
+    wait_for(lambda: "2/2" in label.inner_text() and shown_text(page) == second, what="the second version again")
+
+    set_max_new_tokens(page, 512)
+    go_on.click()
+    wait_for(lambda: len(shown_text(page)) > len(second) + 20, what="the continuation to stream in")
+    page.keyboard.press("Escape")
+    wait_until_finished(page, lambda: "stopped" in stats(page), "Escape to stop the continuation")
+    assert shown_text(page).startswith(second[:-10]) and "continued once" in stats(page)
+    assert go_on.is_visible() and "2/2" in label.inner_text()  # a stopped answer can go on again
+    shot(page, "continue-stopped")

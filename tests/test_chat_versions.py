@@ -1,5 +1,6 @@
-"""Retry keeps every version of the last answer, to page through, saved with the conversation; on
-the tiny model (256-token context). The browser test drives the same through the page."""
+"""Retry keeps every version of the last answer, to page through, saved with the conversation;
+Continue carries a cut answer on in the same message. On the tiny model (256-token context); the
+browser test drives the same through the page."""
 
 import dataclasses
 import json
@@ -15,6 +16,7 @@ from specchat.app.engine_handle import EngineHandle
 from specchat.app.history import HistoryStore
 from specchat.app.ui_chat import ChatLogic
 from specchat.app.ui_chat_page import chat_page, render
+from specchat.core.errors import InputError
 from specchat.core.loading import load_engine
 
 SETTINGS = Settings(system="", preset="free", temperature=1.0, top_p=1.0, top_k=0, seed=None,
@@ -116,3 +118,101 @@ def test_a_conversation_saved_before_versions_still_opens_and_bad_versions_are_r
                 {"versions": [{"content": "x"}], "version": True}):
         with pytest.raises(ValueError):
             from_json(json.dumps(record({**old, **bad})))
+
+
+GREEDY = dataclasses.replace(SETTINGS, temperature=0.0, max_new_tokens=6)
+
+
+def cut_answer(logic, settings=GREEDY):
+    conversation = run(logic.send("Tell me a story", None, "", None, settings))[-1].conversation
+    assert conversation.messages[-1]["finish_reason"] == "length"  # the random tiny model never ends on its own
+    return conversation
+
+
+def test_continue_carries_a_cut_answer_on_from_inside_the_assistants_turn(logic):
+    conversation = cut_answer(logic)
+    start = conversation.messages[-1]["content"]
+    assert versions.can_continue(conversation)
+    engine = logic.handle.get()
+    # The prompt is the question's, then the answer so far, with no end of turn: the model goes on from it.
+    asked = engine.chat_ids(model_messages(conversation)[:-1])
+    prompt = versions.continued_ids(engine, model_messages(conversation))
+    assert prompt[:len(asked)] == asked and engine.tokenizer.decode(prompt[len(asked):]) == start
+
+    views = run(logic.continue_answer(conversation, GREEDY))
+    reply = saved(logic).messages[-1]
+    assert len(saved(logic).messages) == 2  # the same message, no new one
+    assert reply["content"].startswith(start) and len(reply["content"]) > len(start)
+    assert reply["new_tokens"] == 12 and reply["continued"] == 1 and reply["finish_reason"] == "length"
+    assert "".join(text for text, _ in reply["origins"]) == reply["content"]
+    assert "continued once" in views[-1].stats and not versions.can_continue(None)
+    with gr.Blocks():
+        page = chat_page(lambda: "")
+    assert render(page, View(conversation=conversation), list)[page.go_on]["visible"]  # cut again: offered again
+    assert render(page, View(conversation=conversation, streaming=True), list)[page.go_on]["visible"] is False
+
+
+def test_stop_during_continue_keeps_what_was_added_and_a_stop_in_the_line_keeps_the_answer(logic):
+    conversation = cut_answer(logic, dataclasses.replace(GREEDY, max_new_tokens=4))
+    start = conversation.messages[-1]["content"]
+    long = dataclasses.replace(GREEDY, max_new_tokens=200)
+    views = logic.continue_answer(conversation, long, session="s1")
+    for view in views:
+        if view.conversation.messages[-1]["content"] != start:  # something was added: Stop
+            logic.stop("s1")
+            break
+    run(views)
+    reply = saved(logic).messages[-1]
+    assert reply["finish_reason"] == "cancelled" and not reply["partial"] and reply["content"].startswith(start)
+    assert 4 < reply["new_tokens"] < 204 and versions.can_continue(conversation)  # a stopped answer goes on too
+
+    before = saved(logic).messages
+    gate, held = holding(logic.handle)
+    try:
+        views = logic.continue_answer(conversation, long, session="s1")
+        [next(views) for _ in range(2)]  # the start, the wait
+        logic.stop("s1")
+        assert run(views)[-1].status == "Stopped before the answer started."
+    finally:
+        gate.set()
+    assert list(held) == ["held"] and saved(logic).messages == before == conversation.messages
+
+
+def test_continue_is_offered_only_for_an_answer_cut_with_room_to_go_on():
+    def chat(**answer):
+        return from_json(json.dumps(record({"role": "assistant", "content": "Once", "partial": False, **answer})))
+
+    assert versions.can_continue(chat(finish_reason="length"))
+    assert versions.can_continue(chat(finish_reason="cancelled"))
+    for not_cut in ({"finish_reason": "stop"}, {"finish_reason": "repeating"},
+                    {"finish_reason": "length", "context_full": True}, {"finish_reason": "length", "content": ""},
+                    {"finish_reason": "length", "partial": True}, {"finish_reason": "length", "left_out": True}):
+        assert not versions.can_continue(chat(**not_cut))
+    for bad in (-1, "2", True):
+        with pytest.raises(ValueError):
+            chat(finish_reason="length", continued=bad)
+
+
+def test_continue_says_why_it_cannot_go_on(logic):
+    class Refusing:
+        name = "refusing-model"
+
+        class tokenizer:
+            @staticmethod
+            def apply_chat_template(*args, **kwargs):
+                raise ValueError("the final message does not appear in the chat ... " + "x" * 9000)
+
+    with pytest.raises(InputError, match="refusing-model's chat template cannot continue an answer") as refused:
+        versions.continued_ids(Refusing, [{"role": "assistant", "content": "Once"}])
+    assert len(str(refused.value)) < 200  # not the whole chat the template's error quotes
+    assert "can be continued" in run(logic.continue_answer(None, GREEDY))[-1].status
+
+    # An answer that fills the context: the engine's reason shows in the status line, the answer as it was.
+    conversation = logic.store.new()
+    cut = {"role": "assistant", "content": "word " * 300, "partial": False, "stats": None, "origins": None,
+           "finish_reason": "length", "new_tokens": 300}
+    conversation.messages = [{"role": "user", "content": "Say words", "document": None}, dict(cut)]
+    logic.store.save(conversation)
+    views = run(logic.continue_answer(conversation, GREEDY))
+    assert views[-1].status.startswith("⚠️ the prompt is") and "reads at most 256" in views[-1].status
+    assert saved(logic).messages[-1] == cut == conversation.messages[-1]
