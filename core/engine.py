@@ -20,13 +20,14 @@ from .kv.document_store import DocumentStore
 from .kv.full import FullCache
 from .kv.prefix_store import PrefixStore
 from .model import CausalLM
+from .prediction import AnswerPrediction
 from .repeats import RepeatGuard
 from .request import ModeOptions, Request
 from .runtime import EngineSettings
 from .sampling import make_generator
 from .speculative.dsi.runtime import DsiRuntime
 from .speculative.step_times import StepTimes, default_relative
-from .speculative.types import DecodeState, Decoder, Step
+from .speculative.types import DecodeState, Decoder
 from .textstream import TextStream
 
 
@@ -181,7 +182,7 @@ class Engine:
         # DSI's instances run in parallel: t(n) of one forward after another does not price it.
         times = None if decoder is self.dsi.answering else self.settings.step_times
         events = self._generate(prompt_ids, max_new_tokens, request.sampling, mode, decoder,
-                                _Prediction(times, self.model, triforce), cancel, request.document_tokens)
+                                AnswerPrediction(times, self.model, triforce), cancel, request.document_tokens)
         # The lock is held while the engine computes, never across a yield: a caller that stops
         # listening without closing this generator cannot keep the engine from others.
         try:
@@ -274,7 +275,7 @@ class Engine:
             return taken[0], taken[1], "memory"
         return self.model.new_cache(), 0, ""
 
-    def _run(self, state: DecodeState, max_new_tokens: int, mode: str, decoder, prediction: _Prediction,
+    def _run(self, state: DecodeState, max_new_tokens: int, mode: str, decoder, prediction: AnswerPrediction,
              cancel: threading.Event, started: float, reused: int, source: str) -> Iterator[Event]:
         prompt_length = state.ids.shape[0]
         stats = Stats(reused_prompt_tokens=reused, reused_from=source)
@@ -354,47 +355,6 @@ class Engine:
             yield PrefillProgress(done, prompt_length)
             if cancel.is_set():
                 return None
-
-
-class _Prediction:
-    """The cost model's decode time for the steps an answer took: each target forward at t(n)
-    for its n tokens at its context, plus the forwards of the stages below it (TriForce): the
-    retrieval stage's over its budget, a layer-skip draft's over its window at its share of the
-    layers. The first token is the prefill's and costs no decode time. None without measured
-    step times, or with a stage it cannot price (a separate draft model: not calibrated)."""
-
-    def __init__(self, times: StepTimes | None, model: CausalLM, triforce: TriforceSettings):
-        self.times, self.model, self.triforce = times, model, triforce
-        self.seconds = 0.0
-        self.stage_forwards: dict[str, int] = {}
-        self.steps = 0
-
-    def add(self, step: Step, context: int, stages: dict[str, dict[str, int]], new_tokens: int) -> float | None:
-        self.steps += 1
-        if self.times is None:
-            return None
-        if self.steps > 1:
-            self.seconds += self.times.seconds(step.verified, context)
-        for name, counts in stages.items():
-            forwards = counts.get("forwards", 0)
-            ran, self.stage_forwards[name] = forwards - self.stage_forwards.get(name, 0), forwards
-            cost = self._stage_forward_seconds(name, counts)
-            if cost is None:
-                self.times = None
-                return None
-            self.seconds += ran * cost
-        return new_tokens / self.seconds if self.seconds > 0 else None
-
-    def _stage_forward_seconds(self, name: str, counts: dict[str, int]) -> float | None:
-        if name == "retrieval":
-            # Its cache holds about the budget; a forward verifies the first stage's tokens.
-            forwards = max(counts.get("forwards", 0), 1)
-            tokens = 1 + counts.get("drafted", 0) / forwards
-            return self.times.seconds(round(tokens), self.triforce.budget)
-        if name.startswith("skip"):
-            window = self.triforce.sinks + self.triforce.window
-            return self.times.seconds(1, window) * int(name[len("skip"):]) / self.model.num_layers
-        return None
 
 
 def _update_rates(stats: Stats, committed: int, new_tokens: int, decode_seconds: float) -> None:

@@ -87,12 +87,12 @@ def test_the_prediction_prices_each_step_by_its_size_and_context_and_the_stages_
     from types import SimpleNamespace
 
     from specchat.core.decoding import TriforceSettings
-    from specchat.core.engine import _Prediction
+    from specchat.core.prediction import AnswerPrediction
     from specchat.core.speculative.types import Step
 
     steps = StepTimes((times(1000, 0.1, (1.0, 1.2)), times(3000, 0.3, (1.2, 2.0))))
     model = SimpleNamespace(num_layers=30)
-    prediction = _Prediction(steps, model, TriforceSettings(budget=1000, sinks=4, window=996))
+    prediction = AnswerPrediction(steps, model, TriforceSettings(budget=1000, sinks=4, window=996))
     assert prediction.add(Step([7]), 2000, {}, 1) is None  # the prefill's token: no decode time yet
     rate = prediction.add(Step([1, 2, 3], drafted=3, accepted=2, verified=4), 2000, {}, 4)
     assert rate == pytest.approx(4 / (0.2 * 1.6))
