@@ -11,7 +11,7 @@ from .chat_view import KEPT_SETTINGS, View
 from .conversation import Conversation
 from .exports import write_export
 from .history import HistoryStore
-from .speculation_view import colored_tokens, ending, stage_table, stats_line
+from .chat_versions import figures
 
 
 class ConversationList:
@@ -38,12 +38,9 @@ class ConversationList:
             return View()
         conversation = self.store.load(conversation_id)
         last = next((m for m in reversed(conversation.messages) if m["role"] == "assistant"), None)
-        stats = last.get("stats") if last else None
         return View(conversation=conversation, over_limit="", system=conversation.system, preset=conversation.preset,
                     settings={name: value for name, value in conversation.settings.items() if name in KEPT_SETTINGS},
-                    stats=stats_line(stats, last.get("mode", ""), last.get("new_tokens"), ending(last)) if stats else "",
-                    stages=stage_table(stats) if stats else "",
-                    tokens=colored_tokens(last.get("origins") or []) if last else "")
+                    **(figures(last) if last else {"stats": "", "stages": "", "tokens": ""}))
 
     def newest(self) -> View:
         problems = self.store.take_problems()
