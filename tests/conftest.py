@@ -107,3 +107,28 @@ def holding(handle):
     ticket = handle.submit(job)
     assert started.wait(30)
     return gate, ticket
+
+
+@pytest.fixture
+def logic(tiny_model_dir, tmp_path):
+    """The chat page's logic on the tiny model, its conversations in a temporary folder."""
+    from specchat.app.engine_handle import EngineHandle
+    from specchat.app.history import HistoryStore
+    from specchat.app.ui_chat import ChatLogic
+    from specchat.core.loading import load_engine
+
+    handle = EngineHandle(lambda model, progress: load_engine(model, progress), str(tiny_model_dir))
+    handle.get()
+    yield ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
+    handle.close()
+
+
+def run(views):
+    """Every view a chat handler yields."""
+    return list(views)
+
+
+def saved(logic):
+    """The one conversation the logic has saved, read back."""
+    (summary,) = logic.store.list()
+    return logic.store.load(summary.id)

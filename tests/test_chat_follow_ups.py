@@ -9,17 +9,13 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
-from conftest import DATA
+from conftest import DATA, run, saved
 from specchat.app import chat_over_limit as over_limit
 from specchat.app.chat_view import ASK_FIRST, LEAVE_OUT_OLDEST, Settings, View
 from specchat.app.conversation import LEFT_OUT, model_messages, shown_messages
-from specchat.app.engine_handle import EngineHandle
-from specchat.app.history import HistoryStore
 from specchat.app.ui import _ChatHandlers, _preset_chosen
-from specchat.app.ui_chat import ChatLogic
 from specchat.app.ui_chat_page import chat_page
 from specchat.core.errors import InputError
-from specchat.core.loading import load_engine
 
 SETTINGS = Settings(system="", preset="free", temperature=0.0, top_p=1.0, top_k=0, seed=None,
                     max_new_tokens=24, mode="auto")
@@ -28,27 +24,10 @@ LONG_QUESTION = "Does it say anything about " + "patents and trademarks and " * 
 
 
 @pytest.fixture
-def logic(tiny_model_dir, tmp_path):
-    handle = EngineHandle(lambda model, progress: load_engine(model, progress), str(tiny_model_dir))
-    handle.get()
-    yield ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
-    handle.close()
-
-
-@pytest.fixture
 def handlers(logic):
     with gr.Blocks():
         page = chat_page(lambda: "")
     return _ChatHandlers(page, logic)
-
-
-def run(views):
-    return list(views)
-
-
-def saved(logic):
-    (summary,) = logic.store.list()
-    return logic.store.load(summary.id)
 
 
 def page_values(settings: Settings) -> list:

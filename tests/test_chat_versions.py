@@ -8,36 +8,15 @@ import json
 import gradio as gr
 import pytest
 
-from conftest import holding
+from conftest import holding, run, saved
 from specchat.app import chat_versions as versions
 from specchat.app.chat_view import Settings, View
 from specchat.app.conversation import from_json, model_messages, to_json
-from specchat.app.engine_handle import EngineHandle
-from specchat.app.history import HistoryStore
-from specchat.app.ui_chat import ChatLogic
 from specchat.app.ui_chat_page import chat_page, render
 from specchat.core.errors import InputError
-from specchat.core.loading import load_engine
 
 SETTINGS = Settings(system="", preset="free", temperature=1.0, top_p=1.0, top_k=0, seed=None,
                     max_new_tokens=12, mode="auto")
-
-
-@pytest.fixture
-def logic(tiny_model_dir, tmp_path):
-    handle = EngineHandle(lambda model, progress: load_engine(model, progress), str(tiny_model_dir))
-    handle.get()
-    yield ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
-    handle.close()
-
-
-def run(views):
-    return list(views)
-
-
-def saved(logic):
-    (summary,) = logic.store.list()
-    return logic.store.load(summary.id)
 
 
 def seeded(seed: int) -> Settings:

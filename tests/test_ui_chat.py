@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from conftest import DATA, holding
+from conftest import DATA, holding, run, saved
 from specchat.app import chat_over_limit as over_limit
 from specchat.app.conversation import model_messages
 from specchat.app.engine_handle import EngineHandle
@@ -18,23 +18,6 @@ from specchat.core.loading import load_engine
 
 SETTINGS = Settings(system="", preset="free", temperature=0.0, top_p=1.0, top_k=0, seed=None,
                     max_new_tokens=24, mode="auto")
-
-
-@pytest.fixture
-def logic(tiny_model_dir, tmp_path):
-    handle = EngineHandle(lambda model, progress: load_engine(model, progress), str(tiny_model_dir))
-    handle.get()
-    yield ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
-    handle.close()
-
-
-def run(views):
-    return list(views)
-
-
-def saved(logic):
-    (summary,) = logic.store.list()
-    return logic.store.load(summary.id)
 
 
 def test_a_question_is_saved_before_its_answer_and_the_answer_when_it_ends(logic):
