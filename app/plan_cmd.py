@@ -76,11 +76,26 @@ def profile_facts(profile) -> list[tuple[str, str]]:
                                            f"({human_size(gpu.vram_free_bytes)} free), compute "
                                            f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}, "
                                            f"bf16 {'yes' if gpu.bf16 else 'no'}; {rates}")))
+    facts += cpu_linear_facts(profile)
     for curves in profile.curves:
         for times in curves.times:
             points = ", ".join(f"t({n})={ratio:.2f}" for n, ratio in zip(times.sizes, times.ratios))
             facts.append(("t(n)", (f"{curves.model_key} at {times.context:,} context on {times.device}: "
                                    f"{times.one_token_seconds * 1e3:.1f} ms per token; {points}")))
+    return facts
+
+
+def cpu_linear_facts(profile) -> list[tuple[str, str]]:
+    """The few-row CPU linear path chosen for each model measured on this machine (issue 42), or
+    when it was never measured, what a CPU-only machine will use until it is."""
+    from ..core.hardware import cache_dir
+    from ..core.cpu_linear import FEW_ROWS
+    from ..core.linear_choice import saved_choices
+
+    facts = [("CPU linear", f"{choice.model}: {choice.describe()}, measured {choice.measured_on}")
+             for choice in saved_choices(cache_dir() / profile.machine_key())]
+    if not facts and not profile.gpus:
+        facts.append(("CPU linear", f"F.linear for 1-{FEW_ROWS} rows until measured, when a model first loads on this CPU"))
     return facts
 
 

@@ -155,8 +155,9 @@ def _curves_from_dict(data: dict) -> ModelCurves:
 
 # Bump when the forward's kernels change what t(n) is, so curves measured before are measured
 # again (2: cpu_linear.py's single rows and 5-8 rows, 2026-11-23; 3: one-query attention folded on
-# the CPU, kv/queries.py, 2026-11-24).
-FORWARD_KERNELS = 3
+# the CPU, kv/queries.py, 2026-11-24; 4: the few-row CPU linear path measured per machine,
+# linear_choice.py, 2026-11-28).
+FORWARD_KERNELS = 4
 
 
 def curve_key(repo: str, revision: str, weights: str, kv: str = "") -> str:

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from .cpu_linear import use_few_row_linear
 from .hardware import cap_cuda_allocator
 from .host_embedding import compute_device, embedding_on_cpu
 from .kv.cache import KVCache
@@ -22,6 +21,7 @@ from .kv.full import FullCache
 from .kv.int8 import Int8Cache
 from .kv.offload import OffloadedCache
 from .kv.queries import ATTENTION, new_tokens_see_the_past, record_queries
+from .linear_choice import choose_cpu_linear
 
 if TYPE_CHECKING:
     from .placement import LoadOptions
@@ -83,7 +83,9 @@ class TransformersLM:
         self.hf = hf_model.eval()
         # SDPA that can also record queries, which the retrieval cache scores with (kv/queries.py).
         self.hf.set_attn_implementation(ATTENTION)
-        use_few_row_linear(self.hf)  # cheap verification forwards on the CPU (cpu_linear.py)
+        # This CPU's faster path for few-token forwards, measured once per machine and model
+        # (linear_choice.py); fixed for the model's life, so never changes in mid-answer.
+        choose_cpu_linear(self.hf)
         config = hf_model.config
         own_width = hf_model.get_output_embeddings().out_features  # a quantized head's weight is packed
         # A draft whose embeddings are padded less than its target's answers with the target's
