@@ -70,30 +70,37 @@ class IdleCalibration:
                  repeats: int = CURVE_REPEATS, root: Path | None = None):
         self.engine, self.model_key, self.sizes, self.repeats, self.root = engine, model_key, list(sizes), repeats, root
         self.pending = list(contexts)  # still to measure, shortest first
+        self._done = False
         self.measured: list = []  # ForwardTimes of the contexts done
 
     @property
     def finished(self) -> bool:
-        return not self.pending
+        """Done for this launch: measured, saved and handed to the engine, or given up."""
+        return self._done
 
     def steps(self) -> Iterator[None]:
         """Measure what is pending on the engine's model, yielding after every forward; at the
         end, hand the step times to the engine."""
         from .speculative.optimizer import forward_time_steps  # torch: only when measuring
 
-        while self.pending:
-            try:
-                times = yield from forward_time_steps(self.engine.model, self.pending[0], self.sizes, self.repeats)
-            except Exception as error:
-                if not out_of_memory(error):
-                    self.pending = []  # never retried: the next launch measures again
-                    raise
-                self.pending = []  # the longer contexts would not fit either
-                break
-            self.measured.append(times)
-            self.pending.pop(0)
-        if self.measured:
-            self.engine.use_step_times(StepTimes.of(save_curves(self.model_key, self.measured, self.root)))
+        try:
+            while self.pending:
+                try:
+                    times = yield from forward_time_steps(self.engine.model, self.pending[0], self.sizes, self.repeats)
+                except Exception as error:
+                    if not out_of_memory(error):
+                        raise
+                    break  # the longer contexts would not fit either
+                self.measured.append(times)
+                self.pending.pop(0)
+            if self.measured:
+                self.engine.use_step_times(StepTimes.of(save_curves(self.model_key, self.measured, self.root)))
+        except GeneratorExit:
+            raise  # a job came: the unfinished context is measured again at the next idle spell
+        except BaseException:
+            self._done = True  # never retried: the next launch measures again
+            raise
+        self._done = True
 
 
 def measure_curves(model, model_key: str, contexts: list[int], sizes: list[int], refresh: bool = False,

@@ -10,6 +10,7 @@ import time
 from specchat.app.engine_handle import EngineHandle
 from specchat.app.engine_queue import EngineLine
 from specchat.core.engine import Finished
+from specchat.core import step_calibration
 from specchat.core.loading import load_engine
 from specchat.core.request import Request
 from specchat.core.sampling import SamplingParams
@@ -157,7 +158,16 @@ def test_a_question_mid_context_drops_that_context_and_it_is_measured_again(tiny
         next(steps)
     steps.close()  # a question came
     assert calibration.measured == [] and calibration.pending == contexts_for(engine.context_length)
+    finished_when_saving = []
+    save = step_calibration.save_curves
+
+    def watched_save(*args, **kwargs):
+        finished_when_saving.append(calibration.finished)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(step_calibration, "save_curves", watched_save)
     for _ in calibration.steps():
         pass
     assert calibration.finished and len(calibration.measured) == 2
+    assert finished_when_saving == [False]  # "finished" means saved and handed over (the app waits on it)
     assert engine.settings.step_times is not None
