@@ -45,7 +45,7 @@ def test_the_dry_run_writes_every_section(tmp_path):
     report = json.loads(paths[0].read_text())
     sections = report["sections"]
     assert list(sections) == list(campaign.SECTIONS) and len(lines) == len(campaign.SECTIONS)
-    not_built = {"modes", "projection"}
+    not_built = {"projection"}
     for name, section in sections.items():
         expected = "skipped: not built yet" if name in not_built else "dry-run"
         assert section["status"].startswith(expected), (name, section["status"], section.get("traceback"))
@@ -63,6 +63,13 @@ def test_the_dry_run_writes_every_section(tmp_path):
     assert [row["capacity"] for row in offload["contexts"]] == [1024, 2048]
     assert all(row["verify_s"]["16"] > 0 and row["retrieval_rebuild_s"] > 0 for row in offload["contexts"])
     assert offload["prefill"]["tokens_per_s"] > 0
+    variants = {row["label"]: row for row in sections["modes"]["variants"]}
+    assert set(variants) == {"as planned", "fp32, KV on the device", "fp32, 8-bit KV", "fp32, KV offloaded"}
+    assert variants["fp32, 8-bit KV"]["kv_dtype"] == "int8"
+    for label in ("fp32, KV on the device", "fp32, 8-bit KV", "fp32, KV offloaded"):
+        runs = variants[label]["runs"]
+        assert set(runs) == {"plain", "chain", "tree", "triforce", "auto"}
+        assert all(row["identical_to_plain"] and row["new_tokens"] > 0 for row in runs.values()), label
     assert report["environment"]["device"] == "cpu" and report["environment"]["torch"] == torch.__version__
 
 

@@ -22,7 +22,7 @@ import torch
 
 from ..report import write_report
 from ...core.errors import InputError, first_line
-from . import checks, kv8, offload, steps, weights
+from . import checks, kv8, modes, offload, steps, weights
 from .clock import free_memory
 from .rig import Rig, dry_rig, goal, gpu_rig
 
@@ -55,7 +55,7 @@ SECTIONS: dict[str, Callable[[Rig, dict], dict]] = {
     "kv8": kv8.run,
     "offload": offload.run,
     "memory": memory,
-    "modes": _not_built("every mode on the embedded model through plan, load and generate, bf16 timings"),
+    "modes": modes.run,
     "projection": _not_built("the plan's predicted tok/s against a replayed-acceptance run"),
 }
 
