@@ -16,6 +16,7 @@ import torch
 from .decoding import TriforceSettings, decode, make_decoder, prefill, triforce_decoder
 from .errors import InputError, SpecchatError
 from .interrupt import Cancelled
+from .kv.conversation_slot import ConversationSlot
 from .kv.document_store import DocumentStore
 from .kv.full import FullCache
 from .kv.prefix_store import PrefixStore
@@ -111,10 +112,10 @@ class Engine:
     an idle calibration measures after the build (`use_step_times`): per-answer choices are a
     `Request` to `generate`."""
 
-    def __init__(self, model: CausalLM, tokenizer, name: str, prefixes: PrefixStore | None = None,
-                 documents: DocumentStore | None = None, settings: EngineSettings = EngineSettings(),
-                 draft: CausalLM | None = None, draft_name: str = "", plan=None, calibration_key: str = "",
-                 target_loader: Callable[[str], CausalLM] | None = None):
+    def __init__(self, model: CausalLM, tokenizer, name: str,
+                 prefixes: PrefixStore | ConversationSlot | None = None, documents: DocumentStore | None = None,
+                 settings: EngineSettings = EngineSettings(), draft: CausalLM | None = None, draft_name: str = "",
+                 plan=None, calibration_key: str = "", target_loader: Callable[[str], CausalLM] | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -122,7 +123,7 @@ class Engine:
         self.draft = draft  # a pair's separate draft model, if any
         self.draft_name = draft_name
         if not settings.keep_prefixes:
-            prefixes, documents = PrefixStore(0), None
+            prefixes, documents = ConversationSlot(), None
         self.prefixes = prefixes if prefixes is not None else PrefixStore(default_prefix_budget())  # recent answers
         self.documents = documents  # saved document caches on disk (None: off)
         self.stop_ids = _stop_ids(tokenizer, model)
@@ -272,7 +273,7 @@ class Engine:
                 return loaded.cache, loaded.length, "disk"
         taken = self.prefixes.take(prompt_ids)
         if taken is not None:
-            return taken[0], taken[1], "memory"
+            return taken[0], taken[1], "memory" if taken[1] else ""
         return self.model.new_cache(), 0, ""
 
     def _run(self, state: DecodeState, max_new_tokens: int, mode: str, decoder, prediction: AnswerPrediction,

@@ -29,7 +29,9 @@ class EngineSettings:
     tree_size: int = 16  # a draft model's tree: nodes, root included
     tree_depth: int = LOOKUP_TREE_DEPTH  # ... and levels (prompt-lookup trees: levels)
     triforce: TriforceSettings = field(default_factory=TriforceSettings)
-    keep_prefixes: bool = True  # keep recent answers' KV and saved documents (off for an offloaded KV)
+    # Keep recent answers' KV and saved documents; off (an offloaded KV, too large to copy): only the
+    # conversation answered last keeps its KV, moved into the next answer (kv/conversation_slot.py).
+    keep_prefixes: bool = True
     step_times: StepTimes | None = None  # measured t(n) by context (calibration); None: stated defaults
     # DSI (speculative/dsi/): one target instance per device named here ("cuda:0", "cuda:1", ...);
     # empty: instances are CPU worker processes, as many as the request asks for.

@@ -1,0 +1,88 @@
+"""An offloaded KV kept across turns (issue 38): the conversation answered last keeps its cache, a
+follow-up reads only its new tokens and answers as from scratch, and another conversation reuses
+the same memory instead of allocating a second cache beside it."""
+
+from __future__ import annotations
+
+import pytest
+
+from specchat.app.documents import user_turn
+from specchat.core.engine import Engine, Finished
+from specchat.core.kv.conversation_slot import ConversationSlot
+from specchat.core.kv.offload import OffloadedCache
+from specchat.core.kv.prefix_store import common_prefix_length
+from specchat.core.model import TransformersLM
+from specchat.core.placement import LoadOptions
+from specchat.core.request import Request
+from specchat.core.runtime import EngineSettings
+from specchat.core.sampling import SamplingParams
+
+DOCUMENT = " ".join(f"line {i} of the offloaded document." for i in range(12))
+OFFLOADED = EngineSettings(keep_prefixes=False)  # what runtime.py plans for an offloaded KV
+
+
+@pytest.fixture(scope="module")
+def offloaded_parts(tiny_model_dir):
+    """The tiny model in fp64 with its KV in an offloaded cache (host memory on the CPU)."""
+    from transformers import AutoTokenizer
+
+    model = TransformersLM.from_pretrained(tiny_model_dir, LoadOptions("float64", "cpu", None, None,
+                                                                       offload_capacity=256))
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def answer(engine, messages, mode="plain", params=SamplingParams()):
+    events = list(engine.generate(engine.chat_ids(messages), Request(12, params, mode)))
+    assert isinstance(events[-1], Finished)
+    return events[-1].result
+
+
+def conversation(answer_text: str, document: str = DOCUMENT) -> list[dict]:
+    return [{"role": "user", "content": user_turn("What is it?", document)},
+            {"role": "assistant", "content": answer_text}, {"role": "user", "content": "And then?"}]
+
+
+@pytest.mark.parametrize("mode, params", [("plain", SamplingParams()), ("tree", SamplingParams()),
+                                          ("triforce", SamplingParams()),
+                                          ("chain", SamplingParams(temperature=0.9, seed=3))])
+def test_a_follow_up_over_an_offloaded_cache_reads_only_its_new_tokens(offloaded_parts, mode, params):
+    engine = Engine(*offloaded_parts, "tiny", settings=OFFLOADED)
+    assert isinstance(engine.prefixes, ConversationSlot) and engine.documents is None
+    first = answer(engine, conversation("")[:1], mode, params)
+    held = engine.prefixes._cache
+    assert isinstance(held, OffloadedCache)
+    messages = conversation(first.text)
+    follow_up = answer(engine, messages, mode, params)
+    from_scratch = answer(Engine(*offloaded_parts, "tiny", settings=OFFLOADED), messages, mode, params)
+    assert follow_up.token_ids == from_scratch.token_ids
+    prompt = engine.chat_ids(messages)
+    assert follow_up.stats.reused_from == "memory" and from_scratch.stats.reused_prompt_tokens == 0
+    assert follow_up.stats.reused_prompt_tokens == min(
+        common_prefix_length(prompt, engine.chat_ids(messages[:1]) + first.token_ids[:-1]), len(prompt) - 1)
+    assert follow_up.stats.reused_prompt_tokens > len(prompt) // 2
+    assert engine.prefixes._cache is held  # the same host memory, answer after answer
+
+
+def test_another_conversation_reuses_the_memory_and_answers_as_from_scratch(offloaded_parts):
+    engine = Engine(*offloaded_parts, "tiny", settings=OFFLOADED)
+    answer(engine, conversation("")[:1])
+    held = engine.prefixes._cache
+    other = conversation("", document="A different text entirely, about rivers.")[:1]
+    switched = answer(engine, other)
+    assert engine.prefixes._cache is held  # trimmed and refilled, never a second cache beside it
+    assert switched.token_ids == answer(Engine(*offloaded_parts, "tiny", settings=OFFLOADED), other).token_ids
+    # What the two prompts share (the chat template's start) was kept, the rest read again.
+    assert switched.stats.reused_prompt_tokens == common_prefix_length(
+        engine.chat_ids(conversation("")[:1]), engine.chat_ids(other))
+
+
+def test_the_slot_moves_its_cache_and_never_copies(offloaded_parts):
+    model, _ = offloaded_parts
+    slot, cache = ConversationSlot(), model.new_cache()
+    assert slot.take([1, 2]) is None and slot.nbytes == 0 and len(slot) == 0
+    with pytest.raises(ValueError):
+        slot.put([1, 2, 3], cache)  # the ids must be the cache's
+    slot.put([], cache)
+    assert len(slot) == 1 and slot.best_length([5, 6]) == 0
+    taken, length = slot.take([5, 6])
+    assert taken is cache and length == 0 and len(slot) == 0
