@@ -56,9 +56,11 @@ READING = {"show_progress": "hidden", "concurrency_id": "reading", "concurrency_
 # Dark mode follows the visitor's last choice (kept in the browser), else the system's.
 DARK_MODE_JS = """() => { const dark = !document.body.classList.contains('dark');
   document.body.classList.toggle('dark', dark); localStorage.setItem('specchat-dark', dark ? '1' : '0'); }"""
-# Below 900 px the conversations sidebar goes above the chat, which keeps the whole width; table
-# cells break between words, never inside one; the answer's "‹ 2/3 ›" stays together.
+# The chat takes the height the window leaves, so the message box stays in view on a 680-800 px
+# laptop window. Below 900 px the conversations sidebar goes above the chat, which keeps the whole
+# width; table cells break between words, never inside one; the answer's "‹ 2/3 ›" stays together.
 APP_CSS = """
+#chat { height: max(260px, calc(100vh - 410px)) !important; }
 @media (max-width: 900px) {
   #chat-row { flex-direction: column !important; }
   #sidebar, #main-column { width: 100% !important; min-width: 0 !important; flex: 1 1 auto !important; }

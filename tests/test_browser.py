@@ -416,6 +416,23 @@ def test_at_800_px_the_chat_keeps_the_width_and_tables_break_between_words(page)
         page.set_viewport_size({"width": 1200, "height": 1100})
 
 
+@pytest.mark.parametrize("width, height", [(1280, 800), (1366, 680)])
+def test_on_a_laptop_window_the_message_box_is_in_view_without_scrolling(page, width, height):
+    """The chat takes what the window leaves (at a fixed 460 px the box started 742 px down and
+    ended below an 800 px window)."""
+    page.set_viewport_size({"width": width, "height": height})
+    try:
+        page.evaluate("() => window.scrollTo(0, 0)")
+        wait_for(lambda: page.evaluate("() => window.scrollY") == 0, timeout=15, what="the top of the page")
+        box = page.locator("#message").bounding_box()
+        chat = page.locator("#chat").bounding_box()
+        assert box["y"] + box["height"] <= height, (box, chat)
+        assert chat["height"] >= 260
+        shot(page, f"message-box-{width}x{height}")
+    finally:
+        page.set_viewport_size({"width": 1200, "height": 1100})
+
+
 # In the page: when #stop is clicked, and when the page first shows the stop after it (a
 # MutationObserver sees each change as it lands, before the next frame). Stopped: the last bubble
 # no longer shows `started`, or, without it, the page says the answer stopped.
