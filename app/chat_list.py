@@ -10,7 +10,7 @@ from ..core.errors import InputError
 from .chat_view import KEPT_SETTINGS, View
 from .conversation import Conversation
 from .exports import write_export
-from .history import HistoryStore
+from .history import HistoryStore, Summary
 from .chat_versions import figures
 
 
@@ -18,20 +18,32 @@ class ConversationList:
     def __init__(self, store: HistoryStore):
         self.store = store
 
-    def choices(self) -> list[tuple[str, str]]:
-        """(label, id) of each saved conversation, newest first: titles that repeat get their time,
-        and labels that still repeat a number."""
+    def choices(self, query: str = "") -> list[tuple[str, str]]:
+        """(label, id) of each saved conversation, newest first, each with when it last changed;
+        labels that still repeat get a number. `query`: only those whose title, messages or
+        documents' names hold it (any case)."""
         summaries = self.store.list()
-        titles = collections.Counter(summary.title for summary in summaries)
-        labels = [summary.title if titles[summary.title] == 1 else
-                  f"{summary.title} · {time.strftime('%b %d, %H:%M', time.localtime(summary.updated))}"
-                  for summary in summaries]
+        if query.strip():
+            summaries = [summary for summary in summaries if self._holds(summary, query.strip().casefold())]
+        now = time.time()
+        labels = [f"{summary.title} · {when(summary.updated, now)}" for summary in summaries]
         repeats, seen = collections.Counter(labels), collections.Counter()
         for index, label in enumerate(labels):
             seen[label] += 1
             if repeats[label] > 1:
                 labels[index] = f"{label} ({seen[label]})"
         return [(label, summary.id) for label, summary in zip(labels, summaries)]
+
+    def _holds(self, summary: Summary, query: str) -> bool:
+        if query in summary.title.casefold():
+            return True
+        try:
+            conversation = self.store.load(summary.id)
+        except InputError:  # unreadable since it was listed: the list's next read reports it
+            return False
+        return any(query in message.get("content", "").casefold()
+                   or query in (message.get("document") or {}).get("name", "").casefold()
+                   for message in conversation.messages)
 
     def open(self, conversation_id: str | None) -> View:
         if not conversation_id:
@@ -77,3 +89,12 @@ class ConversationList:
 
     def export(self, conversation: Conversation | None) -> list[str]:
         return write_export(conversation)
+
+
+def when(updated: float, now: float) -> str:
+    """When a conversation last changed, as short as stays clear: the time today, the day this
+    year, else the date."""
+    then, today = time.localtime(updated), time.localtime(now)
+    if then[:3] == today[:3]:
+        return time.strftime("%H:%M", then)
+    return time.strftime("%b %d" if then.tm_year == today.tm_year else "%b %d %Y", then)

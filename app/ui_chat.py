@@ -353,8 +353,8 @@ class ChatLogic:
 
     # --- conversations: `chat_list` -------------------------------------------------------------
 
-    def conversation_choices(self) -> list[tuple[str, str]]:
-        return self.conversations.choices()
+    def conversation_choices(self, query: str = "") -> list[tuple[str, str]]:
+        return self.conversations.choices(query)
 
     def open(self, conversation_id: str | None) -> View:
         return self.conversations.open(conversation_id)

@@ -32,6 +32,7 @@ class ChatPage:
     undo: gr.Button
     preset: gr.Dropdown
     conversations: gr.Radio
+    search: gr.Textbox  # filters `conversations`
     title: gr.Textbox
     rename: gr.Button
     delete: gr.Button
@@ -103,7 +104,7 @@ class ChatPage:
                 self.message, self.attachment, self.attachment_line,
                 self.pasted, self.stats, self.stages, self.tokens, self.over_group, self.over_text, self.shorter,
                 self.leave_out, self.in_parts, *self.cut_buttons.values(), self.pairs_row, self.longer_pairs,
-                self.conversations, self.title, self.system, self.preset, *self.kept_settings.values(),
+                self.conversations, self.search, self.title, self.system, self.preset, *self.kept_settings.values(),
                 self.deleted, self.undo]
 
 
@@ -121,6 +122,7 @@ def render(page: ChatPage, view: View, choices: Callable[[], list[tuple[str, str
         drawn |= _answer_controls(page, None if view.clear_conversation else chat, view.streaming)
     if view.conversations_changed:
         drawn[page.conversations] = gr.update(choices=choices(), value=chat.id if chat else None)
+        drawn[page.search] = ""  # the whole list again
     if view.attachment is not None or view.clear_attachment:
         drawn[page.attachment] = view.attachment
         drawn[page.attachment_line] = attachment_label(view.attachment) if view.attachment else ""
@@ -180,6 +182,8 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
                 undo = gr.Button("↶ Undo the delete", size="sm", visible=False, elem_id="undo-delete")
                 preset = gr.Dropdown([(p.label, key) for key, p in PRESETS.items()], value="free",
                                      label="Preset", elem_id="preset")
+                search = gr.Textbox(placeholder="Search conversations", show_label=False, elem_id="search",
+                                    container=False)
                 conversations = gr.Radio([], label="Conversations", elem_id="conversations")
                 title = gr.Textbox(label="Name", placeholder="Rename this conversation", elem_id="title")
                 with gr.Row():
@@ -256,7 +260,8 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
                         value=LEAVE_OUT_OLDEST, label="When a follow-up does not fit", elem_id="follow-up-room")
     return ChatPage(
         conversation=conversation, attachment=attachment, deleted=deleted, drafts=drafts, dark=dark, new=new,
-        undo=undo, preset=preset, conversations=conversations, title=title, rename=rename, delete=delete, export=export,
+        undo=undo, preset=preset, conversations=conversations, search=search, title=title, rename=rename,
+        delete=delete, export=export,
         exported=exported, model_line=shown_model, get_pair=get_pair, chatbot=chatbot, older=older,
         version_label=version_label, newer=newer, go_on=go_on, status=status,
         over_group=over_group, over_text=over_text, shorter=shorter, leave_out=leave_out, in_parts=in_parts,

@@ -262,6 +262,13 @@ def test_conversations_rename_switch_delete_and_export(page):
     exported = page.locator("#exported")
     wait_for(lambda: ".md" in exported.inner_text() and ".json" in exported.inner_text(), what="the exports")
     shot(page, "renamed-and-exported")
+    search = page.locator("#search textarea, #search input").first
+    search.fill("license QUESTIONS")
+    wait_for(lambda: "Write a long story" not in listing.inner_text(), what="the search to filter the list")
+    assert "License questions" in listing.inner_text()
+    shot(page, "searched")
+    search.fill("")
+    wait_for(lambda: "Write a long story" in listing.inner_text(), what="the whole list again")
     listing.get_by_text("Write a long story", exact=False).click()  # the first conversation, named by its first question
     wait_for(lambda: "three colors" in questions(page).first.inner_text(), what="the first conversation")
     page.locator("#delete").click()
