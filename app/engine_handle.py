@@ -91,6 +91,17 @@ class EngineHandle:
                 return "loading"
             return f"failed: {self._error}" if self._error is not None else "ready"
 
+    def calibration_note(self) -> str:
+        """While the first launch measures this machine's step times between answers, a few words
+        saying so (speculation is sized by stated defaults until then); else ""."""
+        with self._lock:
+            engine = self._engine if self._ready.is_set() and self._error is None else None
+        calibration = getattr(engine, "idle_calibration", None)
+        if calibration is None or calibration.finished:
+            return ""
+        done = len(calibration.measured)
+        return f"measuring this machine's speed between answers ({done} of {done + len(calibration.pending)})"
+
     def submit(self, job: Job) -> Ticket:
         """Queue `job(engine, cancel)`; raises `engine_queue.Busy` when the line is full."""
         return self._line.submit(job)

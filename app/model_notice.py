@@ -73,13 +73,14 @@ class ModelNotice:
             return f"Model: {name} · ⏳ loading…" + (f" {progress}" if progress else "")
         if status != "ready":
             return f"⚠️ Model: {name} could not be loaded: {status.removeprefix('failed: ')}"
+        ready = " · ".join(["ready", *filter(None, [self.handle.calibration_note()])])
         if self.handle.model != EMBEDDED:
-            return f"Model: {name} · ready"
+            return f"Model: {name} · {ready}"
         advice = self._advice if self._advice is not None else "Checking which larger pair this machine runs…"
         snapshot = self.downloads.snapshot()
         if self.recommended is not None and snapshot.pair_id == self.recommended.id and snapshot.state != "idle":
             advice = download_markdown(snapshot) + (" Switching to it…" if snapshot.state == "downloaded" else "")
-        return (f"Model: {name} · ready · *a small offline demonstration model (135M parameters): it shows "
+        return (f"Model: {name} · {ready} · *a small offline demonstration model (135M parameters): it shows "
                 f"how specchat works, but its answers can repeat themselves or be wrong.* {advice}")
 
     def _work_out_advice(self) -> None:

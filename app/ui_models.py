@@ -225,7 +225,8 @@ def status_markdown(handle: EngineHandle, registry: Registry) -> str:
         progress = handle.progress()
         return f"Loading {label}…" + (f" {progress}" if progress else "")
     if status == "ready":
-        return f"Loaded: {label}"
+        note = handle.calibration_note()
+        return f"Loaded: {label}" + (f" · {note}" if note else "")
     return f"⚠️ {label} could not be loaded: {status.removeprefix('failed: ')}"
 
 

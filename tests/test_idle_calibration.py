@@ -4,6 +4,7 @@ up again afterwards, and the finished curves are saved and answered by."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -125,6 +126,9 @@ def test_the_app_answers_before_calibrating_and_calibrates_when_idle(tiny_model_
         assert not any("Calibrating" in line for line in lines)
         calibration = engine.idle_calibration  # the load measured nothing: it left this
         assert calibration.pending + [t.context for t in calibration.measured] == contexts_for(engine.context_length)
+        note = handle.calibration_note()  # the page's hint while it measures (racing it: it may be done)
+        assert re.fullmatch(r"measuring this machine's speed between answers \([0-2] of 2\)", note) or (
+            note == "" and calibration.finished), note
 
         ids = engine.chat_ids([{"role": "user", "content": "Say something, then say it again. " * 3}])
 
@@ -134,6 +138,7 @@ def test_the_app_answers_before_calibrating_and_calibrates_when_idle(tiny_model_
         first = [e for e in handle.submit(answer) if isinstance(e, Finished)][0].result
         assert first.new_tokens > 0
         assert wait_until(lambda: calibration.finished)
+        assert handle.calibration_note() == ""
         assert [t.context for t in calibration.measured] == contexts_for(engine.context_length) == [119, 239]
         assert all(t.sizes == (1, *SIZES) for t in calibration.measured)
         saved = saved_curves(engine.model, engine.calibration_key, contexts_for(engine.context_length), list(SIZES))
