@@ -16,6 +16,7 @@ from .context_meter import CUT_MARGIN, CUTS, Meter, cut_document, cut_marker, sp
 from .conversation import Conversation, title_from
 from .documents import user_turn
 from .engine_handle import EngineHandle
+from .parts_clock import Pace, estimate_before, estimate_during
 from .read_progress import ReadProgress
 
 if TYPE_CHECKING:
@@ -33,12 +34,16 @@ def offer(chat: ChatLogic, meter: Meter, attachment: dict | None, question: str,
     makes_room = _cut_makes_room(engine.tokenizer, meter.excess, attachment)
     cuts = _cut_labels(meter.excess, attachment) if makes_room else None
     can_leave_out = bool(turns_to_leave_out(chat, conversation, attachment, question, settings))
-    in_parts = (attachment is not None and meter.document > meter.context // 2
-                and _summaries_fit(chat, conversation, question, settings, *_parts(chat, attachment)))
+    parts = _parts(chat, attachment) if attachment is not None and meter.document > meter.context // 2 else None
+    in_parts = parts is not None and _summaries_fit(chat, conversation, question, settings, *parts)
     pairs = longer_pairs(chat.registry_file, meter.needed, chat.handle.model)
     text = (f"**This does not fit.** The prompt is {meter.prompt:,} tokens and the answer limit keeps "
             f"{meter.reserve:,} for the answer, but {engine.name} reads at most {meter.context:,}: "
             f"{meter.excess:,} too many. ")
+    if in_parts:
+        before = estimate_before([engine.count_tokens(part) for part in parts[0]], parts[1], chat.pace)
+        text += (f"Summarized in parts, it is read as {len(parts[0])} parts"
+                 + (f", {before} on this machine before the answer" if before else "") + ". ")
     if cuts or can_leave_out or in_parts or pairs or meter.answer_room:
         text += "Nothing is cut or left out without your choice:"
     else:
@@ -104,10 +109,14 @@ def summarize_in_parts(chat: ChatLogic, message: str, attachment: dict | None, p
         raise InputError(f"even the summaries of its {len(parts)} parts would not fit beside the conversation: "
                          "cut the document first, or start a new conversation")
     shown_turn = chat.shown_turn(conversation, question, attachment)
-    summaries = []
+    summaries, started = [], time.monotonic()
+    before = estimate_before([chat.handle.get().count_tokens(part) for part in parts], summary_tokens, chat.pace)
     with chat.waiting(session) as stopped:  # Stop between two parts' jobs too
         for number, part in enumerate(parts, 1):
-            doing = f"⏳ *Summarizing part {number} of {len(parts)} (the document is too long to read whole)…*"
+            left = estimate_during(number - 1, len(parts), time.monotonic() - started) or (
+                f"{before} left" if before else "")
+            doing = (f"⏳ *Summarizing part {number} of {len(parts)} (the document is too long to read whole)…*"
+                     + (f" {left} for the parts" if left else ""))
             yield View(conversation=shown_turn, streaming=True, message="", over_limit="", pending=doing, status="")
             summary = yield from _part_summary(chat, part, number, len(parts), summary_tokens, settings,
                                                session, shown_turn, doing, stopped)
@@ -136,6 +145,7 @@ def _part_summary(chat: ChatLogic, part: str, number: int, count: int, summary_t
                 progress = reading.update(event.done, event.total, time.monotonic())
                 yield View(conversation=shown_turn, streaming=True, pending=f"{doing}\n\n{progress}")
             elif isinstance(event, Finished):
+                chat.pace = Pace.of(event.result) or chat.pace
                 return None if event.result.finish_reason == "cancelled" else event.result.text
         return None  # taken out of the line by Stop before it started
     finally:

@@ -34,6 +34,7 @@ from .documents import read_document
 from .engine_handle import EngineHandle
 from .engine_queue import Ticket
 from .history import HistoryStore
+from .parts_clock import Pace
 from .read_progress import ReadProgress
 from .safe_markdown import inert_markdown
 from .speculation_view import colored_tokens, stage_table, stats_line
@@ -51,6 +52,7 @@ class ChatLogic:
         self._cancels: dict[str, Ticket] = {}  # per browser session: its answer, for Stop
         self._waits: dict[str, threading.Event] = {}  # per browser session: a question waiting for the model
         self.conversations = ConversationList(store)
+        self.pace: Pace | None = None  # the latest answer's reading and writing speed (parts_clock.py)
 
     def stop(self, session: str) -> None:
         """Stop the session's answer: it ends at the next token, saved, with its figures (or
@@ -342,6 +344,7 @@ class ChatLogic:
                            tokens=colored_tokens(reply["origins"]))
             elif isinstance(event, Finished):
                 result = event.result
+                self.pace = Pace.of(result) or self.pace  # what summarizing in parts is estimated by
                 earlier = (reply.get("new_tokens") or 0) if start else 0
                 if start and result.text:
                     reply["continued"] = reply.get("continued", 0) + 1

@@ -3,6 +3,7 @@ saved when, stop, regenerate, edit, and the over-limit choice. The browser tests
 code through the page."""
 
 import dataclasses
+import re
 import threading
 
 import pytest
@@ -87,10 +88,19 @@ def test_over_the_limit_nothing_is_sent_until_a_cut_is_chosen(logic):
 def test_a_document_too_long_for_the_model_can_be_summarized_in_parts_then_asked_about(logic):
     document = (DATA / "apache-2.0.txt").read_text()[:1500].strip()  # about 300 tokens; the context is 256
     (view,) = run(logic.send("What is this?", None, document, None, SETTINGS))
-    assert view.over_limit and view.in_parts
+    assert view.over_limit and view.in_parts and "it is read as 3 parts" in view.over_limit
+    logic.pace = None  # no answer timed yet: no estimate before the first part
+    assert "on this machine" not in over_limit.offer(logic, logic.meter(None, view.attachment, "", "What is this?",
+                                                                        SETTINGS), view.attachment, "What is this?",
+                                                     None, SETTINGS).over_limit
     views = run(over_limit.summarize_in_parts(logic, "What is this?", view.attachment, "", None, SETTINGS, session="s1"))
     pending = " ".join(v.pending for v in views if v.pending.startswith("⏳ *Summarizing part"))
     assert "part 1 of 3" in pending and "part 3 of 3" in pending
+    left = r"(about \d+ (s|min)|a moment) left for the parts"
+    assert re.search(rf"part 2 of 3 \(the document is too long to read whole\)…\* {left}", pending), pending
+    assert logic.pace is not None and logic.pace.read_tokens_per_s > 0  # the parts' answers were timed
+    (again,) = run(logic.send("What is this?", None, document, None, SETTINGS))
+    assert re.search(r"read as 3 parts, (about \d+ (s|min)|a moment) on this machine", again.over_limit), again.over_limit
     conversation = saved(logic)
     question, answer = conversation.messages
     assert "not the whole text" in question["document"]["note"] and question["content"] == "What is this?"
