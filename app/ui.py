@@ -268,7 +268,7 @@ def _wire_conversations(demo: gr.Blocks, page: ChatPage, logic: ChatLogic, on: _
               **LIGHT).then(on.update_meter, meter_inputs, page.meter, **METERING)
     page.conversations.input(on.moving(logic.open), [*leaving, page.conversations], moved, cancels=answering,
                              **LIGHT).then(on.update_meter, meter_inputs, page.meter, **METERING)
-    page.search.input(lambda query: gr.update(choices=logic.conversation_choices(query)), page.search,
+    page.search.change(lambda query: gr.update(choices=logic.conversation_choices(query)), page.search,
                       page.conversations, trigger_mode="always_last", **LIGHT)
     page.rename.click(on.once(logic.rename), [page.conversation, page.title], outputs, **LIGHT)
     page.delete.click(on.moving(logic.delete), [*leaving, page.conversation], moved, cancels=answering,
