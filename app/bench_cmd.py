@@ -18,10 +18,12 @@ def add_parser(commands, add_model_option) -> None:
     bench.add_argument("--draft-layers", type=int, default=24)
     bench.add_argument("--documents", nargs="+", metavar="FILE",
                        help="the documents of the auto suite (each answered with --prompt)")
-    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload", "auto", "dsi", "gpu"),
+    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload", "auto", "yardstick", "dsi", "gpu"),
                        default="trees",
                        help="trees: decoding modes side by side (default); auto: every mode and auto on "
-                            "several --documents, with the cost model's predictions; prefill: time to first token "
+                            "several --documents, with the cost model's predictions; yardstick: tokens per "
+                            "target forward of several drafters at 4-64 verified nodes, replayed on the greedy "
+                            "answers to --documents (hardware-independent); prefill: time to first token "
                             "for a first question, a follow-up and a reloaded document; longctx: every mode "
                             "including triforce on a long document; offload: a full "
                             "verification against a 128K offloaded KV cache on a CUDA GPU, random weights "
@@ -71,8 +73,8 @@ def run(args, load, check_draft_layers) -> int:
         return 0
     if args.repeats < 1:
         raise InputError(f"--repeats must be at least 1, got {args.repeats}")
-    if args.suite == "auto":
-        return _bench_auto(args, load)
+    if args.suite in ("auto", "yardstick"):
+        return _bench_documents(args, load)
     if args.document is None:
         raise InputError(f"the {args.suite} suite needs --document FILE")
     document = read_document_or_text(args.document)
@@ -100,17 +102,24 @@ def run(args, load, check_draft_layers) -> int:
     return 0
 
 
-def _bench_auto(args, load) -> int:
+def _bench_documents(args, load) -> int:
+    """The suites over several documents, each answered with --prompt: auto and yardstick."""
     from .documents import read_document_or_text, user_turn
 
     if not args.documents:
-        raise InputError("the auto suite needs --documents FILE [FILE ...]")
+        raise InputError(f"the {args.suite} suite needs --documents FILE [FILE ...]")
     texts = {Path(name).name: read_document_or_text(name) for name in args.documents}
     engine = load(args)
-    from ..benchmarks.auto import run_auto_bench
-
     prompts = {name: engine.chat_ids([{"role": "user", "content": user_turn(args.prompt, text)}])
                for name, text in texts.items()}
-    for path in run_auto_bench(engine, prompts, args.max_new_tokens, args.repeats, Path(args.out)):
+    if args.suite == "yardstick":
+        from ..benchmarks.yardstick import run_yardstick
+
+        paths = run_yardstick(engine, prompts, args.max_new_tokens, Path(args.out))
+    else:
+        from ..benchmarks.auto import run_auto_bench
+
+        paths = run_auto_bench(engine, prompts, args.max_new_tokens, args.repeats, Path(args.out))
+    for path in paths:
         print(path)
     return 0
