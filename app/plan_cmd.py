@@ -54,8 +54,9 @@ def run_profile(args) -> int:
 
 
 def profile_facts(profile) -> list[tuple[str, str]]:
-    """(label, text) for each line of the profile: CPU, RAM, torch, the GPUs, the t(n) curves.
-    `specchat profile` prints them as text, the app's Models & hardware tab as Markdown."""
+    """(label, text) for each line of the profile: CPU, RAM, torch, the GPUs, the CPU's linear path.
+    `specchat profile` prints them as text with the t(n) curves, the app's Models & hardware tab as
+    Markdown with the speeds in words."""
     facts = [("CPU", f"{profile.cpu.model}: {profile.cpu.logical_cores} logical cores"
               + (f", {profile.cpu.physical_cores} physical" if profile.cpu.physical_cores else "")),
              ("RAM", f"{human_size(profile.ram_total_bytes)} ({human_size(profile.ram_available_bytes)} available)"),
@@ -76,13 +77,46 @@ def profile_facts(profile) -> list[tuple[str, str]]:
                                            f"({human_size(gpu.vram_free_bytes)} free), compute "
                                            f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}, "
                                            f"bf16 {'yes' if gpu.bf16 else 'no'}; {rates}")))
-    facts += cpu_linear_facts(profile)
+    return facts + cpu_linear_facts(profile)
+
+
+def curve_facts(profile) -> list[tuple[str, str]]:
+    """Every measured t(n) curve, as `specchat profile` prints it."""
+    facts = []
     for curves in profile.curves:
         for times in curves.times:
             points = ", ".join(f"t({n})={ratio:.2f}" for n, ratio in zip(times.sizes, times.ratios))
             facts.append(("t(n)", (f"{curves.model_key} at {times.context:,} context on {times.device}: "
                                    f"{times.one_token_seconds * 1e3:.1f} ms per token; {points}")))
     return facts
+
+
+def speed_facts(profile) -> list[tuple[str, str]]:
+    """The speeds measured with this version's kernels, in words: one line per model and weights."""
+    from ..core.hardware import FORWARD_KERNELS
+
+    facts = []
+    for curves in profile.curves:
+        if not curves.times or not curves.model_key.endswith(f"#k{FORWARD_KERNELS}"):
+            continue  # measured with other kernels: not what the plan goes by
+        repo, _, rest = curves.model_key.partition("@")
+        weights = rest.partition(":")[2].partition("#")[0]
+        per_token = sorted(times.one_token_seconds * 1e3 for times in curves.times)
+        contexts = sorted(times.context for times in curves.times)
+        largest = max(curves.times[0].sizes)
+        checks = sorted(times.ratios[times.sizes.index(largest)] for times in curves.times if largest in times.sizes)
+        text = (f"{repo.rstrip('/').rpartition('/')[2]} ({weights}): {_span(per_token, '.0f')} ms per token at "
+                f"{_span(contexts, ',')} tokens of context")
+        if largest > 1 and checks:  # a forward of `largest` tokens: the last committed one and the drafts
+            text += (f"; checking {largest - 1} drafted tokens at once takes as long as "
+                     f"{_span(checks, '.1f')} one-token steps")
+        facts.append(("speed", text))
+    return facts
+
+
+def _span(values: list[float], spec: str) -> str:
+    low, high = format(values[0], spec), format(values[-1], spec)
+    return low if low == high else f"{low}-{high}"
 
 
 def cpu_linear_facts(profile) -> list[tuple[str, str]]:
@@ -104,11 +138,14 @@ def measured_note(profile) -> str:
 
 
 def profile_lines(profile) -> list[str]:
-    return [f"{label:5} {text}" for label, text in profile_facts(profile)] + [measured_note(profile)]
+    return [f"{label:5} {text}" for label, text in profile_facts(profile) + curve_facts(profile)] + [
+        measured_note(profile)]
 
 
 def profile_markdown(profile) -> str:
-    return "\n".join([f"- **{label}** {_escaped(text)}" for label, text in profile_facts(profile)]
+    """The app's words for the profile: each model's measured speed rather than its curves."""
+    facts = profile_facts(profile) + speed_facts(profile)
+    return "\n".join([f"- **{label}** {_escaped(text)}" for label, text in facts]
                      + ["", f"*{measured_note(profile)}*"])
 
 

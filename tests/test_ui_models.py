@@ -14,7 +14,7 @@ from standin_hub import hub_online
 from test_browser import ARTIFACTS, CHROMIUM, browser_or_skip, wait_for
 
 from specchat.app.engine_handle import EngineHandle
-from specchat.app.plan_cmd import memory_rows, plan_lines, plan_markdown, profile_markdown
+from specchat.app.plan_cmd import memory_rows, plan_lines, plan_markdown, profile_lines, profile_markdown
 from specchat.app.ui_models import (
     ModelsPanel,
     PairDownload,
@@ -81,6 +81,26 @@ def row_of(panel: ModelsPanel, pair_id: str, technical: bool = False) -> list[st
 
 
 # ---- renderers ------------------------------------------------------------------------------
+
+
+def test_the_tab_gives_each_model_s_measured_speed_in_words_and_the_cli_its_curves():
+    from specchat.core.hardware import FORWARD_KERNELS, ModelCurves
+    from specchat.core.speculative.forward_times import ForwardTimes
+
+    def times(context, ms, ratio16):
+        return ForwardTimes((1, 2, 17), (1.0, 1.1, ratio16), ms / 1e3, context, "cpu")
+
+    current = ModelCurves(f"HuggingFaceTB/SmolLM2-135M-Instruct@local:float32#k{FORWARD_KERNELS}",
+                          (times(256, 70.3, 2.13), times(8175, 91.9, 2.79)))
+    stale = ModelCurves(f"HuggingFaceTB/SmolLM2-135M-Instruct@local:float32#k{FORWARD_KERNELS - 1}",
+                        (times(256, 300.0, 9.0),))
+    profile = HardwareProfile.load(PROFILES / "cpu-only-32gb.json").with_curves(current).with_curves(stale)
+    text = profile_markdown(profile)
+    assert ("- **speed** SmolLM2-135M-Instruct (float32): 70-92 ms per token at 256-8,175 tokens of context; "
+            "checking 16 drafted tokens at once takes as long as 2.1-2.8 one-token steps") in text
+    assert "300" not in text and "t(2)" not in text  # the stale curve left out; no curves in the tab
+    lines = "\n".join(profile_lines(profile))
+    assert "t(17)=2.79" in lines and f"#k{FORWARD_KERNELS - 1}" in lines  # the CLI prints every curve
 
 
 def test_profile_and_plan_markdown_say_what_the_cli_says():
