@@ -212,7 +212,16 @@ def to_markdown(conversation: Conversation) -> str:
         else:
             parts.append("**specchat:**")
             parts.append(inert_markdown(answer_text(message)))
+            if message.get("versions"):
+                parts.append(_other_versions(message["versions"]))
     return for_terminal("\n\n".join(parts)) + "\n"
+
+
+def _other_versions(versions: list[dict]) -> str:
+    """Retry's other versions of an answer, folded away under the one shown."""
+    count = f"{len(versions)} other version{'s' if len(versions) > 1 else ''}"
+    texts = "\n\n---\n\n".join(inert_markdown(answer_text(version)) for version in versions)
+    return f"<details><summary>{count} of this answer (Retry)</summary>\n\n{texts}\n\n</details>"
 
 
 def _folded_document(document: dict) -> str:

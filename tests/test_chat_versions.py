@@ -11,7 +11,8 @@ import pytest
 from conftest import holding, run, saved
 from specchat.app import chat_versions as versions
 from specchat.app.chat_view import Settings, View
-from specchat.app.conversation import from_json, model_messages, to_json
+from specchat.app.conversation import from_json, model_messages, to_json, to_markdown
+from specchat.app.safe_markdown import inert_markdown
 from specchat.app.ui_chat_page import chat_page, render
 from specchat.core.errors import InputError
 
@@ -40,6 +41,9 @@ def test_retry_keeps_every_version_pages_through_them_and_the_conversation_goes_
     reopened = logic.open(conversation.id).conversation  # saved as paged: a reload shows the same version
     assert versions.pager(reopened) == (2, 3) and reopened.messages[-1]["content"] == answers[1]
     assert model_messages(reopened)[-1]["content"] == answers[1]  # what the model goes on from
+    exported = to_markdown(reopened)  # the shown version, then the others folded away
+    shown_at, folded_at = exported.index(inert_markdown(answers[1])), exported.index("2 other versions of this answer")
+    assert shown_at < folded_at < exported.index(inert_markdown(answers[0])) < exported.index(inert_markdown(answers[2]))
     assert logic.page_version(reopened, -5).conversation.messages[-1]["content"] == answers[0]  # stops at the first
     assert logic.page_version(reopened, 9).conversation.messages[-1]["content"] == answers[2]
 
