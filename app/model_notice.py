@@ -17,7 +17,7 @@ from ..core.files import human_size
 from ..core.hardware import HardwareProfile
 from ..core.registry import ModelPair, load_registry
 from .engine_handle import EngineHandle
-from .ui_models import PairDownload, download_markdown
+from .ui_models import EMBEDDED_NOTE, PairDownload, download_markdown
 
 EMBEDDED = "embedded"
 
@@ -80,8 +80,7 @@ class ModelNotice:
         snapshot = self.downloads.snapshot()
         if self.recommended is not None and snapshot.pair_id == self.recommended.id and snapshot.state != "idle":
             advice = download_markdown(snapshot) + (" Switching to it…" if snapshot.state == "downloaded" else "")
-        return (f"Model: {name} · {ready} · *a small offline demonstration model (135M parameters): it shows "
-                f"how specchat works, but its answers can repeat themselves or be wrong.* {advice}")
+        return f"Model: {name} · {ready} · *{EMBEDDED_NOTE[0].lower()}{EMBEDDED_NOTE[1:]}* {advice}"
 
     def _work_out_advice(self) -> None:
         try:

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
 
 POLL_SECONDS = 1.0
+# What the embedded model is for, in the chat's model line and the pairs table alike.
+EMBEDDED_NOTE = ("A small offline demonstration model (135M parameters): it shows how specchat works, but its "
+                 "answers can repeat themselves or be wrong.")
 PROFILE_WAIT_SECONDS = 2.0  # for the first read of the profile, before the pairs table probes without it
 PAIR_COLUMNS = ["ID", "Pair", "Context", "Size", "Fits this machine", "What it means", "On disk"]
 # The reasons are the long cells; the others are wide enough for an unbroken id or number at 800 px.
@@ -266,6 +269,13 @@ def switch_refusal(pair: ModelPair, registry: Registry, profile: HardwareProfile
     return f"**{pair.id}** is not downloaded: download it first ({human_size(pair.download_bytes)})."
 
 
+def _meaning(row: dict) -> str:
+    """The pair's fit in everyday words; the embedded model says what it is for, as the chat does."""
+    if row["source"] == "embedded":
+        return f"{EMBEDDED_NOTE} {row['fit_plain']}"
+    return row["fit_plain"]
+
+
 # ---- the tab's state, shared by every browser session ---------------------------------------
 
 
@@ -285,7 +295,7 @@ class ModelsPanel:
         profile = self.profiles.get(timeout=PROFILE_WAIT_SECONDS) or listing_profile()
         rows = [pair_row(pair, profile, self.registry) for pair in self.registry.pairs.values()]
         return [[row["id"], row["name"], f"{row['context_length']:,}", row["download"], row["fit"],
-                 row["fit_reason"] if technical else row["fit_plain"], row["status"]] for row in rows]
+                 row["fit_reason"] if technical else _meaning(row), row["status"]] for row in rows]
 
     def poll(self) -> dict[str, object]:
         """What the polled components show now. The pairs table reads the disk, so instead of it

@@ -279,6 +279,8 @@ def test_the_table_says_what_use_this_pair_does(caches, models_file, profile_nam
         else:
             assert row[4].startswith("does not fit") and refusal == f"⚠️ {row[5]}"
             assert plain.startswith("Too big for this computer")
+    embedded_plain = row_of(panel, "embedded")[5]  # says what it is for, as the chat's model line does
+    assert embedded_plain.startswith("A small offline demonstration model") and "Runs on " in embedded_plain
     verdicts = {pair_id: row_of(panel, pair_id)[4] for pair_id in ("embedded", "qwen2.5-7b")}
     if profile_name == "cpu-only-32gb":  # fits, with the notes the plan gives
         assert verdicts == {"embedded": "fits (CPU only)", "qwen2.5-7b": "fits (CPU only, slow)"}
