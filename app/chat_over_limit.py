@@ -56,7 +56,10 @@ def offer(chat: ChatLogic, meter: Meter, attachment: dict | None, question: str,
 
 def longer_pairs(registry_file: str | None, needed: int, current: str) -> list[tuple[str, str]]:
     """Pairs whose context holds `needed` tokens and that this machine can run (the plan's
-    verdict at their full context, as the Models tab shows it)."""
+    verdict at their full context, as the Models tab shows it), each labelled with its context,
+    its download (size, and whether it is here) and the plan's speed on this machine."""
+    from ..core.download import model_status
+    from ..core.files import human_size
     from ..core.registry import load_registry
     from .models_cmd import listing_profile, plan_fit
 
@@ -65,8 +68,19 @@ def longer_pairs(registry_file: str | None, needed: int, current: str) -> list[t
     if not candidates:
         return []
     profile = listing_profile()
-    return [(f"{pair.name} ({pair.context_length:,} tokens)", pair.id) for pair in candidates
-            if plan_fit(pair, profile, registry).fits]
+    labels = []
+    for pair in candidates:
+        fit = plan_fit(pair, profile, registry)
+        if not fit.fits:
+            continue
+        words = [f"{pair.context_length:,} tokens"]
+        if pair.source == "hub":
+            here = all(model_status(model).complete for model in pair.models)
+            words.append(f"{human_size(pair.download_bytes)}, " + ("downloaded" if here else "to download"))
+        if fit.tokens_per_second:
+            words.append(f"about {fit.tokens_per_second:.0f} tokens/s here")
+        labels.append((f"{pair.name} ({' · '.join(words)})", pair.id))
+    return labels
 
 
 def cut(chat: ChatLogic, where: str, message: str, attachment: dict | None, pasted: str,

@@ -81,6 +81,7 @@ class Fit:
     alternatives: tuple[Alternative, ...] = ()  # when it does not fit: what does, nearest first
     slow: bool = False  # it fits, but on the CPU, reading over `SLOW_ON_CPU_BYTES` of weights per token
     plain: str = ""  # the verdict in everyday words, for people who never heard of a KV cache
+    tokens_per_second: float | None = None  # the plan's predicted decode speed (None: not predicted, as on a CPU)
 
 
 def plan_fit(pair: ModelPair, profile: HardwareProfile, registry: Registry | None = None) -> Fit:
@@ -100,7 +101,8 @@ def plan_fit(pair: ModelPair, profile: HardwareProfile, registry: Registry | Non
             else ".")
         return Fit(False, verdict, str(refusal), refusal.alternatives, plain=plain)
     slow = plan.target_devices == ("cpu",) and _weight_bytes(plan) > SLOW_ON_CPU_BYTES
-    return Fit(True, _fit_verdict(plan, pair), _fit_reason(plan), slow=slow, plain=_fit_plain(plan, slow))
+    return Fit(True, _fit_verdict(plan, pair), _fit_reason(plan), slow=slow, plain=_fit_plain(plan, slow),
+               tokens_per_second=plan.predicted_tokens_per_second)
 
 
 def _fit_plain(plan: Plan, slow: bool) -> str:

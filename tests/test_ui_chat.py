@@ -74,6 +74,7 @@ def test_over_the_limit_nothing_is_sent_until_a_cut_is_chosen(logic):
     assert logic.store.list() == []  # nothing sent, nothing saved
     longer = dict((pair_id, label) for label, pair_id in view.longer_pairs)
     assert "embedded" in longer and all("tokens" in label for label in longer.values())
+    assert re.fullmatch(r"Qwen2\.5 7B Instruct.* \(131,072 tokens · [\d.]+ GB, to download\)", longer["qwen2.5-7b"]), longer
     switch = over_limit.switch_pair(logic.handle, logic.registry_file, "qwen2.5-7b")
     assert "not downloaded" in switch.status and "kept" in switch.status  # offline here: nothing to load
     cut = over_limit.cut(logic, "middle", "What is this?", view.attachment, "", None, SETTINGS)
@@ -318,3 +319,13 @@ def test_an_opened_conversation_brings_back_its_own_system_prompt_and_preset(log
     view = logic.open(conversation.id)
     assert (view.system, view.preset) == ("Answer in French.", "answer")
     assert (logic.newest().system, logic.newest().preset) == ("Answer in French.", "answer")  # after a reload
+
+
+def test_a_longer_pair_offered_on_a_gpu_says_its_download_and_its_speed_there(monkeypatch):
+    from specchat.app import models_cmd
+    from specchat.core.hardware import HardwareProfile
+
+    monkeypatch.setattr(models_cmd, "listing_profile", lambda: HardwareProfile.load(DATA / "profiles" / "rtx4090-24gb.json"))
+    offered = {pair_id: label for label, pair_id in over_limit.longer_pairs(None, 9000, "embedded")}
+    assert offered and all(re.search(r" · about \d+ tokens/s here\)$", label) for label in offered.values()), offered
+    assert all(re.search(r"· [\d.]+ GB, (downloaded|to download) ·", label) for label in offered.values())
