@@ -220,6 +220,7 @@ def _draw_yardstick(report: dict, plt):
         means.plot(budgets, [values[str(nodes)] for nodes in budgets], marker="o", label=label)
     means.set(xscale="log", xlabel="verified nodes per forward (root included)",
               ylabel="tokens committed per target forward (mean over documents)")
+    means.minorticks_off()
     means.set_xticks(budgets, [str(nodes) for nodes in budgets])
     means.set_title(f"{report['model']}, greedy, {report['max_new_tokens']} tokens per answer", fontsize=9)
     means.legend(fontsize=7)
@@ -232,4 +233,5 @@ def _draw_yardstick(report: dict, plt):
     per_document.axhline(1.0, color="gray", linewidth=0.8)
     per_document.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, fontsize=7)
     per_document.set_ylabel(f"tokens per forward at {nodes} nodes")
+    per_document.set_title("per document (colours as on the left)", fontsize=9)
     return figure
