@@ -18,7 +18,7 @@ from .report import device_label, write_report
 FIXED_MODES = {
     "plain": ("plain",),
     "chain (prompt lookup)": ("chain",),
-    "tree (prompt lookup)": ("tree",),
+    "tree (suffix tree)": ("tree",),
     "triforce (lookup -> retrieval 1K -> full)": ("triforce", TriforceSettings(draft="lookup")),
 }
 AGREEMENT = 0.25  # predicted and measured tok/s within 25% of each other

@@ -77,6 +77,7 @@ def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
 
 def _answer(engine: Engine, prompt_ids: list[int], max_new_tokens: int, run: tuple):
     mode, tree_draft, *triforce = run
+    engine.answers.clear()  # the same prompt answered again: the history would hand back the last answer
     options = TreeDraft(*tree_draft) if tree_draft else triforce[0] if triforce else None
     events = engine.generate(prompt_ids, Request(max_new_tokens, SamplingParams(), mode, options))
     return next(e.result for e in events if isinstance(e, Finished))
@@ -118,7 +119,7 @@ def run_bench(engine: Engine, prompt_ids: list[int], max_new_tokens: int, draft_
     runs = {
         "plain": ("plain", None),
         "chain (prompt lookup)": ("chain", None),
-        "tree (prompt lookup)": ("tree", None),
+        "tree (suffix tree)": ("tree", None),
         f"tree ({draft_layers}-layer draft, n={size}, d={depth})": ("tree", (draft, template)),
     }
     sizes = [2, 4, 8, 16, 32, 64, 128, 256, 512]

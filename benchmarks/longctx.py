@@ -27,7 +27,7 @@ def run_longctx_bench(engine: Engine, prompt_ids: list[int], max_new_tokens: int
     runs = {
         "plain": ("plain", None),
         "chain (prompt lookup)": ("chain", None),
-        "tree (prompt lookup)": ("tree", None),
+        "tree (suffix tree)": ("tree", None),
         f"tree ({draft_layers}-layer draft, n={template.size}, d={template.depth})": ("tree", (draft, template)),
         "triforce (lookup -> retrieval 1K -> full)": ("triforce", None, TriforceSettings(draft="lookup")),
         "triforce (retrieval 1K -> full)": ("triforce", None, TriforceSettings(draft="")),

@@ -23,7 +23,7 @@ from ..core.engine import Engine, Finished
 from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..core.speculative.drafters import PromptLookupDrafter
-from ..core.speculative.tree_drafters import PromptLookupTreeDrafter
+from ..core.speculative.suffix_drafter import SuffixDrafter
 from .ngram_peers import LlamaNgramMod, hf_prompt_lookup, llama_ngram_simple
 from .report import device_label, write_report
 
@@ -93,10 +93,6 @@ def drafters(vocab_size: int, eos_ids: frozenset[int]) -> dict[str, tuple[str, D
         "specchat lookup (chain)": ("PromptLookupDrafter(min_ngram=1), chain mode's drafter; fixed length "
                                     "instead of the cost model's choice",
                                     chain_drafter(lambda ids, most: _tokens(lookup.propose(ids, most)))),
-        "specchat lookup (tree)": ("PromptLookupTreeDrafter(PromptLookupDrafter(), max_depth=8), tree mode's "
-                                   "drafter; trimmed depth-first to the budget",
-                                   tree_drafter(lambda nodes: PromptLookupTreeDrafter(PromptLookupDrafter(vocab_size),
-                                                                                      max_depth=8))),
     }
     for num in (3, 10):
         entries[f"HF prompt lookup ({num})"] = (
@@ -108,12 +104,10 @@ def drafters(vocab_size: int, eos_ids: frozenset[int]) -> dict[str, tuple[str, D
                                                chain_drafter(lambda ids, most: llama_ngram_simple(ids, size_n=3)))
     entries["llama.cpp ngram-mod"] = ("ngram-mod rules, n_match=24, n_min=48, n_max=64 (defaults), exact table, "
                                       "cut to the budget", _ngram_mod)
-    suffix = _suffix_drafter()
-    if suffix is not None:
-        entries["suffix (tree)"] = ("SuffixDrafter(max_nodes=budget), no answer history",
-                                    tree_drafter(lambda nodes: suffix(vocab_size, max_nodes=nodes)))
-        entries["suffix (chain)"] = ("SuffixDrafter.draft, no answer history",
-                                     _suffix_chain(lambda: suffix(vocab_size)))
+    entries["suffix (tree)"] = ("SuffixDrafter(max_nodes=budget), tree mode's drafter; no answer history",
+                                tree_drafter(lambda nodes: SuffixDrafter(vocab_size, max_nodes=nodes)))
+    entries["suffix (chain)"] = ("SuffixDrafter.draft, no answer history",
+                                 _suffix_chain(lambda: SuffixDrafter(vocab_size)))
     return entries
 
 
@@ -125,15 +119,6 @@ def _ngram_mod(nodes: int) -> Propose:
     """A fresh table per answer: llama.cpp's is filled from each request's prompt."""
     mod = LlamaNgramMod()
     return chain_drafter(lambda ids, most: mod.draft(ids))(nodes)
-
-
-def _suffix_drafter():
-    """The suffix drafter when this checkout has it (core/speculative/suffix_drafter.py)."""
-    try:
-        from ..core.speculative.suffix_drafter import SuffixDrafter
-    except ImportError:
-        return None
-    return SuffixDrafter
 
 
 def _suffix_chain(make_drafter) -> DrafterFactory:

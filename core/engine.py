@@ -27,6 +27,7 @@ from .request import ModeOptions, Request
 from .runtime import EngineSettings
 from .sampling import make_generator
 from .speculative.dsi.runtime import DsiRuntime
+from .speculative.suffix_drafter import AnswerHistory
 from .speculative.step_times import StepTimes, default_relative
 from .speculative.types import DecodeState, Decoder
 from .textstream import TextStream
@@ -126,6 +127,7 @@ class Engine:
             prefixes, documents = ConversationSlot(), None
         self.prefixes = prefixes if prefixes is not None else PrefixStore(default_prefix_budget())  # recent answers
         self.documents = documents  # saved document caches on disk (None: off)
+        self.answers = AnswerHistory()  # recent answers' tokens, where the tree mode's drafter also looks
         self.stop_ids = _stop_ids(tokenizer, model)
         self.plan = plan  # core.planning.Plan for this machine, when the model is a registry pair
         self.calibration_key = calibration_key  # its step times' name in the machine's profile ("": none)
@@ -211,13 +213,13 @@ class Engine:
         return min(max_new_tokens, room)
 
     def _lookup_decoder(self, mode: str) -> Callable[[ModeOptions | None], Decoder]:
-        """Plain, chain or tree (prompt-lookup branches, or the request's tree draft)."""
+        """Plain, chain or tree (suffix-tree branches, or the request's tree draft)."""
         def build(tree_draft) -> Decoder:
             settings = self.settings
             relative = settings.step_times.relative if settings.step_times else default_relative
             draft = (tree_draft.model, tree_draft.template) if tree_draft is not None else None
             return make_decoder(mode, self.model.vocab_size, relative, settings.chain_drafts, draft,
-                                settings.tree_depth)
+                                settings.tree_size, self.answers)
         return build
 
     def _triforce_decoder(self, settings: TriforceSettings | None) -> Decoder:
@@ -256,6 +258,7 @@ class Engine:
                 if document_tokens and self.documents is not None and state.cache.length >= document_tokens:
                     self.documents.save_once(prompt_ids[:document_tokens], state.cache)
                 self.prefixes.put(state.ids[:state.cache.length].tolist(), state.cache)
+                self.answers.add(state.ids[len(prompt_ids):].tolist())
         if not finished:  # out of memory: this answer's KV goes, never kept for reuse
             del state, cache
             _free_accelerator_memory()

@@ -16,7 +16,7 @@ from .speculative.lookahead import MAX_DRAFT
 from .speculative.step_times import StepTimes
 from .speculative.tree_dp import cached_best_tree
 
-LOOKUP_TREE_DEPTH = 8
+DEFAULT_TREE_DEPTH = 8
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,8 @@ class EngineSettings:
     # (a pair's draft, DSI's instances); without a plan (a local model directory), the plan's CPU chunk.
     prefill_chunk: int = PREFILL_CHUNK_CPU
     chain_drafts: int = MAX_DRAFT  # most draft tokens per chain verification (the cost model picks fewer)
-    tree_size: int = 16  # a draft model's tree: nodes, root included
-    tree_depth: int = LOOKUP_TREE_DEPTH  # ... and levels (prompt-lookup trees: levels)
+    tree_size: int = 16  # a tree's nodes, root included: a draft model's, at most the suffix tree's
+    tree_depth: int = DEFAULT_TREE_DEPTH  # ... and a draft model's levels
     triforce: TriforceSettings = field(default_factory=TriforceSettings)
     # Keep recent answers' KV and saved documents; off (an offloaded KV, too large to copy): only the
     # conversation answered last keeps its KV, moved into the next answer (kv/conversation_slot.py).

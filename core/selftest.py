@@ -310,6 +310,7 @@ def greedy_identity(engine, mode: str, reference: PlainReference) -> CheckResult
     def body():
         prompt, plain = reference.get()
         triforce = replace(engine.settings.triforce, tree=TRIFORCE_TREE) if mode == "triforce-tree" else None
+        engine.answers.clear()  # else the tree drafts plain's own answer back, and any verifier passes
         result = _greedy(engine, prompt, "triforce" if mode == "triforce-tree" else mode, reference.new_tokens,
                          triforce)
         stats = result.stats

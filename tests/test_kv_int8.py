@@ -31,7 +31,7 @@ from specchat.core.selftest import chi_square_p_value
 from specchat.core.speculative.drafters import PromptLookupDrafter
 from specchat.core.speculative.lookahead import FixedLookahead
 from specchat.core.speculative.tree import Tree
-from specchat.core.speculative.tree_drafters import PromptLookupTreeDrafter
+from specchat.core.speculative.suffix_drafter import SuffixDrafter
 
 IDS = torch.arange(3, 50) % 97
 
@@ -149,7 +149,7 @@ def test_greedy_tree_with_an_8bit_kv_equals_greedy_plain_with_a_draft_model():
 def test_greedy_tree_with_an_8bit_kv_equals_greedy_plain_with_prompt_lookup_branches():
     assert_greedy_identity(
         [(seed, int8(tiny_llama(seed))) for seed in range(2)],
-        lambda seed, model: TreeDecoder(PromptLookupTreeDrafter(PromptLookupDrafter(model.vocab_size, min_ngram=1))),
+        lambda seed, model: TreeDecoder(SuffixDrafter(model.vocab_size)),
         24)
 
 

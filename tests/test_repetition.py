@@ -28,7 +28,8 @@ from specchat.core.speculative.dsi.orchestrator import DsiDecoder
 from specchat.core.speculative.hierarchy import ModelDrafter
 from specchat.core.speculative.lookahead import FixedLookahead
 from specchat.core.speculative.tree import Tree
-from specchat.core.speculative.tree_drafters import ModelTreeDrafter, PromptLookupTreeDrafter
+from specchat.core.speculative.suffix_drafter import SuffixDrafter
+from specchat.core.speculative.tree_drafters import ModelTreeDrafter
 from specchat.core.speculative.types import DecodeState
 from test_decoding import prompts, run
 from test_dsi import PREFILL_CHUNK, instances, run_dsi
@@ -124,8 +125,7 @@ def test_greedy_tree_with_penalties_equals_plain():
         models, lambda seed, model: TreeDecoder(ModelTreeDrafter(noisy_copy(seed, 0.3, weight_scale=8.0), TEMPLATE)),
         40, speculative_run)
     assert_identity_with_penalties(
-        models, lambda seed, model: TreeDecoder(PromptLookupTreeDrafter(PromptLookupDrafter(model.vocab_size,
-                                                                                            min_ngram=1))),
+        models, lambda seed, model: TreeDecoder(SuffixDrafter(model.vocab_size)),
         40, speculative_run, MILD)
 
 

@@ -222,3 +222,31 @@ def test_sampled_tree_with_suffix_drafts_samples_from_the_target():
         accepted += sum(s.accepted for s in steps)
     assert 0.1 * drafted < accepted < 0.9 * drafted
     assert chi_square_p_value(counts, exact) > 1e-3
+
+
+def test_the_engine_keeps_its_answers_and_a_retry_in_tree_mode_drafts_the_earlier_one(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from specchat.core.engine import Engine, Finished
+    from specchat.core.kv.prefix_store import PrefixStore
+    from specchat.core.model import TransformersLM
+    from specchat.core.placement import LoadOptions
+    from specchat.core.request import Request
+
+    model = TransformersLM.from_pretrained(tiny_model_dir, LoadOptions("float64", "cpu", None, None))
+    engine = Engine(model, AutoTokenizer.from_pretrained(tiny_model_dir), "tiny", prefixes=PrefixStore(0))
+    prompt = engine.chat_ids([{"role": "user", "content": "Tell me something."}])
+
+    def answer(mode):
+        return next(e.result for e in engine.generate(prompt, Request(24, SamplingParams(), mode))
+                    if isinstance(e, Finished))
+
+    first = answer("plain")
+    assert engine.answers.tokens_held == first.new_tokens
+    again = answer("tree")
+    assert again.token_ids == first.token_ids
+    # The history held the whole answer: every draft accepted, a few forwards of a 16-node tree.
+    assert again.stats.accepted_draft_tokens == again.stats.drafted_tokens >= first.new_tokens // 2
+    assert again.stats.target_forwards <= 6  # plain took 24
+    engine.answers.clear()
+    assert engine.answers.tokens_held == 0

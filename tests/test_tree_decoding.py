@@ -8,9 +8,9 @@ from conftest import tiny_llama
 from test_decoding import assert_greedy_identity, exact_sequence_probs, prompts, run
 from specchat.core.decoding import TreeDecoder
 from specchat.core.sampling import SamplingParams
-from specchat.core.speculative.drafters import PromptLookupDrafter
 from specchat.core.speculative.tree import Tree
-from specchat.core.speculative.tree_drafters import ModelTreeDrafter, PromptLookupTreeDrafter
+from specchat.core.speculative.suffix_drafter import SuffixDrafter
+from specchat.core.speculative.tree_drafters import ModelTreeDrafter
 
 # Root with 3 children; the first has 2 children, the second 1; depth 3 on the first branch.
 TEMPLATE = Tree((-1, 0, 0, 0, 1, 1, 2, 4))
@@ -34,10 +34,10 @@ def test_greedy_tree_equals_greedy_plain_with_a_draft_model():
                            lambda seed, model: model_tree_decoder(noisy_copy(seed, 0.3, weight_scale=8.0)), 40)
 
 
-def test_greedy_tree_equals_greedy_plain_with_prompt_lookup_branches():
+def test_greedy_tree_equals_greedy_plain_with_suffix_tree_branches():
     assert_greedy_identity(
         [(seed, tiny_llama(seed)) for seed in range(3)],
-        lambda seed, model: TreeDecoder(PromptLookupTreeDrafter(PromptLookupDrafter(model.vocab_size, min_ngram=1))),
+        lambda seed, model: TreeDecoder(SuffixDrafter(model.vocab_size)),
         50)
 
 

@@ -48,12 +48,6 @@ class PromptLookupDrafter(QueryBlind):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def continuations(self, ids: torch.Tensor, max_tokens: int, max_matches: int) -> list[torch.Tensor]:
-        """What followed the latest `max_matches` earlier occurrences of the text's last n
-        tokens, for the longest n in [min_ngram, max_ngram] that occurs; latest first."""
-        n, starts = self._match(ids)
-        return [ids[s + n:s + n + max_tokens] for s in starts[:max_matches]]
-
     def _match(self, ids: torch.Tensor) -> tuple[int, list[int]]:
         """(n, where the earlier occurrences of the last n tokens start, latest first) for the
         longest n that occurs; (0, []) when none does."""

@@ -53,6 +53,11 @@ class AnswerHistory:
     def match(self, query: list[int]) -> Match:
         return self.index.match(query)
 
+    def clear(self) -> None:
+        self._answers.clear()
+        self._held = 0
+        self.index = SuffixIndex()
+
 
 class SuffixDrafter(QueryBlind):
     """Both a `Drafter` (chain) and a `TreeDrafter`. It indexes the committed text incrementally:

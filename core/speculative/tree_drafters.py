@@ -2,7 +2,7 @@
 
 A `TreeProposal` holds the tree, its tokens (node 0 = the root = the last committed token) and,
 per node, the draft distribution Q its children were drawn from without replacement; `q=None`
-means the children were chosen deterministically (prompt-lookup branches, greedy top-k), which
+means the children were chosen deterministically (suffix-tree branches, greedy top-k), which
 verification treats as point-mass proposals.
 """
 
@@ -15,7 +15,7 @@ import torch
 from ..kv.retrieval import RetrievalCache
 from ..model import CausalLM
 from ..sampling import apply_penalties, sample_without_replacement, warp
-from .drafters import PromptLookupDrafter, QueryBlind
+from .drafters import QueryBlind
 from .tree import Tree
 
 
@@ -24,48 +24,6 @@ class TreeProposal:
     tree: Tree
     tokens: torch.Tensor  # [n] token per node; tokens[0] is the root
     q: torch.Tensor | None  # [n, vocab] draft distribution at each node, or None (deterministic)
-
-
-class PromptLookupTreeDrafter(QueryBlind):
-    """Several earlier occurrences of the text's last n-gram become sibling branches: a trie of
-    what followed each (latest occurrence first), so one forward checks them all."""
-
-    def __init__(self, lookup: PromptLookupDrafter, max_branches: int = 4, max_depth: int = 8):
-        self.lookup = lookup
-        self.max_branches = max_branches
-        self.max_depth = max_depth
-
-    def propose_tree(self, state, budget: int) -> TreeProposal | None:
-        ids = state.ids
-        depth = min(self.max_depth, budget - 1)
-        found = self.lookup.continuations(ids, depth, self.max_branches) if depth > 0 else []
-        if not found:
-            return None
-        trie: dict = {}
-        for continuation in found:
-            node = trie
-            for token in continuation.tolist():
-                node = node.setdefault(token, {})
-        parents, tokens = [-1], [int(ids[-1])]
-        level = [(0, trie)]
-        while level:  # breadth first: parents before children, siblings in insertion order
-            next_level = []
-            for index, branches in level:
-                for token, subtree in branches.items():
-                    parents.append(index)
-                    tokens.append(token)
-                    next_level.append((len(parents) - 1, subtree))
-            level = next_level
-        return TreeProposal(Tree(tuple(parents)), torch.tensor(tokens), None)
-
-    def prepare(self, state) -> None:
-        """Model-free: nothing to bring up to date."""
-
-    def accept(self, path: list[int]) -> None:
-        """Model-free: nothing to update."""
-
-    def counts(self) -> dict[str, dict[str, int]]:
-        return {}
 
 
 class ModelTreeDrafter(QueryBlind):
