@@ -154,7 +154,7 @@ def test_a_divergence_at_a_rounding_tie_passes_and_any_other_fails(monkeypatch):
     monkeypatch.setattr(selftest, "_greedy", lambda engine, prompt, mode, new_tokens, triforce=None:
                         SimpleNamespace(token_ids=answers[mode], stats=stats))
     engine = SimpleNamespace(chat_ids=lambda messages: [0], settings=SimpleNamespace(triforce=SimpleNamespace(draft="lookup")),
-                             auto_mode="chain",
+                             auto_mode="chain", answers=SimpleNamespace(clear=lambda: None),
                              model=SimpleNamespace(dtype=torch.bfloat16))
     gaps = []
     monkeypatch.setattr(selftest, "_logit_gap", lambda engine, ids, chosen, other: gaps.append(ids) or gap)
