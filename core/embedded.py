@@ -62,6 +62,10 @@ def load_gguf(path: Path):
     return model.eval(), tokenizer
 
 
+def _complete(converted: Path) -> bool:
+    return (converted / "config.json").is_file() and (converted / "model.safetensors").is_file()
+
+
 def ensure_converted(progress: Callable[[str], None] = print, root: Path | None = None) -> Path:
     """The converted model directory, converting the GGUF first if it is not there yet.
 
@@ -69,7 +73,7 @@ def ensure_converted(progress: Callable[[str], None] = print, root: Path | None 
     leaves no half-written model behind.
     """
     target = converted_dir(root)
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _complete(target):
         return target
     source = gguf_path()
     progress(f"Converting the embedded model once ({source.name} -> safetensors in {target}); "
@@ -80,9 +84,13 @@ def ensure_converted(progress: Callable[[str], None] = print, root: Path | None 
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
         convert(source, staging)
-        if target.exists():
+        if target.exists() and not _complete(target):  # a leftover, never another process's result
             shutil.rmtree(target)
-        staging.rename(target)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not _complete(target):  # not a second specchat that converted it first
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     progress(f"Embedded model ready in {target}")

@@ -86,6 +86,23 @@ def test_a_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     assert list((tmp_path / "embedded").iterdir()) == []
 
 
+def test_a_second_process_converting_at_once_keeps_the_first_ones_model(tmp_path, monkeypatch):
+    """Two specchat processes on a fresh machine (or two test workers) both convert: the one that
+    finishes second must neither delete the model the first put in place nor fail."""
+    target = embedded.converted_dir(tmp_path)
+
+    def the_other_finishes_first(source, out):
+        for folder, text in ((target, "first"), (out, "second")):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "config.json").write_text(text)
+            (folder / "model.safetensors").write_text(text)
+
+    monkeypatch.setattr(gguf_convert, "convert", the_other_finishes_first)
+    assert embedded.ensure_converted(lambda _: None, root=tmp_path) == target
+    assert (target / "config.json").read_text() == "first"
+    assert [p.name for p in target.parent.iterdir()] == [target.name]
+
+
 def test_config_is_read_from_the_gguf_metadata():
     config = gguf_convert.hf_config_dict(gguf_convert.read_gguf(embedded.gguf_path()))
     assert config == {
