@@ -18,12 +18,14 @@ def add_parser(commands, add_model_option) -> None:
     bench.add_argument("--draft-layers", type=int, default=24)
     bench.add_argument("--documents", nargs="+", metavar="FILE",
                        help="the documents of the auto suite (each answered with --prompt)")
-    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload", "auto", "yardstick", "dsi", "gpu"),
+    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload", "auto", "yardstick", "peers", "dsi",
+                                                  "gpu"),
                        default="trees",
                        help="trees: decoding modes side by side (default); auto: every mode and auto on "
                             "several --documents, with the cost model's predictions; yardstick: tokens per "
                             "target forward of several drafters at 4-64 verified nodes, replayed on the greedy "
-                            "answers to --documents (hardware-independent); prefill: time to first token "
+                            "answers to --documents (hardware-independent); peers: specchat plain and auto against "
+                            "transformers' greedy generate and its prompt lookup on --documents; prefill: time to first token "
                             "for a first question, a follow-up and a reloaded document; longctx: every mode "
                             "including triforce on a long document; offload: a full "
                             "verification against a 128K offloaded KV cache on a CUDA GPU, random weights "
@@ -73,7 +75,7 @@ def run(args, load, check_draft_layers) -> int:
         return 0
     if args.repeats < 1:
         raise InputError(f"--repeats must be at least 1, got {args.repeats}")
-    if args.suite in ("auto", "yardstick"):
+    if args.suite in ("auto", "yardstick", "peers"):
         return _bench_documents(args, load)
     if args.document is None:
         raise InputError(f"the {args.suite} suite needs --document FILE")
@@ -103,7 +105,7 @@ def run(args, load, check_draft_layers) -> int:
 
 
 def _bench_documents(args, load) -> int:
-    """The suites over several documents, each answered with --prompt: auto and yardstick."""
+    """The suites over several documents, each answered with --prompt: auto, yardstick and peers."""
     from .documents import read_document_or_text, user_turn
 
     if not args.documents:
@@ -116,6 +118,11 @@ def _bench_documents(args, load) -> int:
         from ..benchmarks.yardstick import run_yardstick
 
         paths = run_yardstick(engine, prompts, args.max_new_tokens, Path(args.out))
+    elif args.suite == "peers":
+        from ..benchmarks.peers import run_peers_bench
+
+        peer = _as_transformers_ships_it(getattr(args, "model", "embedded"), engine)
+        paths = run_peers_bench(engine, peer, prompts, args.max_new_tokens, args.repeats, Path(args.out))
     else:
         from ..benchmarks.auto import run_auto_bench
 
@@ -123,3 +130,20 @@ def _bench_documents(args, load) -> int:
     for path in paths:
         print(path)
     return 0
+
+
+def _as_transformers_ships_it(model_id: str, engine):
+    """The engine's weights loaded by transformers alone (its attention and linears), for the
+    peers suite: the embedded model or a model directory."""
+    from transformers import AutoModelForCausalLM
+
+    from ..core import embedded
+
+    if engine.name == embedded.EMBEDDED_ID:
+        path = embedded.ensure_converted(lambda line: None)
+    elif (Path(model_id) / "config.json").is_file():
+        path = Path(model_id)
+    else:
+        raise InputError("the peers suite compares with transformers on the embedded model or a model directory "
+                         f"(--model DIR), not a registry pair ({model_id!r})")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=engine.model.hf.dtype).eval()

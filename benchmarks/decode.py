@@ -56,7 +56,7 @@ def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
     baseline = None
     for round_index in range(repeats):  # the first round in the given order: plain first, as the baseline
         for label in (labels if round_index == 0 else order.sample(labels, len(labels))):
-            result = _answer(engine, prompt_ids, max_new_tokens, runs[label])
+            result = timed_answer(engine, prompt_ids, max_new_tokens, runs[label])
             baseline = baseline or result.token_ids
             speeds[label].append(result.stats.tokens_per_second)
             stats = result.stats
@@ -75,7 +75,7 @@ def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
     return {label: rows[label] for label in labels}
 
 
-def _answer(engine: Engine, prompt_ids: list[int], max_new_tokens: int, run: tuple):
+def timed_answer(engine: Engine, prompt_ids: list[int], max_new_tokens: int, run: tuple):
     mode, tree_draft, *triforce = run
     engine.answers.clear()  # the same prompt answered again: the history would hand back the last answer
     options = TreeDraft(*tree_draft) if tree_draft else triforce[0] if triforce else None

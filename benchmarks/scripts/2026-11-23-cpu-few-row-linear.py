@@ -14,7 +14,7 @@ import torch
 
 from specchat.app.documents import user_turn
 from specchat.core import cpu_linear
-from specchat.benchmarks.decode import _answer
+from specchat.benchmarks.decode import timed_answer
 from specchat.benchmarks.report import device_label
 from specchat.core.loading import load_engine
 
@@ -67,7 +67,7 @@ def main() -> None:
     for _ in range(3):
         for variant in VARIANTS:
             cpu_linear.FewRowLinear.forward = VARIANTS[variant]
-            result = _answer(engine, prompt, 64, ("plain", None))
+            result = timed_answer(engine, prompt, 64, ("plain", None))
             speeds[variant].append(round(result.stats.tokens_per_second, 2))
             answers[variant] = result.token_ids
     report["plain_decoding"] = {"document": DOCUMENT.name, "prompt_tokens": len(prompt), "new_tokens": 64,

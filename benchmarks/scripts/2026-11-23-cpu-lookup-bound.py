@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from specchat.app.documents import user_turn
-from specchat.benchmarks.decode import _answer
+from specchat.benchmarks.decode import timed_answer
 from specchat.benchmarks.report import device_label
 from specchat.core.decoding import DecodeState, make_decoder
 from specchat.core.loading import load_engine
@@ -200,7 +200,7 @@ def main() -> None:
     for name in DOCUMENTS:
         text = (DATA / name).read_text()
         prompt = engine.chat_ids([{"role": "user", "content": user_turn("Summarize this document.", text)}])
-        answer = _answer(engine, prompt, NEW_TOKENS, ("plain", None)).token_ids
+        answer = timed_answer(engine, prompt, NEW_TOKENS, ("plain", None)).token_ids
         curve = [relative(n, len(prompt)) for n in range(1, MOST_ROWS + 1)]
         cost = {n: min(curve[n - 1:]) for n in range(1, MOST_ROWS + 1)}
         tokens = len(answer) - 1
