@@ -123,7 +123,9 @@ class Engine:
         self.settings = settings
         self.draft = draft  # a pair's separate draft model, if any
         self.draft_name = draft_name
-        if not settings.keep_prefixes:
+        # An offloaded KV (pinned host memory) is held once, never copied per prefix: however the
+        # engine was built (runtime.py plans keep_prefixes=False for one).
+        if not settings.keep_prefixes or getattr(model, "offload_capacity", None) is not None:
             prefixes, documents = ConversationSlot(), None
         self.prefixes = prefixes if prefixes is not None else PrefixStore(default_prefix_budget())  # recent answers
         self.documents = documents  # saved document caches on disk (None: off)

@@ -86,3 +86,14 @@ def test_the_slot_moves_its_cache_and_never_copies(offloaded_parts):
     assert len(slot) == 1 and slot.best_length([5, 6]) == 0
     taken, length = slot.take([5, 6])
     assert taken is cache and length == 0 and len(slot) == 0
+
+
+def test_an_engine_built_by_hand_over_an_offloaded_model_keeps_one_slot(offloaded_parts):
+    """Settings that ask to keep prefixes (the default) cannot give an offloaded model a store of
+    cache copies in pinned memory: the engine takes the slot from the model itself."""
+    engine = Engine(*offloaded_parts, "tiny")
+    assert isinstance(engine.prefixes, ConversationSlot) and engine.documents is None
+    first = answer(engine, conversation("")[:1])
+    follow_up = answer(engine, conversation(first.text))
+    from_scratch = answer(Engine(*offloaded_parts, "tiny", settings=OFFLOADED), conversation(first.text))
+    assert follow_up.token_ids == from_scratch.token_ids and follow_up.stats.reused_from == "memory"
