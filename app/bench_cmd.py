@@ -146,4 +146,4 @@ def _as_transformers_ships_it(model_id: str, engine):
     else:
         raise InputError("the peers suite compares with transformers on the embedded model or a model directory "
                          f"(--model DIR), not a registry pair ({model_id!r})")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=engine.model.hf.dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=engine.model.dtype).eval()
