@@ -18,16 +18,16 @@ def add_parser(commands, add_model_option) -> None:
     bench.add_argument("--draft-layers", type=int, default=24)
     bench.add_argument("--documents", nargs="+", metavar="FILE",
                        help="the documents of the auto suite (each answered with --prompt)")
-    bench.add_argument("--suite", choices=("trees", "prefill", "longctx", "offload", "auto", "yardstick", "peers", "dsi",
-                                                  "gpu"),
+    bench.add_argument("--suite",
+                       choices=("trees", "prefill", "longctx", "offload", "auto", "yardstick", "peers", "dsi", "gpu"),
                        default="trees",
                        help="trees: decoding modes side by side (default); auto: every mode and auto on "
                             "several --documents, with the cost model's predictions; yardstick: tokens per "
                             "target forward of several drafters at 4-64 verified nodes, replayed on the greedy "
-                            "answers to --documents (hardware-independent); peers: specchat plain and auto against "
-                            "transformers' greedy generate and its prompt lookup on --documents; prefill: time to first token "
-                            "for a first question, a follow-up and a reloaded document; longctx: every mode "
-                            "including triforce on a long document; offload: a full "
+                            "answers to --documents (hardware-independent); peers: specchat plain and auto "
+                            "against transformers' greedy generate and its prompt lookup on --documents; "
+                            "prefill: time to first token for a first question, a follow-up and a reloaded "
+                            "document; longctx: every mode including triforce on a long document; offload: a full "
                             "verification against a 128K offloaded KV cache on a CUDA GPU, random weights "
                             "of Llama-3.1-8B's shape (no document, no download); dsi: the DSI paper's simulation, "
                             "plain, SI and DSI over draft latency x acceptance with forwards replaced by waits "
