@@ -93,12 +93,15 @@ class EngineHandle:
 
     def calibration_note(self) -> str:
         """While the first launch measures this machine's step times between answers, a few words
-        saying so (speculation is sized by stated defaults until then); else ""."""
+        saying so (speculation is sized by stated defaults until then), or that it gave up; else ""."""
         with self._lock:
             engine = self._engine if self._ready.is_set() and self._error is None else None
         calibration = getattr(engine, "idle_calibration", None)
-        if calibration is None or calibration.finished:
+        if calibration is None:
             return ""
+        if calibration.finished:
+            return ("this machine was too busy to measure its speed: default step costs until the next start"
+                    if calibration.gave_up else "")
         done = len(calibration.measured)
         return f"measuring this machine's speed between answers ({done} of {done + len(calibration.pending)})"
 

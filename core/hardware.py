@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .env_settings import env_number
 from .files import write_atomically
-from .speculative.forward_times import ForwardTimes
+from .speculative.forward_times import ForwardTimes, disturbed
 
 FORMAT_VERSION = 1  # of the profile and curve files; bump when a field changes meaning
 VRAM_LIMIT_ENV = "SPECCHAT_VRAM_LIMIT"  # GB per GPU; `--vram-limit` sets it, so worker processes see it too
@@ -344,6 +344,10 @@ def read_curves(path: Path) -> ModelCurves:
         data = json.loads(path.read_text())
         if data.pop("version") != FORMAT_VERSION:
             raise ValueError(f"format version is not {FORMAT_VERSION}")
-        return _curves_from_dict(data)
+        curves = _curves_from_dict(data)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path} is not a curves file: {error}") from None
+    reasons = disturbed(curves.times)  # saved before calibration checked for a busy machine
+    if reasons:
+        raise ValueError(f"{path} was measured on a busy machine: {'; '.join(reasons.values())}")
+    return curves

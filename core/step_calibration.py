@@ -21,12 +21,16 @@ from pathlib import Path
 
 from .files import write_atomically
 from .hardware import FORMAT_VERSION, ModelCurves, cache_dir, curves_path, probe_key, read_curves
+from .speculative.forward_times import ForwardTimes, disturbed
 from .speculative.lookahead import MAX_DRAFT
 from .speculative.step_times import StepTimes
 
 # Verification sizes the cost model chooses among: up to MAX_DRAFT drafts and the root.
 SIZES = (2, 3, 4, 5, 6, 8, 12, MAX_DRAFT + 1)
 CURVE_REPEATS = 3
+# Contexts measured again, in all, when a busy machine disturbed them (`forward_times.disturbed`);
+# past that nothing is kept and the next start measures anew.
+REMEASURES = 4
 
 
 def contexts_for(context_length: int) -> list[int]:
@@ -59,19 +63,61 @@ def saved_step_times(model, model_key: str, context_length: int) -> tuple[StepTi
     return None, fitting_contexts(model, contexts, list(SIZES))
 
 
+class CurveSeries:
+    """A calibration's contexts still to measure (`pending`, shortest first) and its curves so far
+    (`measured`): each new curve is checked with the others, and a context a busy machine disturbed
+    is measured again, up to REMEASURES times in all."""
+
+    def __init__(self, contexts: list[int]):
+        self.pending = sorted(contexts)
+        self.measured: list[ForwardTimes] = []
+        self.remeasures_left = REMEASURES
+
+    def record(self, times: ForwardTimes) -> str | None:
+        """Take the curve of `pending[0]`; None, or why the series is given up (too many disturbed)."""
+        found = disturbed([*self.measured, times])
+        if not found:
+            self.measured.append(times)
+            self.pending.pop(0)
+            return None
+        if self.remeasures_left == 0:
+            self.pending, self.measured = [], []
+            return "; ".join(found.values())
+        self.remeasures_left -= 1
+        if times.context not in found:  # it shows shorter contexts were slowed: those are measured again
+            self.measured.append(times)
+            self.pending.pop(0)
+        self.measured = [kept for kept in self.measured if kept.context not in found]
+        self.pending = sorted({*self.pending, *found})
+        return None
+
+    def curves(self) -> list[ForwardTimes]:
+        return sorted(self.measured, key=lambda times: times.context)
+
+
 class IdleCalibration:
     """The first use's calibration as the app runs it: between answers, a forward at a time
     (`steps`), so a question waits for one forward of it at most. A question that comes in the
     middle of a context closes `steps`: that context's cache and samples are dropped and it is
     measured again at the next idle spell; finished contexts are kept. When the last one is
-    measured the curves are saved and the engine answers by them (`Engine.use_step_times`)."""
+    measured the curves are saved and the engine answers by them (`Engine.use_step_times`); if the
+    machine stayed too busy to measure (`gave_up`), nothing is saved and the next start tries again."""
 
     def __init__(self, engine, model_key: str, contexts: list[int], sizes: tuple[int, ...] = SIZES,
                  repeats: int = CURVE_REPEATS, root: Path | None = None):
         self.engine, self.model_key, self.sizes, self.repeats, self.root = engine, model_key, list(sizes), repeats, root
-        self.pending = list(contexts)  # still to measure, shortest first
+        self.series = CurveSeries(contexts)
         self._done = False
-        self.measured: list = []  # ForwardTimes of the contexts done
+        self.gave_up: str | None = None
+
+    @property
+    def pending(self) -> list[int]:
+        """The contexts still to measure, shortest first."""
+        return self.series.pending
+
+    @property
+    def measured(self) -> list[ForwardTimes]:
+        return self.series.measured
 
     @property
     def finished(self) -> bool:
@@ -91,10 +137,9 @@ class IdleCalibration:
                     if not out_of_memory(error):
                         raise
                     break  # the longer contexts would not fit either
-                self.measured.append(times)
-                self.pending.pop(0)
+                self.gave_up = self.series.record(times)
             if self.measured:
-                self.engine.use_step_times(StepTimes.of(save_curves(self.model_key, self.measured, self.root)))
+                self.engine.use_step_times(StepTimes.of(save_curves(self.model_key, self.series.curves(), self.root)))
         except GeneratorExit:
             raise  # a job came: the unfinished context is measured again at the next idle spell
         except BaseException:
@@ -117,21 +162,28 @@ def measure_curves(model, model_key: str, contexts: list[int], sizes: list[int],
         return cached
     from .speculative.optimizer import measure_forward_times  # torch: only when measuring
 
-    times = []
-    fitting = fitting_contexts(model, contexts, sizes)
-    for index, context in enumerate(fitting):
+    series = CurveSeries(fitting_contexts(model, contexts, sizes))
+    total = len(series.pending)
+    while series.pending:
+        context = series.pending[0]
         if progress is not None:
             progress(f"Calibrating on this machine, once: forward times at {context:,} tokens of context "
-                     f"({index + 1}/{len(fitting)})...")
+                     f"({len(series.measured) + 1}/{total})...")
         try:
-            times.append(measure_forward_times(model, context, sizes, repeats))
+            times = measure_forward_times(model, context, sizes, repeats)
         except Exception as error:
             if not out_of_memory(error):
                 raise
             break
-    if not times:
+        gave_up = series.record(times)
+        if gave_up is not None:
+            if progress is not None:
+                progress(f"Calibration skipped: this machine was too busy to time it ({gave_up}); default step "
+                         "costs are used until it is measured again, at the next start.")
+            return None
+    if not series.measured:
         raise ValueError(f"no context of {contexts} fits {model_key}")
-    return save_curves(model_key, times, root)
+    return save_curves(model_key, series.curves(), root)
 
 
 def saved_curves(model, model_key: str, contexts: list[int], sizes: list[int],

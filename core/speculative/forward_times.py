@@ -6,12 +6,18 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..files import write_atomically
 
 FORMAT_VERSION = 1  # of the ForwardTimes JSON file
+
+# How far one timing may stray from the others before a curve is taken for a busy machine's: a
+# quiet one keeps t(n) within about 15% of smooth, a second program running drives single
+# timings 2-7x off (a saved curve had t(2) = 3.5, t(5) = 0.37 and a 4K token slower than an 8K one).
+SLACK = 0.6
 
 
 @dataclass(frozen=True)
@@ -64,3 +70,29 @@ class ForwardTimes:
                        **data)
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"{path} is not a valid forward-times file: {error!r}") from error
+
+
+
+def disturbed(curves: Sequence[ForwardTimes]) -> dict[int, str]:
+    """The contexts of `curves` (one model's, any order) whose timings a busy machine disturbed,
+    each with why. Verifying more tokens at once costs no less than fewer, and a token costs no
+    less at a longer context: each t(n) must reach SLACK of the largest t of fewer tokens (t(1) = 1
+    included), and each one-token time SLACK of any shorter context's. A busy spell only ever adds
+    time, so of two contexts out of order the shorter, slower one is the disturbed one."""
+    found = {}
+    for times in curves:
+        largest = 0.0
+        for n, ratio in zip(times.sizes, times.ratios):
+            if ratio < SLACK * largest:
+                found[times.context] = (f"t({n}) = {ratio:.2f} at {times.context:,} tokens of context, under "
+                                        f"{SLACK:.0%} of a smaller verification's {largest:.2f}")
+                break
+            largest = max(largest, ratio)
+    for shorter in curves:
+        for longer in curves:
+            if (longer.context > shorter.context and shorter.context not in found
+                    and longer.one_token_seconds < SLACK * shorter.one_token_seconds):
+                found[shorter.context] = (
+                    f"a token at {shorter.context:,} tokens of context took {shorter.one_token_seconds * 1e3:.1f} "
+                    f"ms, over {1 / SLACK:.2g}x the {longer.one_token_seconds * 1e3:.1f} ms at {longer.context:,}")
+    return found
