@@ -8,7 +8,7 @@ from conftest import needs_cuda, tiny_llama
 from test_decoding import prompts, run
 from specchat.core.decoding import TriforceSettings, triforce_decoder
 from specchat.core.kv.offload import OffloadedCache
-from specchat.core.kv.retrieval import RetrievalCache, select_positions
+from specchat.core.kv.retrieval import RetrievalCache, select_by_chunk_means, select_positions
 from specchat.core.kv.streaming import StreamingCache, streaming_positions
 from specchat.core.sampling import SamplingParams
 from specchat.core.speculative.tree import Tree
@@ -92,6 +92,69 @@ def test_selection_keeps_sink_recent_and_each_kv_heads_own_chunks():
     assert not set(range(40, 44)) <= set(kept[0].tolist())  # head 0 did not take head 1's chunk
     assert torch.equal(select_positions(queries, keys, budget=64, chunk_size=4, recent=8),
                        torch.arange(64).expand(2, 64))
+
+
+def test_chunk_means_choose_each_kv_heads_own_chunks_too():
+    """TriForce's proxy over the same keys: the planted chunks stand out in their mean keys."""
+    kv_heads, length, head_dim = 2, 64, 4
+    keys = torch.zeros(kv_heads, length, head_dim)
+    keys[0, 16:20, 0] = 5.0
+    keys[1, 40:44, 1] = 5.0
+    queries = torch.zeros(4, head_dim)
+    queries[0:2, 0] = 3.0
+    queries[2:4, 1] = 3.0
+    means = keys.reshape(kv_heads, 16, 4, head_dim).mean(2)
+    kept = select_by_chunk_means(queries, means, length, budget=16, chunk_size=4, recent=8)
+    assert torch.equal(kept, select_positions(queries, keys, budget=16, chunk_size=4, recent=8))
+    assert torch.equal(select_by_chunk_means(queries, means, length, budget=64, chunk_size=4, recent=8),
+                       torch.arange(64).expand(2, 64))
+
+
+def test_an_offloaded_cache_s_chunk_means_follow_every_change_and_recompute_only_those():
+    model = tiny_llama(3)
+    cache = OffloadedCache(model.config, 64, "cpu", model.dtype)
+    ids = torch.arange(3, 63) % 97
+
+    def expected(length):
+        return [keys[0, :, :length // 4 * 4].reshape(keys.shape[1], -1, 4, keys.shape[-1]).mean(2)
+                for keys, _ in cache.layers()]
+
+    def check():
+        for got, want in zip(cache.chunk_means(4, "cpu"), expected(cache.length), strict=True):
+            torch.testing.assert_close(got, want.to(got.dtype))
+
+    model.forward(ids[:30], torch.arange(30), cache)
+    check()
+    assert cache._chunk_means.valid == 7  # 30 positions: 7 complete chunks
+    model.forward(ids[30:41], torch.arange(30, 41), cache)  # a verification...
+    cache.trim(33)  # ...of which 3 were accepted
+    assert cache._chunk_means.valid == 7  # chunk 7 (28-31) was still incomplete: nothing to redo
+    check()
+    cache.trim(10)  # another conversation shares the first 10 positions
+    model.forward(ids[40:60], torch.arange(10, 30), cache)
+    assert cache._chunk_means.valid == 2
+    check()
+    cache.keep(torch.tensor([*range(20), 25, 26, 27]))  # a tree's accepted path
+    assert cache._chunk_means.valid == 5
+    check()
+
+
+@pytest.mark.parametrize("tree", [None, Tree((-1, 0, 0, 1, 1, 3))])
+def test_greedy_triforce_over_an_offloaded_cache_equals_plain_with_chunk_means(tree, monkeypatch):
+    """On the CPU as on a GPU (the CUDA test below): the retrieval stage over an offloaded KV chooses
+    its chunks by their mean keys; only its proposals change."""
+    model = tiny_llama(4, dtype=torch.float64, weight_scale=8.0)
+    prompt = prompts(4)["n-gram hits"]
+    plain, _ = run(model, prompt, "plain", SamplingParams(), 30)
+    model.offload_capacity = 128
+    asked = []
+    means = OffloadedCache.chunk_means
+    monkeypatch.setattr(OffloadedCache, "chunk_means", lambda *args: asked.append(1) or means(*args))
+    settings = TriforceSettings(draft="skip1", budget=24, chunk_size=4, recent=8, stride=8, sinks=2, window=16,
+                                tree=tree)
+    speculative, _ = run(model, prompt, "triforce", SamplingParams(), 30,
+                         triforce_decoder(model, settings, prefill_chunk=PREFILL_CHUNK))
+    assert speculative == plain and asked  # len(prompt) = 70: more than the budget
 
 
 def test_retrieval_cache_attends_its_selection_and_rolls_back_to_its_build():

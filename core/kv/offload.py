@@ -19,6 +19,8 @@ from typing import Iterable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .chunk_means import ChunkMeans
+
 
 class OffloadedCache:
     """A `KVCache` of fixed capacity whose slots are the positions 0 .. length-1, like `FullCache`."""
@@ -38,6 +40,7 @@ class OffloadedCache:
         self.fetched_bytes = 0  # host-to-device traffic, so tests and benchmarks can account for it
         # overlap=False copies each layer when it is needed (TriForce's reference): a baseline.
         self._streamer = _Streamer(self, shape, dtype, overlap) if streamed else None
+        self._chunk_means: ChunkMeans | None = None  # the retrieval stage's, once it asks (`chunk_means`)
         self.transformers_cache = _StreamedKV(self)
 
     @property
@@ -59,6 +62,11 @@ class OffloadedCache:
     @property
     def num_layers(self) -> int:
         return len(self._host)
+
+    def layer_shape(self, length: int) -> tuple[int, ...]:
+        """The shape of one layer's keys (and values) for `length` positions, as `layers` gives them."""
+        kv_heads, _, head_dim = self._host[0][0].shape
+        return (1, kv_heads, length, head_dim)
 
     @property
     def nbytes(self) -> int:
@@ -83,12 +91,14 @@ class OffloadedCache:
             host_k[:, :length].copy_(keys[0])
             host_v[:, :length].copy_(values[0])
         self._length = length
-        self._changed()
+        self._changed(0)
 
     def trim(self, length: int) -> None:
         if length > self._length:
             raise ValueError(f"cannot trim a cache of {self._length} positions to {length}")
         self._length = length  # a prefetched prefix stays valid: the first `length` are unchanged
+        if self._chunk_means is not None:
+            self._chunk_means.changed(length)
 
     @torch.inference_mode()
     def keep(self, positions: torch.Tensor) -> None:
@@ -101,7 +111,7 @@ class OffloadedCache:
             for keys, values in self._host:
                 keys[:, unchanged:unchanged + moved.shape[0]] = keys[:, moved]
                 values[:, unchanged:unchanged + moved.shape[0]] = values[:, moved]
-            self._changed()
+            self._changed(unchanged)
         self._length = positions.shape[0]
 
     def _check_room(self, length: int) -> None:
@@ -113,9 +123,36 @@ class OffloadedCache:
         if self._streamer is not None:
             self._streamer.settle()
 
-    def _changed(self) -> None:
+    def _changed(self, position: int) -> None:
+        """Host memory was rewritten from `position` on."""
         if self._streamer is not None:
             self._streamer.invalidate()
+        if self._chunk_means is not None:
+            self._chunk_means.changed(position)
+
+    def chunk_means(self, chunk_size: int, device: torch.device | str) -> list[torch.Tensor]:
+        """Per layer, the mean key of each complete chunk of `chunk_size` positions [kv_heads,
+        chunks, head_dim] on `device`, in the cache's dtype: kept there and brought up to date
+        from what changed since the last call (`ChunkMeans`)."""
+        self._settle()
+        means = self._chunk_means
+        if means is None or means.chunk_size != chunk_size or means.device != torch.device(device):
+            kv_heads, _, head_dim = self._host[0][0].shape
+            means = self._chunk_means = ChunkMeans(self.num_layers, kv_heads, self.capacity, head_dim, chunk_size,
+                                                   self._host[0][0].dtype, device)
+        return means.update([keys for keys, _ in self._host], self._length)
+
+    @torch.inference_mode()
+    def gather(self, positions: torch.Tensor, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) [1, kv_heads, kept, head_dim] on `device` of the positions
+        [layers, kv_heads, kept] (CPU, ascending per head): only they cross to the device."""
+        self._settle()
+        layers = []
+        for (host_k, host_v), kept in zip(self._host, positions, strict=True):
+            index = kept[..., None].expand(-1, -1, host_k.shape[-1])
+            layers.append((host_k.gather(1, index).to(device, non_blocking=True)[None],
+                           host_v.gather(1, index).to(device, non_blocking=True)[None]))
+        return layers
 
     def _attend(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a forward's new entries [1, kv_heads, n, head_dim] of `layer`; return all of the
@@ -129,6 +166,8 @@ class OffloadedCache:
             host_k[:, start:end] = keys[0]
             host_v[:, start:end] = values[0]
             result = host_k[:, :end][None], host_v[:, :end][None]
+        if self._chunk_means is not None:
+            self._chunk_means.changed(start)
         if layer == self.num_layers - 1:
             self._length = end
         return result

@@ -15,6 +15,7 @@ import torch
 
 from .cache import KVCache
 from .full import held_bytes, hf_cache, keep_slots
+from .offload import OffloadedCache
 
 
 def select_positions(queries: torch.Tensor, keys: torch.Tensor, budget: int, chunk_size: int,
@@ -31,23 +32,59 @@ def select_positions(queries: torch.Tensor, keys: torch.Tensor, budget: int, chu
     100% of next tokens where the mean key agreed on 92-97% (bench notes in README).
     """
     kv_heads, length, head_dim = keys.shape
-    if length <= budget:
+    chunks, picked = _layout(length, budget, chunk_size, recent)
+    if picked is None:
         return torch.arange(length).expand(kv_heads, length)
-    if budget < 2 * chunk_size + recent:  # the recent part may run up to a chunk longer
-        raise ValueError(f"a retrieval budget of {budget} cannot hold the sink chunk ({chunk_size}), "
-                         f"the recent window ({recent}) and a partial chunk")
-    chunks = max(0, (length - recent - chunk_size) // chunk_size)  # scorable, between sink and recent
-    recent_start = chunk_size * (1 + chunks)
-    picked = min(chunks, (budget - chunk_size - (length - recent_start)) // chunk_size)
-    middle = torch.empty(kv_heads, 0, dtype=torch.long)
+    top = torch.empty(kv_heads, 0, dtype=torch.long)
     if picked > 0:
         grouped = queries.reshape(kv_heads, -1, head_dim).to(keys.dtype)  # [kv_heads, group, head_dim]
         weights = torch.softmax((grouped @ keys.transpose(1, 2)).float() / math.sqrt(head_dim), dim=-1)
+        recent_start = chunk_size * (1 + chunks)
         shares = weights.mean(1)[:, chunk_size:recent_start].reshape(kv_heads, chunks, chunk_size).sum(-1)
-        top = shares.cpu().topk(picked, dim=-1).indices.sort(dim=-1).values  # [kv_heads, picked]
-        middle = (chunk_size * (1 + top[..., None]) + torch.arange(chunk_size)).flatten(1)
-    sink = torch.arange(chunk_size).expand(kv_heads, chunk_size)
-    tail = torch.arange(recent_start, length).expand(kv_heads, length - recent_start)
+        top = shares.cpu().topk(picked, dim=-1).indices
+    return _positions(top, length, chunk_size, chunks)
+
+
+def select_by_chunk_means(queries: torch.Tensor, means: torch.Tensor, length: int, budget: int, chunk_size: int,
+                          recent: int) -> torch.Tensor:
+    """`select_positions`' choice with TriForce's proxy score, on the device of `means` (the mean
+    key of each complete chunk, [kv_heads, chunks, head_dim]): each chunk scored by the group's
+    attention to its mean key, so no key but the chunk means is read. Positions [kv_heads, kept]
+    on that device. Over an offloaded KV the exact share would stream every key per rebuild."""
+    kv_heads, _, head_dim = means.shape
+    chunks, picked = _layout(length, budget, chunk_size, recent)
+    if picked is None:
+        return torch.arange(length, device=means.device).expand(kv_heads, length)
+    top = torch.empty(kv_heads, 0, dtype=torch.long, device=means.device)
+    if picked > 0:
+        grouped = queries.reshape(kv_heads, -1, head_dim).to(means.device, means.dtype)
+        scores = (grouped @ means[:, 1:1 + chunks].transpose(1, 2)).float() / math.sqrt(head_dim)
+        top = torch.softmax(scores, dim=-1).mean(1).topk(picked, dim=-1).indices
+    return _positions(top, length, chunk_size, chunks)
+
+
+def _layout(length: int, budget: int, chunk_size: int, recent: int) -> tuple[int, int | None]:
+    """(the chunks scorable between the sink chunk and the recent part, how many of them fit the
+    budget); None for the latter when the whole context fits."""
+    if length <= budget:
+        return 0, None
+    if budget < 2 * chunk_size + recent:  # the recent part may run up to a chunk longer
+        raise ValueError(f"a retrieval budget of {budget} cannot hold the sink chunk ({chunk_size}), "
+                         f"the recent window ({recent}) and a partial chunk")
+    chunks = max(0, (length - recent - chunk_size) // chunk_size)
+    recent_start = chunk_size * (1 + chunks)
+    return chunks, max(0, min(chunks, (budget - chunk_size - (length - recent_start)) // chunk_size))
+
+
+def _positions(top: torch.Tensor, length: int, chunk_size: int, chunks: int) -> torch.Tensor:
+    """The sink chunk, the chunks `top` [kv_heads, picked] (0 = the first after the sink), and
+    everything from the recent part on: [kv_heads, kept] ascending, on `top`'s device."""
+    kv_heads, device = top.shape[0], top.device
+    recent_start = chunk_size * (1 + chunks)
+    offsets = torch.arange(chunk_size, device=device)
+    middle = (chunk_size * (1 + top.sort(dim=-1).values[..., None]) + offsets).flatten(1)
+    sink = offsets.expand(kv_heads, chunk_size)
+    tail = torch.arange(recent_start, length, device=device).expand(kv_heads, length - recent_start)
     return torch.cat([sink, middle, tail], dim=1)
 
 
@@ -84,8 +121,22 @@ class RetrievalCache:
     @classmethod
     def from_full(cls, full: KVCache, queries: dict[int, torch.Tensor], budget: int, chunk_size: int, recent: int,
                   device: torch.device) -> RetrievalCache:
-        """`build` over a `FullCache` or an `OffloadedCache`."""
+        """`build` over a `FullCache` (every key scored); over an `OffloadedCache`, `from_offloaded`."""
+        if isinstance(full, OffloadedCache):
+            return cls.from_offloaded(full, queries, budget, chunk_size, recent, device)
         return cls.build(full.config, full.layers(), queries, budget, chunk_size, recent, device)
+
+    @classmethod
+    @torch.inference_mode()
+    def from_offloaded(cls, full: OffloadedCache, queries: dict[int, torch.Tensor], budget: int, chunk_size: int,
+                       recent: int, device: torch.device) -> RetrievalCache:
+        """Chunks chosen on `device` by their mean keys (`select_by_chunk_means`, kept there by the
+        cache), the positions of every layer brought to the host at once (one wait), and only
+        those gathered from host memory and sent to `device`."""
+        means = full.chunk_means(chunk_size, device)
+        kept = torch.stack([select_by_chunk_means(queries[index], layer_means, full.length, budget, chunk_size,
+                                                  recent) for index, layer_means in enumerate(means)])
+        return cls(full.config, full.gather(kept.cpu(), device), full.length)
 
     @property
     def length(self) -> int:
