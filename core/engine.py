@@ -124,9 +124,10 @@ class Engine:
         self.draft = draft  # a pair's separate draft model, if any
         self.draft_name = draft_name
         # An offloaded KV (pinned host memory) is held once, never copied per prefix: however the
-        # engine was built (runtime.py plans keep_prefixes=False for one).
+        # engine was built (runtime.py plans keep_prefixes=False for one). Saved documents are
+        # read into that one cache (`_empty_cache`).
         if not settings.keep_prefixes or getattr(model, "offload_capacity", None) is not None:
-            prefixes, documents = ConversationSlot(), None
+            prefixes = ConversationSlot()
         self.prefixes = prefixes if prefixes is not None else PrefixStore(default_prefix_budget())  # recent answers
         self.documents = documents  # saved document caches on disk (None: off)
         self.answers = AnswerHistory()  # recent answers' tokens, where the tree mode's drafter also looks
@@ -273,13 +274,19 @@ class Engine:
         answer in memory, or a saved document on disk when that is longer."""
         in_memory = self.prefixes.best_length(prompt_ids)
         if self.documents is not None and in_memory < len(prompt_ids) - 1:  # the disk could offer more
-            loaded = self.documents.load(prompt_ids, self.model.new_cache(), at_least=in_memory)
+            loaded = self.documents.load(prompt_ids, self._empty_cache, at_least=in_memory, device=self.model.device)
             if loaded is not None:
                 return loaded.cache, loaded.length, "disk"
         taken = self.prefixes.take(prompt_ids)
         if taken is not None:
             return taken[0], taken[1], "memory" if taken[1] else ""
         return self.model.new_cache(), 0, ""
+
+    def _empty_cache(self):
+        """A cache holding nothing: the conversation slot's own, emptied (an offloaded KV is never
+        allocated twice), else a new one."""
+        spare = self.prefixes.spare()
+        return spare if spare is not None else self.model.new_cache()
 
     def _run(self, state: DecodeState, max_new_tokens: int, mode: str, decoder, prediction: AnswerPrediction,
              cancel: threading.Event, started: float, reused: int, source: str) -> Iterator[Event]:

@@ -69,7 +69,7 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
         draft, draft_name = _load_draft(tokenizer, model, paths["draft"], pair.draft.repo, draft_options(plan)), pair.draft.repo
     key = curve_key(pair.target.repo, pair.target.revision, plan.weights, plan.kv_label())
     times, unmeasured = _step_times(model, key, plan.context, progress, calibrate_when_idle)
-    engine = Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
+    engine = Engine(model, tokenizer, name, documents=_document_store(weights_key, model, plan.context),
                     settings=settings_from_plan(plan, times, draft is not None), draft=draft, draft_name=draft_name,
                     plan=plan, calibration_key=key, target_loader=TargetLoader(str(paths["target"]), options))
     return _calibrating_when_idle(engine, unmeasured)
@@ -103,7 +103,7 @@ def _load(path: Path, name: str, weights_key: str, progress: Callable[[str], Non
     tokenizer, model = _load_model(path, None)
     key = curve_key(str(path.resolve()), weights_key, "float32")
     times, unmeasured = _step_times(model, key, model.context_length, progress, calibrate_when_idle)
-    engine = Engine(model, tokenizer, name, documents=_document_store(weights_key, model),
+    engine = Engine(model, tokenizer, name, documents=_document_store(weights_key, model, model.context_length),
                     settings=EngineSettings(step_times=times), calibration_key=key,
                     target_loader=TargetLoader(str(path)))
     return _calibrating_when_idle(engine, unmeasured)
@@ -118,11 +118,17 @@ def _load_model(path: Path, options: LoadOptions | None):
         raise ModelUnavailable(f"cannot load the model at {path}: {first_line(error) or type(error).__name__}") from None
 
 
-def _document_store(weights_key: str, model: TransformersLM) -> DocumentStore:
+def _document_store(weights_key: str, model: TransformersLM, context: int) -> DocumentStore:
     """`weights_key` names these exact weights; with the dtype (and an 8-bit KV's) it keys saved
-    document caches."""
+    document caches. The disk budget holds at least one document as long as `context` (an 8B
+    model's 128K KV is 17 GB, and reading the document again takes minutes)."""
     kv = f":kv-{model.kv_dtype}" if model.kv_dtype else ""  # unchanged without one: saved documents stay valid
-    return DocumentStore(embedded.cache_root() / "documents", f"{weights_key}:{model.dtype}{kv}", DOCUMENT_CACHE_BYTES)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    row_bytes = head_dim + 4 if model.kv_dtype == "int8" else head_dim * model.dtype.itemsize  # int8: a scale per row
+    one_document = 2 * config.num_hidden_layers * config.num_key_value_heads * row_bytes * context
+    return DocumentStore(embedded.cache_root() / "documents", f"{weights_key}:{model.dtype}{kv}",
+                         max(DOCUMENT_CACHE_BYTES, one_document))
 
 
 def _newest_weights(path: Path) -> int:

@@ -29,7 +29,7 @@ class EngineSettings:
     tree_size: int = 16  # a tree's nodes, root included: a draft model's, at most the suffix tree's
     tree_depth: int = DEFAULT_TREE_DEPTH  # ... and a draft model's levels
     triforce: TriforceSettings = field(default_factory=TriforceSettings)
-    # Keep recent answers' KV and saved documents; off (an offloaded KV, too large to copy): only the
+    # Keep recent answers' KV in memory; off (an offloaded KV, too large to copy): only the
     # conversation answered last keeps its KV, moved into the next answer (kv/conversation_slot.py).
     keep_prefixes: bool = True
     step_times: StepTimes | None = None  # measured t(n) by context (calibration); None: stated defaults
@@ -61,6 +61,6 @@ def settings_from_plan(plan: Plan, step_times: StepTimes | None = None, has_draf
         chain_drafts=plan.gamma1 if plan.mode == "chain" and plan.gamma1 else MAX_DRAFT,
         tree_size=plan.tree_size, tree_depth=plan.tree_depth, triforce=triforce,
         # An offloaded cache is pinned memory the size of the whole context: one conversation at a
-        # time, so no kept prefixes or saved documents (which copy caches) for now.
+        # time (the engine's ConversationSlot), never copied; saved documents are read into it.
         keep_prefixes=not offloaded, step_times=step_times,
         dsi_devices=plan.dsi_devices, dsi_lookahead=plan.dsi_lookahead)

@@ -97,3 +97,35 @@ def test_an_engine_built_by_hand_over_an_offloaded_model_keeps_one_slot(offloade
     follow_up = answer(engine, conversation(first.text))
     from_scratch = answer(Engine(*offloaded_parts, "tiny", settings=OFFLOADED), conversation(first.text))
     assert follow_up.token_ids == from_scratch.token_ids and follow_up.stats.reused_from == "memory"
+
+
+def test_a_saved_offloaded_document_reloads_after_a_restart_into_the_slot_s_own_cache(offloaded_parts, tmp_path,
+                                                                                      monkeypatch):
+    from specchat.app.documents import document_tokens
+    from specchat.core.kv.document_store import DocumentStore
+
+    model, tokenizer = offloaded_parts
+
+    def started():
+        return Engine(model, tokenizer, "tiny", documents=DocumentStore(tmp_path, "tiny:float64", 10**12),
+                      settings=OFFLOADED)
+
+    engine = started()
+    saved = document_tokens(engine, [], DOCUMENT)
+    first = conversation("")[:1]
+    events = list(engine.generate(engine.chat_ids(first), Request(12, SamplingParams(), "plain", document_tokens=saved)))
+    assert isinstance(events[-1], Finished) and len(list(tmp_path.glob("*.safetensors"))) == 1
+    # "Restart": another conversation holds the slot; the document comes back from disk into that
+    # same cache, no second one allocated.
+    restarted = started()
+    answer(restarted, conversation("", document="A different text entirely, about rivers.")[:1])
+    held = restarted.prefixes._cache
+    allocations = []
+    monkeypatch.setattr(model, "new_cache", lambda: allocations.append(1) or OffloadedCache(
+        model.hf.config, model.offload_capacity, "cpu", model.hf.dtype))
+    messages = [{"role": "user", "content": user_turn("Which line comes last?", DOCUMENT)}]
+    reloaded = answer(restarted, messages)
+    assert reloaded.stats.reused_from == "disk" and reloaded.stats.reused_prompt_tokens == saved
+    assert restarted.prefixes._cache is held and allocations == []
+    monkeypatch.undo()
+    assert reloaded.token_ids == answer(Engine(*offloaded_parts, "tiny", settings=OFFLOADED), messages).token_ids

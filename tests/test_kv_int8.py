@@ -243,14 +243,14 @@ def test_a_saved_document_reloads_bit_for_bit(tmp_path):
     cache, ids = filled(model, 40), IDS[:40].tolist()
     store = DocumentStore(tmp_path, "tiny:float64:kv-int8", 10**9)
     store.save(ids, cache)
-    loaded = store.load(ids + [7, 8], model.new_cache(), at_least=0)
+    loaded = store.load(ids + [7, 8], model.new_cache, at_least=0)
     assert loaded is not None and loaded.length == 40 and isinstance(loaded.cache, Int8Cache)
     for one, other in zip(loaded.cache.packed_layers(), cache.packed_layers(), strict=True):
         assert torch.equal(one[0], other[0]) and torch.equal(one[1], other[1])
     new, positions = torch.tensor([7, 8]), torch.arange(40, 42)
     assert torch.equal(model.forward(new, positions, loaded.cache), model.forward(new, positions, cache))
     # The same file offered to an unquantized model's cache does not fit its shapes: rejected.
-    assert store.load(ids + [7], tiny_llama(2).new_cache(), at_least=0) is None
+    assert store.load(ids + [7], tiny_llama(2).new_cache, at_least=0) is None
     assert "shapes do not match" in store.take_problems()[0]
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import DATA, tiny_llama
+from conftest import DATA, needs_cuda, tiny_llama
 from specchat.app.documents import document_tokens, user_turn
 from specchat.app.terminal import run_chat
 from specchat.core.engine import Engine, Finished, Notice, PrefillProgress
@@ -287,3 +287,60 @@ def test_embedded_model_follow_up_and_reloaded_document_on_a_7k_document(embedde
     restarted, notices = run(fresh_engine(), messages, "chain", 24)
     assert restarted.stats.reused_from == "disk" and restarted.stats.reused_prompt_tokens == saved > 7000
     assert restarted.token_ids == reference.token_ids and notices == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int8])
+def test_a_file_written_a_layer_at_a_time_reads_as_safetensors_writes_it(tmp_path, dtype):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from specchat.core.kv.document_store import _write
+
+    whole = (torch.arange(2 * 40 * 8, dtype=torch.float64).reshape(2, 40, 8) - 300).to(dtype)
+    tensors = [("token_ids", torch.arange(7)), ("keys.0", whole[:, :7][None]), ("values.0", whole[:, 3:10][None])]
+    assert not tensors[1][1].is_contiguous()  # views of a larger buffer, as an offloaded cache gives them
+    _write(tmp_path / "streamed.safetensors", tensors, {"format": "x"})
+    save_file({name: t.contiguous() for name, t in tensors}, tmp_path / "whole.safetensors", metadata={"format": "x"})
+    streamed, whole_file = load_file(tmp_path / "streamed.safetensors"), load_file(tmp_path / "whole.safetensors")
+    assert streamed.keys() == whole_file.keys() and all(torch.equal(streamed[k], whole_file[k]) for k in streamed)
+    assert all(streamed[name].dtype == t.dtype and torch.equal(streamed[name], t) for name, t in tensors)
+    with safe_open(tmp_path / "streamed.safetensors", "pt") as file:
+        assert file.metadata() == {"format": "x"}
+
+
+@needs_cuda
+def test_a_saved_document_reloads_onto_the_gpu_and_answers_as_from_scratch(tiny_model_dir, tmp_path):
+    """safetensors reads onto the CPU: the layers go to the device the model computes on."""
+    from transformers import AutoTokenizer
+
+    parts = (TransformersLM.from_pretrained(tiny_model_dir, LoadOptions("float64", "cuda:0", None, None)),
+             AutoTokenizer.from_pretrained(tiny_model_dir))
+    engine = engine_with(parts, documents=DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED))
+    saved = document_tokens(engine, [], DOCUMENT)
+    run(engine, conversation("")[:1], document_tokens=saved)
+    messages = [{"role": "user", "content": user_turn("Which line comes last?", DOCUMENT)}]
+    restarted, _ = run(engine_with(parts, documents=DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED)), messages)
+    assert restarted.stats.reused_from == "disk" and restarted.token_ids == run(engine_with(parts), messages)[0].token_ids
+
+
+def test_the_disk_budget_holds_a_whole_context_s_document_and_a_save_leaves_the_disk_room(
+        tiny_engine_parts, tmp_path, monkeypatch):
+    from specchat.core import loading
+    from specchat.core.kv import document_store
+
+    llama_8b = SimpleNamespace(num_hidden_layers=32, num_key_value_heads=8, head_dim=128, hidden_size=4096,
+                               num_attention_heads=32)
+    bf16 = SimpleNamespace(config=llama_8b, kv_dtype=None, dtype=torch.bfloat16)
+    assert loading._document_store("x@1", bf16, 131072).budget_bytes == 2 * 32 * 8 * 128 * 2 * 131072  # 17.2 GB
+    assert loading._document_store("x@1", bf16, 8192).budget_bytes == loading.DOCUMENT_CACHE_BYTES
+    int8 = SimpleNamespace(config=llama_8b, kv_dtype="int8", dtype=torch.bfloat16)
+    assert loading._document_store("x@1", int8, 131072).budget_bytes == 2 * 32 * 8 * (128 + 4) * 131072
+
+    store = DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED)
+    engine = engine_with(tiny_engine_parts, documents=store)
+    cache = filled_cache(engine.model, list(range(40)))
+    monkeypatch.setattr(document_store.shutil, "disk_usage",
+                        lambda path: SimpleNamespace(free=document_store.FREE_DISK_KEPT + 1000))
+    assert store.save(list(range(40)), cache) is None and not list(tmp_path.glob("*.safetensors"))
+    monkeypatch.undo()
+    assert store.save(list(range(40)), cache) is not None

@@ -42,6 +42,15 @@ class ConversationSlot:
         cache.trim(length)
         return cache, length
 
+    def spare(self) -> KVCache | None:
+        """The held cache emptied, for another prompt to fill (a saved document read into it);
+        None when the slot is empty. The slot is empty afterwards."""
+        if self._cache is None:
+            return None
+        cache, self._cache, self._ids = self._cache, None, []
+        cache.trim(0)
+        return cache
+
     def put(self, ids: list[int], cache: KVCache) -> None:
         if len(ids) != cache.length:
             raise ValueError(f"{len(ids)} token ids for a cache of {cache.length} positions")

@@ -72,6 +72,10 @@ class PrefixStore:
         # conversations people continue.
         return best.cache.clone_prefix(best_length), best_length
 
+    def spare(self) -> None:
+        """No cache to lend for another prompt: each entry is a conversation's, and new ones are cheap."""
+        return None
+
     def put(self, ids: list[int], cache: FullCache) -> None:
         """Keep `cache` (holding `ids`) as the most recent entry; evict the least recently used
         entries until the store fits its budget. A cache larger than the whole budget is dropped."""
