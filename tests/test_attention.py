@@ -96,14 +96,17 @@ def _sdpa_reference(query, key, value, allowed, scale):
     return sdpa_attention_forward(module, query, key, value, allowed[None, None], scaling=scale)[0]
 
 
-@pytest.mark.parametrize("shape, n", [("chain", 8), ("tree", 6), ("prefill chunk", 48)])
+@pytest.mark.parametrize("shape, n", [("chain", 8), ("tree", 6), ("prefill chunk", 48), ("long prefill chunk", 300)])
 def test_past_unmasked_and_new_masked_merge_into_sdpa_exactly(shape, n):
-    from specchat.core.kv.past_attention import NewTokenMask, past_and_new_attention
+    from specchat.core.kv.past_attention import CAUSAL_KERNEL_FROM, NewTokenMask, past_and_new_attention
 
     query, key, value, among_new, allowed = _attention_case("cpu", torch.float64, n, 40, shape, seed=n)
-    got = past_and_new_attention(query, key, value, 0.25, NewTokenMask(among_new, n))
+    mask = NewTokenMask(among_new, n)
+    got = past_and_new_attention(query, key, value, 0.25, mask)
     assert got is not None, "the CPU's fused attention with log-sum-exp is missing"
     torch.testing.assert_close(got, _sdpa_reference(query, key, value, allowed, 0.25), rtol=1e-12, atol=1e-12)
+    # A long causal block takes the kernel's causal mode: no [groups * n, n] bias is built.
+    assert bool(mask._biases) == (shape == "tree" or n < CAUSAL_KERNEL_FROM)
 
 
 
@@ -169,7 +172,7 @@ def test_without_a_fused_kernel_the_forward_keeps_plain_sdpa(monkeypatch):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("shape, n", [("chain", 8), ("tree", 6), ("prefill chunk", 48)])
+@pytest.mark.parametrize("shape, n", [("chain", 8), ("tree", 6), ("prefill chunk", 48), ("long prefill chunk", 300)])
 def test_past_unmasked_and_new_masked_on_cuda(shape, n, dtype, tolerance):
     from specchat.core.kv.past_attention import NewTokenMask, past_and_new_attention
 
@@ -178,3 +181,63 @@ def test_past_unmasked_and_new_masked_on_cuda(shape, n, dtype, tolerance):
     assert got is not None, f"no fused attention with log-sum-exp for {dtype} on this GPU"
     reference = _sdpa_reference(*(t.double() for t in (query, key, value)), allowed, 0.25)
     torch.testing.assert_close(got.double(), reference, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_prefill_chunk_after_the_past_builds_no_chunk_by_context_mask(dtype, monkeypatch):
+    """Issue 38: for each prefill chunk after the first, transformers builds a [chunk x past +
+    chunk] mask (1 GB of booleans for an 8,192-token chunk at 128K) that no layer reads once the
+    past is attended unmasked. specchat's mask builder answers None there; the logits stay
+    transformers' own. The reference run shows the check sees a mask when one is built; the
+    last run, a split that fails on its first use, builds the causal mask in the layer instead."""
+    from conftest import tiny_llama
+    from specchat.core.kv import queries
+
+    model, ids = tiny_llama(5, dtype=dtype), torch.arange(3, 63) % 97
+    real, built = queries.sdpa_mask, []
+
+    def recording(*args, **kwargs):
+        mask = real(*args, **kwargs)
+        built.append(None if mask is None else tuple(mask.shape[-2:]))
+        return mask
+
+    monkeypatch.setattr(queries, "sdpa_mask", recording)
+
+    def second_chunk(devices):
+        monkeypatch.setattr(queries, "SPLIT_DEVICES", devices)
+        built.clear()
+        cache = model.new_cache()
+        model.forward(ids[:30], torch.arange(30), cache)
+        return model.forward(ids[30:], torch.arange(30, 60), cache)
+
+    expected = second_chunk(set())
+    assert (30, 60) in built  # transformers' path: the chunk's mask over the whole context
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(second_chunk({"cpu"}), expected, rtol=tolerance, atol=tolerance)
+    assert (30, 60) not in built
+    monkeypatch.setattr(queries, "past_and_new_attention", lambda *args: None)  # no fused kernel, found out now
+    torch.testing.assert_close(second_chunk({"cpu"}), expected, rtol=tolerance, atol=tolerance)
+    assert (30, 60) not in built
+
+
+@needs_cuda
+def test_a_long_prefill_chunk_s_attention_stays_within_what_the_plan_budgets():
+    """An 8,192-token chunk of Llama-3.1-8B's shape in one layer: the attention's temporaries stay
+    within `planning.memory.attention_bytes` (with the folded bias they would exceed it)."""
+    from types import SimpleNamespace
+
+    from specchat.core.kv.past_attention import NewTokenMask, past_and_new_attention
+    from specchat.core.planning.memory import attention_bytes
+
+    n, past, heads, kv_heads, dim = 8192, 8192, 32, 8, 128
+    generator = torch.Generator("cuda").manual_seed(0)
+    query = torch.randn(1, heads, n, dim, generator=generator, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(1, kv_heads, past + n, dim, generator=generator, device="cuda", dtype=torch.bfloat16)
+                  for _ in "kv")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    assert past_and_new_attention(query, key, value, dim ** -0.5, NewTokenMask(None, n)) is not None
+    torch.cuda.synchronize()
+    spec = SimpleNamespace(hidden_size=heads * dim, attention_heads=heads, kv_heads=kv_heads, head_dim=dim)
+    assert torch.cuda.max_memory_allocated() - before <= attention_bytes(spec, n, 2)

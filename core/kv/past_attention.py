@@ -25,6 +25,10 @@ import torch
 
 # (device type, dtype, with a bias) whose fused op failed once (missing, or not built for it).
 _unavailable: set[tuple[str, torch.dtype, bool]] = set()
+# New tokens from which a causal block (a prefill chunk) takes the kernels' causal mode rather than
+# a folded bias: verifications (up to 128 tokens) keep the bias path measured on the H100, one
+# kernel fewer per layer; a chunk's bias would grow as groups * n^2.
+CAUSAL_KERNEL_FROM = 256
 
 
 class NewTokenMask:
@@ -50,26 +54,33 @@ class NewTokenMask:
         return self._biases[key]
 
 
+def fused_kernels_known_to_fail(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a fused op failed here before, for the past or for the new tokens."""
+    return (device_type, dtype, False) in _unavailable or (device_type, dtype, True) in _unavailable
+
+
 def fused_attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                             bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                             bias: torch.Tensor | None = None,
+                             causal: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """query [1, heads, q, d], key and value [1, heads, k, d] (as many heads), bias broadcastable
-    to [1, heads, q, k] or None. Returns (out [1, heads, q, d], lse [1, heads, q]) from a fused
-    kernel, or None where there is none: flash (unmasked, half precision) or memory-efficient
-    attention on CUDA, flash on the CPU."""
+    to [1, heads, q, k] or None, or `causal` (q == k). Returns (out [1, heads, q, d], lse [1,
+    heads, q]) from a fused kernel, or None where there is none: flash (no bias, half precision)
+    or memory-efficient attention on CUDA, flash on the CPU."""
     kind = (query.device.type, query.dtype, bias is not None)
     if kind in _unavailable:
         return None
     aten = torch.ops.aten
     try:  # `.default` overloads: a per-layer call, and Python dispatch is most of a decode step's cost
         if query.is_cuda and bias is None and query.dtype in (torch.float16, torch.bfloat16):
-            out, lse = aten._scaled_dot_product_flash_attention.default(query, key, value, scale=scale)[:2]
+            out, lse = aten._scaled_dot_product_flash_attention.default(query, key, value, is_causal=causal,
+                                                                        scale=scale)[:2]
         elif query.is_cuda and query.dtype in (torch.float16, torch.bfloat16, torch.float32):
             out, lse = aten._scaled_dot_product_efficient_attention.default(query, key, value, bias, True,
-                                                                            scale=scale)[:2]
+                                                                            is_causal=causal, scale=scale)[:2]
             if lse.shape[-1] != query.shape[2]:  # its rows are padded to a multiple of 32
                 lse = lse[..., :query.shape[2]]
         elif query.device.type == "cpu":
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(query, key, value,
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(query, key, value, is_causal=causal,
                                                                                 attn_mask=bias, scale=scale)
         else:
             return None
@@ -94,10 +105,20 @@ def past_and_new_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     old = fused_attention_with_lse(folded, past_keys, past_values, scale)
     if old is None:
         return None
-    bias = mask.folded_bias(kv_heads, groups, query.dtype, query.device)
-    new = fused_attention_with_lse(folded, new_keys, new_values, scale, bias)
-    if new is None:
-        return None
+    if mask.allowed is None and n >= CAUSAL_KERNEL_FROM:
+        # Unfolded, the kernel's own causal mask fits: the new keys and values repeated per query head
+        # (2n rows a head) instead of a [groups * n, n] bias (n = 8,192 on the 8B shape: 128 MiB, not 512).
+        # Heads h * groups + member unfolded are rows member * n + query of KV head h folded.
+        new = fused_attention_with_lse(query, new_keys.repeat_interleave(groups, 1),
+                                       new_values.repeat_interleave(groups, 1), scale, causal=True)
+        if new is None:
+            return None
+        new = new[0].reshape(folded.shape), new[1].reshape(folded.shape[:3])
+    else:
+        new = fused_attention_with_lse(folded, new_keys, new_values, scale,
+                                       mask.folded_bias(kv_heads, groups, query.dtype, query.device))
+        if new is None:
+            return None
     precise = torch.promote_types(query.dtype, torch.float32)  # the merge's arithmetic
     past_share = torch.sigmoid(old[1] - new[1]).to(precise)[..., None]  # every query sees the past: finite
     merged = torch.lerp(new[0].to(precise), old[0].to(precise), past_share)

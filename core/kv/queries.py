@@ -16,9 +16,9 @@ from typing import Iterator
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from .past_attention import NewTokenMask, past_and_new_attention
+from .past_attention import NewTokenMask, fused_kernels_known_to_fail, past_and_new_attention
 
 ATTENTION = "specchat_sdpa"
 
@@ -71,6 +71,9 @@ def _sdpa_recording_queries(module, query, key, value, attention_mask, **kwargs)
         out = past_and_new_attention(query, key, value, query.shape[-1] ** -0.5 if scale is None else scale, visible)
         if out is not None:
             return out, None
+    n, length = query.shape[2], key.shape[2]
+    if attention_mask is None and visible is not None and length > n:  # `_causal_mask` left it to the split
+        attention_mask = torch.ones(n, length, dtype=torch.bool, device=query.device).tril(length - n)[None, None]
     if _foldable(module, query, attention_mask):
         return _grouped_attention(module, query, key, value, attention_mask, kwargs.get("scaling")), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -121,8 +124,22 @@ def _grouped_attention(module, query, key, value, attention_mask, scaling) -> to
     return out.reshape(batch, heads, n, dim).transpose(1, 2).contiguous()
 
 
+def _causal_mask(*args, **kwargs) -> torch.Tensor | None:
+    """transformers' SDPA mask, except for new tokens that see the past causally where the split
+    attends it unmasked: None there, so no [new x past + new] mask is built (a 1 GB boolean
+    one for an 8,192-token prefill chunk at 128K) that no layer reads. A layer that does not split
+    after all (no fused kernel yet known to fail, a sliding window) builds its own."""
+    visible, device = _past_visible.get(), torch.device(kwargs.get("device", "cpu"))
+    plain_causal = (not args and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
+                    and kwargs.get("mask_function", causal_mask_function) is causal_mask_function)
+    if (visible is not None and visible.allowed is None and plain_causal and device.type in SPLIT_DEVICES
+            and not fused_kernels_known_to_fail(device.type, kwargs.get("dtype"))):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 AttentionInterface.register(ATTENTION, _sdpa_recording_queries)
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+AttentionMaskInterface.register(ATTENTION, _causal_mask)
 
 
 @contextlib.contextmanager

@@ -58,8 +58,20 @@ def body_params(spec: ModelSpec) -> float:
 
 
 def activation_bytes(spec: ModelSpec, chunk: int, dtype_bytes: int) -> int:
-    """A prefill chunk's hidden-sized tensors plus the fp32 logits of the largest verification."""
-    return chunk * spec.hidden_size * dtype_bytes * ACTIVATION_WIDTHS + MAX_VERIFY_TOKENS * spec.vocab_size * 4
+    """A prefill chunk's temporaries in a layer, the MLP's or attention's, whichever are more, plus
+    the fp32 logits of the largest verification."""
+    mlp = chunk * spec.hidden_size * dtype_bytes * ACTIVATION_WIDTHS
+    return max(mlp, attention_bytes(spec, chunk, dtype_bytes)) + MAX_VERIFY_TOKENS * spec.vocab_size * 4
+
+
+def attention_bytes(spec: ModelSpec, chunk: int, dtype_bytes: int) -> int:
+    """A prefill chunk's tensors alive in attention (kv/past_attention.py): the layer's input and
+    its norm, the queries, the new keys and values and those repeated per query head for the
+    causal kernel, both kernels' outputs, their merge in fp32 (three tensors) and its result. No
+    [chunk x context] mask: kv/queries.py builds none."""
+    query_width, kv_width = spec.attention_heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    layer = (2 * spec.hidden_size + query_width + 2 * kv_width) * dtype_bytes
+    return chunk * (layer + query_width * (5 * dtype_bytes + 3 * 4))
 
 
 def kv8_bytes_per_token(spec: ModelSpec) -> int:
@@ -225,8 +237,8 @@ class Layout:
                                     f"chunk keys ({chunk}-token chunks)", name, int(self._retrieval_bytes() * share)))
         if staging:
             items.append(MemoryItem(f"{span}: KV staging buffers (2 layers, double buffering)", name, staging))
-        items.append(MemoryItem(f"{span}: activations (prefill chunk {self.prefill_chunk:,})", name,
-                                activation_bytes(target, self.prefill_chunk, self.dtype_bytes)))
+        items.append(MemoryItem(f"{span}: activations (prefill chunk {self.prefill_chunk:,}, MLP or attention)",
+                                name, activation_bytes(target, self.prefill_chunk, self.dtype_bytes)))
         return items
 
     def _place_cpu(self) -> None:
@@ -236,7 +248,7 @@ class Layout:
             self.items += [
                 MemoryItem(f"target weights ({label})", "cpu", sum(self.weights())),
                 MemoryItem(f"full KV ({self.context:,} tokens)", "cpu", self.full_kv),
-                MemoryItem(f"target activations (prefill chunk {self.prefill_chunk:,})", "cpu",
+                MemoryItem(f"target activations (prefill chunk {self.prefill_chunk:,}, MLP or attention)", "cpu",
                            activation_bytes(target, self.prefill_chunk, self.dtype_bytes))]
             if self.retrieval is not None:
                 self.items.append(MemoryItem(f"retrieval cache and chunk keys ({self.retrieval[1]}-token chunks)",
