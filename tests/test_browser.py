@@ -497,10 +497,14 @@ def test_stop_during_a_long_read_takes_effect_within_a_second(page):
 def test_a_19k_token_document_gets_every_choice_and_each_one_starts_and_stops(page):
     """Each choice offered for a document over twice the context starts what it says (a cut
     document read, or the first part summarized), shown in the answer's bubble, and Stop ends it
-    within 2 s; nothing is sent before a choice. (The full runs: `test_ui_chat.py`, tiny model.)"""
+    within 2 s; nothing is sent before a choice. Summarizing in parts says how long it will take,
+    from the pace of an answer timed before. (The full runs: `test_ui_chat.py`, tiny model.)"""
     new_conversation(page)
     set_max_new_tokens(page, 16)
     choose_preset(page, PRESETS["free"])
+    send(page, "Say hello.")  # an answer timed here: the pace the estimate is made from
+    wait_until_finished(page, lambda: answers(page).count() == 1, "the timed answer")
+    new_conversation(page)
     huge = "\n\n".join((DATA / name).read_text() for name in ("gpl-3.0.txt", "documents/numpy-LICENSE.txt"))
     paste_document(page, huge)
     # Summarizing in parts goes first. Stop is timed by the page: timed from here it seemed to
@@ -514,9 +518,14 @@ def test_a_19k_token_document_gets_every_choice_and_each_one_starts_and_stops(pa
         assert not page.locator("#shorter-answer").is_visible()  # no answer fits beside this prompt
         if button == "cut-start":
             assert re.search(r"Cut [\d,]+ tokens \((5\d|6\d)% of the document\) from its start", choice.inner_text())
+            assert re.search(r"read as 3 parts, about [\d.]+ (s|min|h) on this machine before the answer",
+                             page.locator("#over-limit").inner_text())
             shot(page, "19k-choices")
         choice.click()
         wait_for(lambda: started in last_answer(page), what=f"{button} to start")
+        if button == "in-parts":
+            assert re.search(r"about [\d.]+ (s|min|h) left for the parts", last_answer(page))
+            shot(page, "19k-in-parts-estimate")
         took, dispatched = stop_and_time(page, started)
         assert took < 2.0, f"{button}: Stop took {took:.2f} s in the page (Playwright took {dispatched:.2f} s to click)"
         new_conversation(page)
