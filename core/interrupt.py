@@ -9,7 +9,8 @@ passes the hooks untouched.
 
 A forward stopped that way has written the new positions into the first layers only, so the
 cache is rolled back layer by layer (`roll_back`); `FullCache.trim` would go by the first layer's
-length and leave the others short.
+length and leave the others short. An offloaded cache counts a forward's positions only once its
+last layer has run, so it needs no rollback, only its streaming state reset (`abandon_forward`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 from typing import Iterator
 
 from .kv.full import FullCache, GrowingLayer
+from .kv.offload import OffloadedCache
 
 _thread = threading.local()  # the calling thread's cancel flag (a threading or multiprocessing Event)
 _installing = threading.Lock()
@@ -54,11 +56,12 @@ def _stop_if_cancelled(*_) -> None:
 
 def stoppable(model, cache) -> bool:
     """Whether forwards of `model` on `cache` may stop between layers, with the hooks installed
-    (once per layer, whichever thread comes first) where they may. Only a full cache of
-    full-attention layers crops back exactly; an offloaded or sliding-window cache cannot be
-    rolled back mid-forward, so its forwards always run whole."""
-    if not (hasattr(model, "decoder_layers") and isinstance(cache, FullCache)
-            and all(isinstance(layer, GrowingLayer) for layer in cache.transformers_cache.layers)):
+    (once per layer, whichever thread comes first) where they may: a full cache of full-attention
+    layers crops back exactly, an offloaded one never counted the stopped forward; a
+    sliding-window cache cannot be rolled back mid-forward, so its forwards always run whole."""
+    full = isinstance(cache, FullCache) and all(isinstance(layer, GrowingLayer)
+                                                for layer in cache.transformers_cache.layers)
+    if not (hasattr(model, "decoder_layers") and (full or isinstance(cache, OffloadedCache))):
         return False
     with _installing:
         for layer in model.decoder_layers:
@@ -73,7 +76,10 @@ def stoppable(model, cache) -> bool:
 def roll_back(cache, length: int) -> None:
     """Every layer of `cache` back to `length` positions: a forward stopped between layers left
     the first layers longer than the rest."""
-    if isinstance(cache, FullCache):
+    if isinstance(cache, OffloadedCache):
+        cache.abandon_forward()
+        cache.trim(length)
+    elif isinstance(cache, FullCache):
         for layer in cache.transformers_cache.layers:
             excess = layer.get_seq_length() - length
             if excess > 0:

@@ -123,9 +123,30 @@ def test_the_hooks_are_installed_once_and_stop_only_the_thread_whose_flag_is_set
         worker.join()
     assert len(elsewhere) == 1
     model.forward(ids, ids, model.new_cache())  # and this thread's, outside `cancellable`
-    # An offloaded cache cannot be rolled back layer by layer: its forward runs whole.
-    offloaded = OffloadedCache(model.hf.config, 16, "cpu", model.hf.dtype)
-    assert not stoppable(model, offloaded)
-    with stop_between_layers(model, offloaded, flag):
-        model.forward(ids, ids, offloaded)
-    assert offloaded.length == 10
+
+
+def test_an_offloaded_chunk_stops_between_layers_and_counts_none_of_its_positions():
+    """Issue 38: Stop during a prefill chunk into an offloaded KV (up to 13 s a chunk at 128K) takes
+    effect at the next layer; the chunk's positions were never counted, and reading it again
+    gives what a fresh cache gives."""
+    model, ids = tiny_llama(0), torch.arange(20)
+    offloaded = OffloadedCache(model.hf.config, 32, "cpu", model.hf.dtype)
+    assert stoppable(model, offloaded)
+    model.forward(ids[:10], torch.arange(10), offloaded)
+    flag, layers_run = threading.Event(), []
+
+    def stop_after_the_first_layer(*_):
+        layers_run.append(1)
+        flag.set()
+
+    hook = model.hf.base_model.layers[0].register_forward_hook(stop_after_the_first_layer)
+    try:
+        with pytest.raises(Cancelled), stop_between_layers(model, offloaded, flag):
+            model.forward(ids[10:], torch.arange(10, 20), offloaded)
+    finally:
+        hook.remove()
+    assert layers_run == [1] and offloaded.length == 10
+    again = model.forward(ids[10:], torch.arange(10, 20), offloaded)
+    fresh = model.new_cache()
+    model.forward(ids[:10], torch.arange(10), fresh)
+    torch.testing.assert_close(again, model.forward(ids[10:], torch.arange(10, 20), fresh))

@@ -114,6 +114,13 @@ class OffloadedCache:
             self._changed(unchanged)
         self._length = positions.shape[0]
 
+    def abandon_forward(self) -> None:
+        """A forward stopped between layers (core/interrupt.py): its positions were never counted
+        (the last layer sets the length), what its first layers wrote lies past the length, and
+        what was prefetched for its next layer is dropped."""
+        self._settle()
+        self._changed(self._length)
+
     def _check_room(self, length: int) -> None:
         if length > self.capacity:
             raise ValueError(f"the offloaded KV cache holds {self.capacity} positions; {length} do not fit")
