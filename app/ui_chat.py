@@ -120,9 +120,12 @@ class ChatLogic:
     def meter(self, conversation: Conversation | None, attachment: dict | None, pasted: str, message: str,
               settings: Settings) -> Meter:
         engine = self.handle.get()
-        document = _document_text(attachment, pasted)
+        document, question = _document_text(attachment, pasted), message or ""
+        asked = _turn_in_preparation(conversation, document)
+        if asked is not None:  # the question and its document are in the chat already: count them once
+            conversation, question = asked
         history = [m for m in model_messages(conversation) if m["role"] != "system"] if conversation else []
-        return measure(engine, settings.system, history, document, message or "", int(settings.max_new_tokens))
+        return measure(engine, settings.system, history, document, question, int(settings.max_new_tokens))
 
     def meter_text(self, conversation, attachment, pasted, message, settings) -> str:
         if self.handle.status() != "ready":
@@ -376,6 +379,16 @@ class ChatLogic:
 
     def export(self, conversation: Conversation | None) -> list[str]:
         return self.conversations.export(conversation)
+
+
+def _turn_in_preparation(conversation: Conversation | None, document: str) -> tuple[Conversation, str] | None:
+    """(the conversation before it, its question) while work before an answer (summarizing parts,
+    loading) shows a question with `document`, which the page keeps attached until the answer starts."""
+    messages = conversation.messages if conversation else []
+    if (len(messages) < 2 or not document or not messages[-1].get("partial") or messages[-1]["content"]
+            or (messages[-2].get("document") or {}).get("text") != document):
+        return None
+    return dataclasses.replace(conversation, messages=messages[:-2]), messages[-2]["content"]
 
 
 def _document_text(attachment: dict | None, pasted: str | None) -> str:

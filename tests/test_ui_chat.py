@@ -329,3 +329,17 @@ def test_a_longer_pair_offered_on_a_gpu_says_its_download_and_its_speed_there(mo
     offered = {pair_id: label for label, pair_id in over_limit.longer_pairs(None, 9000, "embedded")}
     assert offered and all(re.search(r" · about \d+ tokens/s here\)$", label) for label in offered.values()), offered
     assert all(re.search(r"· [\d.]+ GB, (downloaded|to download) ·", label) for label in offered.values())
+
+
+def test_the_meter_counts_a_document_once_while_its_parts_are_summarized(logic):
+    """Summarizing in parts shows the question with its document while the page keeps the
+    attachment (for Stop to give back): the meter must not add the two."""
+    attachment = logic.attach("notes.txt", ("The quick brown fox jumps over the lazy dog. " * 8).strip())
+    before = logic.meter(None, attachment, "", "Summarize this", SETTINGS)
+    shown = logic.shown_turn(None, "Summarize this", attachment)
+    during = logic.meter(shown, attachment, "", "", SETTINGS)
+    assert during == before and during.history == 0 and during.document == attachment["tokens"]
+    answered = logic.shown_turn(None, "Summarize this", attachment)
+    answered.messages[-1].update(content="A fox.", partial=False)
+    after = logic.meter(answered, attachment, "", "", SETTINGS)  # the same text attached again: counted again
+    assert after.history > 0 and after.document == attachment["tokens"]
