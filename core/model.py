@@ -79,7 +79,7 @@ class TransformersLM:
     """A transformers causal LM (batch of one) behind the `CausalLM` interface."""
 
     def __init__(self, hf_model, vocab_size: int | None = None, offload_capacity: int | None = None,
-                 kv_dtype: str | None = None):
+                 kv_dtype: str | None = None, cache_positions: int | None = None):
         self.hf = hf_model.eval()
         # SDPA that can also record queries, which the retrieval cache scores with (kv/queries.py).
         self.hf.set_attn_implementation(ATTENTION)
@@ -103,6 +103,8 @@ class TransformersLM:
         if kv_dtype is not None and offload_capacity is not None:
             raise ValueError("an 8-bit KV cache cannot be offloaded (not built yet): ask for one or the other")
         self.kv_dtype = kv_dtype
+        # The plan's context: the KV grows in steps of 25% and must not reserve room past it.
+        self.cache_positions = cache_positions
         if kv_dtype == "int8":
             Int8Cache(config, self.hf.dtype)  # a model it cannot serve fails at load, not at its first answer
         # transformers 5.24 renamed `past_key_values` to `cache` and warns on every forward with
@@ -136,7 +138,7 @@ class TransformersLM:
             embedding_on_cpu(hf_model)
         if options is None:
             return cls(hf_model, vocab_size)
-        return cls(hf_model, vocab_size, options.offload_capacity, options.kv_dtype)
+        return cls(hf_model, vocab_size, options.offload_capacity, options.kv_dtype, options.cache_positions)
 
     def truncated(self, num_layers: int) -> "TransformersLM":
         """A layer-skip self-draft: the first `num_layers` decoder layers, then the final norm and
@@ -191,10 +193,10 @@ class TransformersLM:
 
     def new_cache(self) -> FullCache | OffloadedCache:
         if self.kv_dtype == "int8":
-            return Int8Cache(self.hf.config, self.hf.dtype)
+            return Int8Cache(self.hf.config, self.hf.dtype, self.cache_positions)
         if self.offload_capacity is not None:
             return OffloadedCache(self.hf.config, self.offload_capacity, self.device, self.hf.dtype)
-        return FullCache(self.hf.config)
+        return FullCache(self.hf.config, self.cache_positions)
 
     @torch.inference_mode()
     def forward(self, ids, positions, cache, mask=None, last_only=False):

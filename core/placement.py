@@ -22,6 +22,7 @@ class LoadOptions:
     quantize_head: bool = False  # the output head quantized as the layers are (bitsandbytes skips it by default)
     embedding_on_cpu: bool = False  # the input embedding in CPU memory, the layers on the GPU(s)
     kv_dtype: str | None = None  # None: the KV in `dtype`; "int8": 8-bit with a scale per token (kv/int8.py)
+    cache_positions: int | None = None  # the plan's context: a growing KV reserves no room past it
 
 
 def target_options(plan: Plan, spec: ModelSpec) -> LoadOptions:
@@ -30,7 +31,7 @@ def target_options(plan: Plan, spec: ModelSpec) -> LoadOptions:
     return LoadOptions(dtype, _device_map(plan), quantization, _rope_scaling(plan, spec), offload_capacity(plan),
                        quantize_head=quantization is not None and plan.head_weights == plan.weights,
                        embedding_on_cpu=plan.embedding_device == "cpu" and plan.target_devices[0] != "cpu",
-                       kv_dtype="int8" if plan.kv_dtype == "int8" else None)
+                       kv_dtype="int8" if plan.kv_dtype == "int8" else None, cache_positions=plan.context)
 
 
 def draft_options(plan: Plan) -> LoadOptions | None:

@@ -245,3 +245,26 @@ def test_greedy_triforce_over_an_offloaded_cache_equals_plain_on_cuda(tree):
                                 tree=tree)
     speculative, _ = run(model, prompt, "triforce", SamplingParams(), 30, triforce_decoder(model, settings, prefill_chunk=PREFILL_CHUNK))
     assert speculative == plain
+
+
+@pytest.mark.parametrize("kind", ["full", "int8"])
+def test_a_growing_cache_reserves_no_room_past_the_plans_context(kind):
+    """A plan at 300 positions on a model of 512: growing in 25% steps the KV used to reserve up
+    to the config's positions. A verification's nodes past the plan's context still fit."""
+    from specchat.core.kv.full import FullCache
+    from specchat.core.kv.int8 import Int8Cache
+    from specchat.core.model import TransformersLM
+
+    lm = TransformersLM(tiny_llama(0, dtype=torch.float32).hf, kv_dtype="int8" if kind == "int8" else None,
+                        cache_positions=300)
+    cache = lm.new_cache()
+    assert isinstance(cache, Int8Cache if kind == "int8" else FullCache) and cache.max_positions == 300
+    ids = torch.randint(0, 97, (310,))
+    lm.forward(ids[:280], torch.arange(280), cache)
+    layer = cache.transformers_cache.layers[0]
+    lm.forward(ids[280:290], torch.arange(280, 290), cache)  # 1.25 x 280 = 350 would pass the plan's 300
+    assert layer._key_buffer.shape[-2] == 300
+    lm.forward(ids[290:310], torch.arange(290, 310), cache)
+    assert layer._key_buffer.shape[-2] == 310 and cache.length == 310
+    assert cache.clone_prefix(200).max_positions == 300
+

@@ -22,7 +22,7 @@ def test_a_12_gb_card_loads_llama_in_8_bit_with_the_kv_and_embedding_offloaded()
     chosen = plan("rtx3060-12gb", "llama3.1-8b", 128 * K)
     options = target_options(chosen, REGISTRY.get("llama3.1-8b").target)
     assert options == LoadOptions("bfloat16", "cuda:0", "int8", None, 128 * K,
-                                  quantize_head=False, embedding_on_cpu=True)
+                                  quantize_head=False, embedding_on_cpu=True, cache_positions=128 * K)
     assert offload_capacity(chosen) == 128 * K
     assert draft_options(chosen) is None  # the plan leaves the draft out
 
@@ -33,7 +33,7 @@ def test_an_8_gb_card_loads_llama_in_4_bit_with_its_output_head():
                        Overrides(precision="exact", mode="triforce"))
     options = target_options(chosen, REGISTRY.get("llama3.1-8b").target)
     assert options == LoadOptions("bfloat16", "cuda:0", "nf4", None, 128 * K,
-                                  quantize_head=True, embedding_on_cpu=True)
+                                  quantize_head=True, embedding_on_cpu=True, cache_positions=128 * K)
 
 
 def test_two_cards_split_the_layers_in_order():
@@ -56,7 +56,8 @@ def test_rope_scaling_only_past_the_configs_positions(context, scaled):
 
 def test_the_cpu_keeps_full_precision_in_place():
     chosen = plan("cpu-only-32gb", "embedded", 8 * K)
-    assert target_options(chosen, REGISTRY.get("embedded").target) == LoadOptions("float32", "cpu", None, None)
+    assert target_options(chosen, REGISTRY.get("embedded").target) == LoadOptions("float32", "cpu", None, None,
+                                                                                  cache_positions=8 * K)
     assert offload_capacity(chosen) is None
 
 

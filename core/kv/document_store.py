@@ -212,8 +212,8 @@ def _filled(cache: SavableCache, layers, length: int, device: torch.device | str
         return cache
     layers = ((keys.to(device), values.to(device)) for keys, values in layers)
     if isinstance(cache, Int8Cache):
-        return Int8Cache.from_packed(cache.config, cache.dtype, list(layers))
-    return FullCache.from_layers(cache.config, list(layers))
+        return Int8Cache.from_packed(cache.config, cache.dtype, list(layers), cache.max_positions)
+    return FullCache.from_layers(cache.config, list(layers), cache.max_positions)
 
 
 def _write(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:

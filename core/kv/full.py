@@ -75,10 +75,10 @@ def keep_slots(cache: DynamicCache, slots: torch.Tensor) -> None:
         cache.crop(-excess)
 
 
-def _growing_cache(hf_config) -> DynamicCache:
+def _growing_cache(hf_config, max_positions: int | None = None) -> DynamicCache:
     cache = DynamicCache(config=hf_config)
     if all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding-window layers stay as they are
-        positions = getattr(hf_config, "max_position_embeddings", None)
+        positions = max_positions or getattr(hf_config, "max_position_embeddings", None)
         cache.layers = [GrowingLayer(positions) for _ in cache.layers]
     return cache
 
@@ -91,26 +91,32 @@ def held_bytes(cache: Cache) -> int:
 
 
 @torch.inference_mode()
-def hf_cache(hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A transformers cache holding the given per-layer (keys, values)."""
-    cache = _growing_cache(hf_config)
+def hf_cache(hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]],
+             max_positions: int | None = None) -> DynamicCache:
+    """A transformers cache holding the given per-layer (keys, values); growing, it reserves no
+    room past `max_positions` (default: the config's positions)."""
+    cache = _growing_cache(hf_config, max_positions)
     for index, (keys, values) in enumerate(layers):
         cache.update(keys, values, index)
     return cache
 
 
 class FullCache:
-    """A `KVCache` whose slots are the positions 0 .. length-1."""
+    """A `KVCache` whose slots are the positions 0 .. length-1. Growing, it reserves no room past
+    `max_positions` (the plan's context; default: the config's, which can be 4x more): a
+    verification's nodes past it still fit, allocated exactly."""
 
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, max_positions: int | None = None):
         self.config = hf_config
-        self.transformers_cache = _growing_cache(hf_config)
+        self.max_positions = max_positions
+        self.transformers_cache = _growing_cache(hf_config, max_positions)
 
     @classmethod
-    def from_layers(cls, hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> FullCache:
+    def from_layers(cls, hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]],
+                    max_positions: int | None = None) -> FullCache:
         """A cache holding the given per-layer (keys, values), each [1, kv_heads, length, head_dim]."""
-        cache = cls(hf_config)
-        cache.transformers_cache = hf_cache(hf_config, layers)
+        cache = cls(hf_config, max_positions)
+        cache.transformers_cache = hf_cache(hf_config, layers, max_positions)
         return cache
 
     def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -136,7 +142,8 @@ class FullCache:
 
     def clone_prefix(self, length: int) -> FullCache:
         """An independent copy of the first `length` positions."""
-        return FullCache.from_layers(self.config, [(k.clone(), v.clone()) for k, v in self.layers(length)])
+        return FullCache.from_layers(self.config, [(k.clone(), v.clone()) for k, v in self.layers(length)],
+                                     self.max_positions)
 
     @property
     def length(self) -> int:

@@ -74,14 +74,15 @@ class Int8Cache(FullCache):
     """A `FullCache` holding 8-bit keys and values; `layers` gives them dequantized, in the
     model's dtype. For models whose every layer attends to the whole context (no sliding window)."""
 
-    def __init__(self, hf_config, dtype: torch.dtype):
+    def __init__(self, hf_config, dtype: torch.dtype, max_positions: int | None = None):
         self.config = hf_config
         self.dtype = dtype  # the model's compute dtype: what `layers` dequantizes to
+        self.max_positions = max_positions  # growing, no room reserved past it (FullCache)
         cache = DynamicCache(config=hf_config)
         if not all(type(layer) is DynamicLayer for layer in cache.layers):
             raise ValueError("the 8-bit KV cache covers full-attention models only; this one has "
                              "sliding-window layers")
-        positions = getattr(hf_config, "max_position_embeddings", None)
+        positions = max_positions or getattr(hf_config, "max_position_embeddings", None)
         cache.layers = [Int8Layer(positions) for _ in cache.layers]
         self.transformers_cache = cache
 
@@ -98,9 +99,10 @@ class Int8Cache(FullCache):
 
     @classmethod
     @torch.inference_mode()
-    def from_packed(cls, hf_config, dtype: torch.dtype, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Int8Cache:
+    def from_packed(cls, hf_config, dtype: torch.dtype, layers: list[tuple[torch.Tensor, torch.Tensor]],
+                    max_positions: int | None = None) -> Int8Cache:
         """A cache holding the given per-layer packed (keys, values), copied bit for bit."""
-        cache = cls(hf_config, dtype)
+        cache = cls(hf_config, dtype, max_positions)
         for layer, (keys, values) in zip(cache.transformers_cache.layers, layers, strict=True):
             layer.append_packed(keys, values)
         return cache
@@ -122,4 +124,4 @@ class Int8Cache(FullCache):
 
     def clone_prefix(self, length: int) -> Int8Cache:
         """An independent copy of the first `length` positions, codes and scales as they are."""
-        return Int8Cache.from_packed(self.config, self.dtype, self.packed_layers(length))
+        return Int8Cache.from_packed(self.config, self.dtype, self.packed_layers(length), self.max_positions)
