@@ -308,18 +308,22 @@ def capped(profile: HardwareProfile, limit_bytes: int | None) -> HardwareProfile
     return dataclasses.replace(profile, gpus=gpus)
 
 
-def cap_cuda_allocator() -> None:
-    """Hold torch's CUDA allocator to the limit on every GPU, so that going past it raises CUDA
-    out of memory as the smaller card would (the CUDA context itself is outside the cap; the plan
-    budgets it inside the limit). Nothing without a limit or without CUDA."""
+def cap_cuda_allocator(plan_caps: dict[int, int] | None = None) -> None:
+    """Hold torch's CUDA allocator on each GPU to the smaller of the `--vram-limit` and what the
+    plan lets it fill (`plan_caps`, GPU index -> bytes), so that going past it raises CUDA out of
+    memory as the smaller card would, instead of the driver spilling into system RAM (Windows'
+    default) at a fraction of the speed. The CUDA context itself is outside the cap; the plan
+    budgets it inside. Nothing without a cap or without CUDA."""
     import torch
 
-    limit = vram_limit_bytes()
-    if limit is None or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return
+    limit = vram_limit_bytes()
     for index in range(torch.cuda.device_count()):
-        total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
+        caps = [cap for cap in (limit, (plan_caps or {}).get(index)) if cap is not None]
+        if caps:
+            total = torch.cuda.get_device_properties(index).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, min(caps) / total), index)
 
 
 def probe_key() -> str:

@@ -132,7 +132,7 @@ class TransformersLM:
                 config.max_position_embeddings = int(
                     options.rope_scaling["original_max_position_embeddings"] * options.rope_scaling["factor"])
                 kwargs["config"] = config
-        cap_cuda_allocator()
+        cap_cuda_allocator(dict(options.allocator_caps) if options is not None else None)
         hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         if options is not None and options.embedding_on_cpu:
             embedding_on_cpu(hf_model)

@@ -23,6 +23,7 @@ class LoadOptions:
     embedding_on_cpu: bool = False  # the input embedding in CPU memory, the layers on the GPU(s)
     kv_dtype: str | None = None  # None: the KV in `dtype`; "int8": 8-bit with a scale per token (kv/int8.py)
     cache_positions: int | None = None  # the plan's context: a growing KV reserves no room past it
+    allocator_caps: tuple[tuple[int, int], ...] = ()  # (GPU index, bytes) torch's allocator may hold
 
 
 def target_options(plan: Plan, spec: ModelSpec) -> LoadOptions:
@@ -31,7 +32,8 @@ def target_options(plan: Plan, spec: ModelSpec) -> LoadOptions:
     return LoadOptions(dtype, _device_map(plan), quantization, _rope_scaling(plan, spec), offload_capacity(plan),
                        quantize_head=quantization is not None and plan.head_weights == plan.weights,
                        embedding_on_cpu=plan.embedding_device == "cpu" and plan.target_devices[0] != "cpu",
-                       kv_dtype="int8" if plan.kv_dtype == "int8" else None, cache_positions=plan.context)
+                       kv_dtype="int8" if plan.kv_dtype == "int8" else None, cache_positions=plan.context,
+                       allocator_caps=allocator_caps(plan))
 
 
 def draft_options(plan: Plan) -> LoadOptions | None:
@@ -39,7 +41,15 @@ def draft_options(plan: Plan) -> LoadOptions | None:
     quantized (its weights are small, and quantizing would only cost acceptance)."""
     if plan.draft_device is None:
         return None
-    return LoadOptions(DTYPES.get(plan.draft_weights or "", "float32"), plan.draft_device, None, None)
+    return LoadOptions(DTYPES.get(plan.draft_weights or "", "float32"), plan.draft_device, None, None,
+                       allocator_caps=allocator_caps(plan))
+
+
+def allocator_caps(plan: Plan) -> tuple[tuple[int, int], ...]:
+    """(GPU index, bytes) for every GPU of the plan: all but its margin, which the plan leaves to
+    other programs and which the driver would otherwise lend from system RAM (`cap_cuda_allocator`)."""
+    return tuple((int(device.device.split(":")[1]), device.capacity_bytes - device.margin_bytes)
+                 for device in plan.devices if device.device.startswith("cuda:"))
 
 
 def offload_capacity(plan: Plan) -> int | None:

@@ -6,7 +6,7 @@ import torch
 from conftest import needs_cuda, tiny_llama
 from test_plan import PROFILES, REGISTRY
 from specchat.core.model import TransformersLM
-from specchat.core.placement import LoadOptions, draft_options, offload_capacity, target_options
+from specchat.core.placement import LoadOptions, allocator_caps, draft_options, offload_capacity, target_options
 from specchat.core.planning import Overrides, make_plan
 
 K = 1024
@@ -22,7 +22,8 @@ def test_a_12_gb_card_loads_llama_in_8_bit_with_the_kv_and_embedding_offloaded()
     chosen = plan("rtx3060-12gb", "llama3.1-8b", 128 * K)
     options = target_options(chosen, REGISTRY.get("llama3.1-8b").target)
     assert options == LoadOptions("bfloat16", "cuda:0", "int8", None, 128 * K,
-                                  quantize_head=False, embedding_on_cpu=True, cache_positions=128 * K)
+                                  quantize_head=False, embedding_on_cpu=True, cache_positions=128 * K,
+                                  allocator_caps=allocator_caps(chosen))
     assert offload_capacity(chosen) == 128 * K
     assert draft_options(chosen) is None  # the plan leaves the draft out
 
@@ -33,7 +34,8 @@ def test_an_8_gb_card_loads_llama_in_4_bit_with_its_output_head():
                        Overrides(precision="exact", mode="triforce"))
     options = target_options(chosen, REGISTRY.get("llama3.1-8b").target)
     assert options == LoadOptions("bfloat16", "cuda:0", "nf4", None, 128 * K,
-                                  quantize_head=True, embedding_on_cpu=True, cache_positions=128 * K)
+                                  quantize_head=True, embedding_on_cpu=True, cache_positions=128 * K,
+                                  allocator_caps=allocator_caps(chosen))
 
 
 def test_two_cards_split_the_layers_in_order():
@@ -42,7 +44,8 @@ def test_two_cards_split_the_layers_in_order():
     layers = [device_map[f"model.layers.{i}"] for i in range(32)]
     assert layers == ["cuda:0"] * chosen.target_layers[0] + ["cuda:1"] * chosen.target_layers[1]
     assert device_map["model.embed_tokens"] == "cuda:0" and device_map["lm_head"] == "cuda:1"
-    assert draft_options(chosen) == LoadOptions("bfloat16", "cuda:1", None, None)
+    assert draft_options(chosen) == LoadOptions("bfloat16", "cuda:1", None, None,
+                                                allocator_caps=allocator_caps(chosen))
 
 
 @pytest.mark.parametrize("context, scaled", [(32 * K, False), (128 * K, True)])
@@ -52,6 +55,34 @@ def test_rope_scaling_only_past_the_configs_positions(context, scaled):
     assert (options.rope_scaling is not None) == scaled
     if scaled:
         assert options.rope_scaling["rope_type"] == "yarn" and options.rope_scaling["factor"] == 4.0
+
+
+def test_the_allocator_is_capped_at_what_the_plan_fills_on_each_gpu(monkeypatch):
+    """All but the margin, on each card: past it the driver would lend system RAM (Windows) at a
+    fraction of the speed. A --vram-limit below it wins; a machine without CUDA is left alone."""
+    import torch
+
+    from specchat.core.hardware import cap_cuda_allocator
+
+    chosen = plan("2x-rtx4090", "llama3.1-8b", 128 * K)
+    caps = dict(allocator_caps(chosen))
+    assert sorted(caps) == [0, 1]
+    for device in chosen.devices:
+        if device.device.startswith("cuda:"):
+            cap = caps[int(device.device[-1])]
+            assert cap == device.capacity_bytes - device.margin_bytes and cap <= 0.9 * device.capacity_bytes
+    assert dict(target_options(chosen, REGISTRY.get("llama3.1-8b").target).allocator_caps) == caps
+    fractions = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"total_memory": 24 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, index: fractions.update({index: f}))
+    monkeypatch.delenv("SPECCHAT_VRAM_LIMIT", raising=False)
+    cap_cuda_allocator({0: 18 * 2**30})
+    assert fractions == {0: 0.75}  # the second GPU has no cap: untouched
+    monkeypatch.setenv("SPECCHAT_VRAM_LIMIT", "12")
+    cap_cuda_allocator({0: 18 * 2**30, 1: 6 * 2**30})
+    assert fractions == {0: 0.5, 1: 0.25}
 
 
 def test_the_cpu_keeps_full_precision_in_place():
