@@ -17,7 +17,7 @@ from .kv.cache import KVCache
 from .model import CausalLM
 from .sampling import sample, warp
 from .speculative.drafters import PromptLookupDrafter, QueryBlind
-from .speculative.hierarchy import ModelDrafter, RetrievalStage
+from .speculative.hierarchy import KeptReading, ModelDrafter, RetrievalStage
 from .speculative.lookahead import MAX_DRAFT, CostModelLookahead, FixedLookahead, Lookahead
 from .speculative.step_times import default_relative
 from .speculative.tree import Tree
@@ -102,6 +102,9 @@ class ChainDecoder(StepsOnly):
     def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
         self.drafter.observe_queries(queries)
 
+    def read_prompt(self, ids: torch.Tensor, end: int) -> None:
+        self.drafter.read_prompt(ids, end)
+
 
 class TreeDecoder(StepsOnly):
     """Sequoia: the drafter grows a token tree, one target forward scores every node through a
@@ -169,18 +172,19 @@ class TriforceSettings:
 
 
 def triforce_decoder(target: CausalLM, settings: TriforceSettings, pair_draft: CausalLM | None = None, *,
-                     prefill_chunk: int) -> ChainDecoder | TreeDecoder:
+                     prefill_chunk: int, kept: KeptReading | None = None) -> ChainDecoder | TreeDecoder:
     """draft -> target over a retrieval cache -> target over the full cache (the final chain);
-    with `settings.tree`, the retrieval stage grows that tree and the full cache verifies it."""
+    with `settings.tree`, the retrieval stage grows that tree and the full cache verifies it.
+    `kept`: the pair draft's reading of the last conversation, which a follow-up continues."""
     if settings.tree is not None:
         return TreeDecoder(RetrievalTreeDrafter(target, settings.tree, settings.budget, settings.chunk_size,
                                                 settings.recent))
-    return ChainDecoder(triforce_drafter(target, settings, pair_draft, prefill_chunk=prefill_chunk),
+    return ChainDecoder(triforce_drafter(target, settings, pair_draft, prefill_chunk=prefill_chunk, kept=kept),
                         FixedLookahead(settings.gamma2))
 
 
 def triforce_drafter(target: CausalLM, settings: TriforceSettings, pair_draft: CausalLM | None = None, *,
-                     prefill_chunk: int) -> Drafter:
+                     prefill_chunk: int, kept: KeptReading | None = None) -> Drafter:
     """The hierarchy below the full verification: the first stage, verified by the target over
     a retrieval cache. A draft model reads the prompt `prefill_chunk` tokens per forward."""
     first: Drafter
@@ -193,7 +197,7 @@ def triforce_drafter(target: CausalLM, settings: TriforceSettings, pair_draft: C
     elif settings.draft == "pair":
         if pair_draft is None:
             raise ValueError("the triforce draft 'pair' needs a pair with a draft model")
-        first = ModelDrafter(pair_draft, settings.sinks, settings.window, False, "pair", prefill_chunk)
+        first = ModelDrafter(pair_draft, settings.sinks, settings.window, False, "pair", prefill_chunk, kept)
     elif settings.draft == "":
         first = _NoDraft()
     else:
@@ -257,6 +261,8 @@ def prefill(model: CausalLM, cache: KVCache, ids: torch.Tensor, chunk_size: int,
                                                              last_only=True)
             else:
                 logits = model.forward(ids[start:end], torch.arange(start, end), cache, last_only=True)
+        if decoder is not None:
+            decoder.read_prompt(ids, end)  # a draft model of its own reads beside, as part of the prefill
         yield end
     if observe:
         decoder.observe_queries({layer: q[0, :, -1] for layer, q in queries.items()})

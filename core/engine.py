@@ -27,6 +27,7 @@ from .request import ModeOptions, Request
 from .runtime import EngineSettings
 from .sampling import make_generator
 from .speculative.dsi.runtime import DsiRuntime
+from .speculative.hierarchy import KeptReading
 from .speculative.suffix_drafter import AnswerHistory
 from .speculative.step_times import StepTimes, default_relative
 from .speculative.types import DecodeState, Decoder
@@ -131,6 +132,7 @@ class Engine:
         self.prefixes = prefixes if prefixes is not None else PrefixStore(default_prefix_budget())  # recent answers
         self.documents = documents  # saved document caches on disk (None: off)
         self.answers = AnswerHistory()  # recent answers' tokens, where the tree mode's drafter also looks
+        self._draft_reading = KeptReading()  # the pair draft's reading of the last conversation (TriForce)
         self.stop_ids = _stop_ids(tokenizer, model)
         self.plan = plan  # core.planning.Plan for this machine, when the model is a registry pair
         self.calibration_key = calibration_key  # its step times' name in the machine's profile ("": none)
@@ -227,7 +229,7 @@ class Engine:
 
     def _triforce_decoder(self, settings: TriforceSettings | None) -> Decoder:
         return triforce_decoder(self.model, settings or self.settings.triforce, self.draft,
-                                prefill_chunk=self.settings.prefill_chunk)
+                                prefill_chunk=self.settings.prefill_chunk, kept=self._draft_reading)
 
     def _dsi_decoder(self, options) -> Decoder:
         return self.dsi.decoder(options.workers, options.plain_steps) if options else self.dsi.decoder()

@@ -7,8 +7,9 @@ from specchat.core.selftest import chi_square_p_value
 from conftest import tiny_llama
 from test_decoding import exact_sequence_probs, prompts, run
 from test_tree_decoding import noisy_copy
-from specchat.core.decoding import TriforceSettings, triforce_decoder
-from specchat.core.sampling import SamplingParams
+from specchat.core.decoding import TriforceSettings, decode, prefill_all, triforce_decoder
+from specchat.core.sampling import SamplingParams, make_generator
+from specchat.core.speculative.types import DecodeState
 from specchat.core.speculative.tree import Tree
 from specchat.core.runtime import EngineSettings
 
@@ -121,3 +122,37 @@ def test_sampled_triforce_with_a_final_tree_samples_from_the_target():
         accepted += sum(s.accepted for s in steps)
     assert 0.1 * drafted < accepted < 0.9 * drafted
     assert chi_square_p_value(counts, exact) > 1e-3
+
+
+def test_a_pair_draft_reads_the_prompt_in_the_prefill_and_a_follow_up_only_its_new_tokens():
+    """Issue 38: the pair draft read a 128K prompt at the first draft (6-8 s counted as decode)
+    and again at every follow-up. It now reads beside the target's prefill chunks, and keeps its
+    reading (`KeptReading`) for the next answer, whose prompt extends the conversation: greedy
+    output stays plain's, and the follow-up's draft reads only the tokens after the first turn."""
+    from specchat.core.speculative.hierarchy import KeptReading
+
+    target, pair = tiny_llama(3, weight_scale=8.0), noisy_copy(3, 0.3, weight_scale=8.0)
+    read = []  # tokens per draft forward
+    forward = pair.forward
+    pair.forward = lambda ids, *args, **kwargs: read.append(len(ids)) or forward(ids, *args, **kwargs)
+    kept = KeptReading()
+
+    def answer(prompt):
+        """(the greedy answer, the tokens the draft read in the prefill, the decoder)."""
+        read.clear()
+        decoder = triforce_decoder(target, TriforceSettings(draft="pair", **SMALL), pair, prefill_chunk=16, kept=kept)
+        ids = torch.tensor(prompt)
+        state = DecodeState(target, target.new_cache(), ids, SamplingParams(), make_generator(None))
+        first_logits = prefill_all(target, state.cache, ids, 16, decoder)
+        in_prefill = list(read)
+        return [t for s in decode(state, decoder, first_logits, 24) for t in s.tokens], in_prefill, decoder
+
+    first = prompts(3)["n-gram hits"]
+    answered, in_prefill, decoder = answer(first)
+    assert answered == run(target, first, "plain", SamplingParams(), 24)[0]
+    assert sum(in_prefill) == len(first) - 1 and max(in_prefill) == 16  # in the prefill's chunks
+    assert decoder.stage_counts()["pair"]["forwards"] == len(read) - len(in_prefill)  # the drafts only
+    follow_up = first + answered + prompts(4)["no n-gram hits"][:20]
+    answered_again, in_prefill, _ = answer(follow_up)
+    assert answered_again == run(target, follow_up, "plain", SamplingParams(), 24)[0]
+    assert 20 <= sum(in_prefill) <= len(answered) + 19  # the new turn and the answer's last drafted-over tokens

@@ -44,6 +44,21 @@ def test_streaming_cache_attends_sinks_and_window_only():
     torch.testing.assert_close(got, masked_logits(model, ids, streaming_positions(40, 3, 10), new))
 
 
+def test_a_fitted_streaming_cache_gives_back_a_read_chunks_room_and_attends_the_same():
+    model = tiny_llama(2)
+    ids = torch.arange(400) % 97
+    cache = StreamingCache(model.hf.config, sinks=2, window=6)
+    model.forward(ids[:390], torch.arange(390), cache)  # a long prompt chunk
+    cache.compact()
+    fitted = cache.fitted()
+    assert cache.transformers_cache.layers[0]._key_buffer.shape[-2] >= 390
+    assert fitted.transformers_cache.layers[0]._key_buffer.shape[-2] == 256  # the smallest a buffer grows by
+    assert (fitted.length, fitted.slots) == (390, 8)
+    new = ids[390:]
+    torch.testing.assert_close(model.forward(new, torch.arange(390, 400), fitted),
+                               model.forward(new, torch.arange(390, 400), cache))
+
+
 def test_streaming_cache_rolls_back_and_compacts():
     model = tiny_llama(1)
     ids = torch.arange(30) % 97

@@ -344,3 +344,28 @@ def test_the_disk_budget_holds_a_whole_context_s_document_and_a_save_leaves_the_
     assert store.save(list(range(40)), cache) is None and not list(tmp_path.glob("*.safetensors"))
     monkeypatch.undo()
     assert store.save(list(range(40)), cache) is not None
+
+
+
+def test_a_pair_draft_reads_a_follow_up_s_new_tokens_only_and_triforce_stays_plain(tiny_engine_parts, tiny_model_dir):
+    """The engine keeps its pair draft's reading between answers (issue 38): in a follow-up the
+    draft reads from where the first turn's prompt ended, never the document again."""
+    from specchat.core.decoding import TriforceSettings
+
+    model, tokenizer = tiny_engine_parts
+    draft = TransformersLM.from_pretrained(tiny_model_dir, LoadOptions("float64", "cpu", None, None))
+    starts = []  # the first position of each draft forward
+    forward = draft.forward
+    draft.forward = lambda ids, positions, *args, **kwargs: starts.append(int(positions[0])) or forward(
+        ids, positions, *args, **kwargs)
+    engine = Engine(model, tokenizer, "tiny", prefixes=PrefixStore(UNLIMITED), draft=draft,
+                    settings=EngineSettings(prefill_chunk=16))
+    triforce = TriforceSettings(draft="pair", budget=24, chunk_size=4, recent=8, stride=8, sinks=2, window=16)
+    first, _ = run(engine, conversation("")[:1], "triforce", options=triforce)
+    assert starts[0] == 0 and first.stats.stages["pair"]["forwards"] > 0
+    messages = conversation(first.text)
+    starts.clear()
+    follow_up, _ = run(engine, messages, "triforce", options=triforce)
+    plain, _ = run(engine_with(tiny_engine_parts), messages, "plain")
+    assert follow_up.token_ids == plain.token_ids
+    assert min(starts) >= first.prompt_tokens - 1, starts  # the document is not read again

@@ -82,6 +82,13 @@ class StreamingCache:
         keep_slots(self.transformers_cache, slots)
         self._positions = torch.cat([self._positions[:prefix_slots], torch.arange(unchanged, positions.shape[0])])
 
+    def fitted(self) -> StreamingCache:
+        """A copy whose buffers hold just its slots: after reading a long prompt a chunk at a
+        time, the buffers keep a chunk's room, which compaction does not give back."""
+        self._sync_positions()
+        return StreamingCache(self.config, self.sinks, self.window,
+                              [(keys.clone(), values.clone()) for keys, values in self.layers()], self._positions.clone())
+
     def compact(self) -> None:
         """Drop everything but the sinks and the window (called between drafts, never mid-draft)."""
         self._sync_positions()

@@ -29,11 +29,15 @@ class Proposal:
 
 
 class QueryBlind:
-    """The drafter interface's query hooks for drafters that never score with the target's
-    queries (only TriForce's retrieval stages do)."""
+    """The drafter interface's hooks for drafters that never score with the target's queries
+    (only TriForce's retrieval stages do) and read no prompt with a model of their own (only a
+    separate draft model does)."""
     wants_queries = False
 
     def observe_queries(self, queries: dict[int, torch.Tensor]) -> None:
+        pass
+
+    def read_prompt(self, ids: torch.Tensor, end: int) -> None:
         pass
 
 

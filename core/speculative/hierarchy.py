@@ -30,29 +30,68 @@ if TYPE_CHECKING:
 
 
 
+class KeptReading:
+    """A separate draft model's reading of the conversation answered last, kept for the next
+    answer: a follow-up's prompt extends it, so the draft reads only the new tokens (its cache is
+    sinks and a window, small whatever the document's length)."""
+
+    def __init__(self):
+        self.follower: TokenCache | None = None
+
+
 class ModelDrafter(QueryBlind):
     """A draft model sampling one token per forward from its warped distribution, over a
     StreamingLLM cache (sinks and a recent window).
 
     `shares_target_kv`: the draft is the target's first layers (layer-skip), whose KV over the
     committed text is the target's own, so its cache starts as a streaming view of the target's
-    full cache; otherwise the draft reads the prompt itself, in chunks, compacting as it goes.
+    full cache; otherwise the draft reads the prompt itself, in chunks beside the target's
+    prefill (`read_prompt`), compacting as it goes, into `kept`'s cache when one is given.
     """
 
     def __init__(self, model: CausalLM, sinks: int, window: int, shares_target_kv: bool, name: str,
-                 prefill_chunk: int):
+                 prefill_chunk: int, kept: KeptReading | None = None):
         self.model = model
         self.prefill_chunk = prefill_chunk  # a separate draft reads the prompt in chunks this long
         self.sinks, self.window = sinks, window
         self.shares_target_kv = shares_target_kv
         self.name = name
+        self.kept = kept if kept is not None else KeptReading()
         self.follower: TokenCache | None = None
+        self._forwards_before = 0  # the kept cache's forwards in earlier answers
+        self._prompt_read = False
+
+    def read_prompt(self, ids: torch.Tensor, end: int) -> None:
+        """Read `ids` up to `end` (never the last prompt token, whose logits the first draft
+        needs), from the longest prefix the cache still holds, a chunk per forward."""
+        if self.shares_target_kv:
+            return  # its cache is a view of the target's, taken at the first draft
+        if self.follower is None:
+            if self.kept.follower is None:
+                self.kept.follower = TokenCache(self.model, StreamingCache(self.model.config, self.sinks, self.window))
+            self.follower = self.kept.follower
+            self._forwards_before = self.follower.forwards
+        upto = min(end, ids.shape[0] - 1)
+        follower = self.follower
+        follower.cache.trim(common_prefix(follower.ids, ids[:-1]))  # it may have read further than `end`
+        follower.ids = ids[:follower.cache.length]
+        chunk_ends = range(follower.cache.length + self.prefill_chunk, upto + self.prefill_chunk, self.prefill_chunk)
+        try:
+            for chunk_end in chunk_ends:
+                follower.read(ids[:min(chunk_end, upto)])
+                follower.cache.compact()
+        except BaseException:
+            self.kept.follower = None  # a forward that failed may have filled some layers: never keep that
+            raise
+        self._prompt_read = upto == ids.shape[0] - 1
+        if self._prompt_read and chunk_ends:
+            follower.cache = follower.cache.fitted()  # kept between answers at the plan's size
 
     def draft(self, state: DecodeState, seq: torch.Tensor, max_tokens: int) -> Proposal | None:
         if max_tokens < 1:
             return None
-        if self.follower is None:
-            self.follower = self._start(state)
+        if self.follower is None or not self._prompt_read:
+            self._start(state)
         tokens: list[int] = []
         rows = []
         for _ in range(max_tokens):
@@ -65,20 +104,16 @@ class ModelDrafter(QueryBlind):
         return Proposal(torch.tensor(tokens), torch.stack(rows))
 
     def counts(self) -> dict[str, dict[str, int]]:
-        return {self.name: {"forwards": self.follower.forwards if self.follower else 0}}
+        return {self.name: {"forwards": self.follower.forwards - self._forwards_before if self.follower else 0}}
 
-    def _start(self, state: DecodeState) -> TokenCache:
-        config = self.model.config
-        if self.shares_target_kv:
-            cache = StreamingCache.from_layers(config, state.cache.layers()[:self.model.num_layers],
-                                               self.sinks, self.window, self.model.device)
-            return TokenCache(self.model, cache, state.ids[:state.cache.length])
-        follower = TokenCache(self.model, StreamingCache(config, self.sinks, self.window))
-        committed = state.ids[:-1]
-        for end in range(self.prefill_chunk, committed.shape[0] + 1, self.prefill_chunk):
-            follower.read(committed[:end])
-            follower.cache.compact()
-        return follower
+    def _start(self, state: DecodeState) -> None:
+        if not self.shares_target_kv:
+            self.read_prompt(state.ids, state.ids.shape[0])  # the rest of what the prefill did not read
+            return
+        cache = StreamingCache.from_layers(self.model.config, state.cache.layers()[:self.model.num_layers],
+                                           self.sinks, self.window, self.model.device)
+        self.follower = TokenCache(self.model, cache, state.ids[:state.cache.length])
+        self._prompt_read = True
 
 
 class VerifiedStage(QueryBlind):
@@ -118,6 +153,9 @@ class VerifiedStage(QueryBlind):
             self.drafted += len(proposal)
             self.accepted += verdict.accepted
         return Proposal(torch.tensor(tokens), torch.cat(rows))
+
+    def read_prompt(self, ids: torch.Tensor, end: int) -> None:
+        self.drafter.read_prompt(ids, end)
 
     def prepare(self, state: DecodeState, seq: torch.Tensor) -> None:
         """Called before each proposal; the retrieval stage refreshes its cache here."""

@@ -99,6 +99,11 @@ class Decoder(Protocol):
         """Before the prefill: start what can run beside it (DSI's instances read the prompt)."""
         ...
 
+    def read_prompt(self, ids: torch.Tensor, end: int) -> None:
+        """The target has read the prompt `ids` up to `end`: a draft model with a cache of its
+        own reads as far, so its read counts (and stops) as the prefill's."""
+        ...
+
     def close(self) -> None:
         """After the answer: release what runs beside the steps (DSI's drafting thread)."""
         ...
@@ -108,6 +113,9 @@ class StepsOnly:
     """A decoder whose work all happens inside `step`: nothing to start early or release."""
 
     def begin(self, state: DecodeState) -> None:
+        pass
+
+    def read_prompt(self, ids: torch.Tensor, end: int) -> None:
         pass
 
     def close(self) -> None:
@@ -128,6 +136,10 @@ class Drafter(Protocol):
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per stage: forwards run, draft tokens verified, accepted (for the stats)."""
+        ...
+
+    def read_prompt(self, ids: torch.Tensor, end: int) -> None:
+        """As `Decoder.read_prompt`: nothing for a drafter without a model of its own."""
         ...
 
 

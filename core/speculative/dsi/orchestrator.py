@@ -122,6 +122,10 @@ class DsiDecoder:
         if self._drafting is not None:
             self._drafting.join(timeout=10)
 
+    def read_prompt(self, ids: torch.Tensor, end: int) -> None:
+        """A draft model reads the prompt during the prefill, before the drafting thread starts."""
+        self.drafter.read_prompt(ids, end)
+
     def begin(self, state: DecodeState) -> None:
         """Every instance starts reading the prompt (each has its own cache) while the engine
         reads it too, for the first token."""
