@@ -14,6 +14,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the Hub
 # Tests check decoding, not this machine's speed: no first-use calibration (step_calibration.py),
 # in this process and the `specchat` processes the tests start.
 os.environ.setdefault("SPECCHAT_CALIBRATE", "0")
+# Under pytest-xdist (packaging/test.sh) each worker gets its share of the cores, and so do the
+# processes its tests start: a second OpenMP thread per worker only spins on tiny models.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+    torch.set_num_threads(THREADS)
 DATA = Path(__file__).parent / "data"
 # A test that needs a CUDA GPU: skipped without one, and marked `cuda` so that `pytest -m cuda`
 # (and `specchat bench --suite gpu`) finds every one of them.

@@ -120,6 +120,7 @@ def test_a_full_context_is_told_from_the_answer_limit(tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_greedy_speculation_matches_plain_on_a_summary_of_3k_tokens(tmp_path):
     """The issues' acceptance checks (chain, DSI), through the CLI on the embedded model."""
     text = (DATA / "gpl-3.0.txt").read_text()
