@@ -58,7 +58,7 @@ def longer_pairs(registry_file: str | None, needed: int, current: str) -> list[t
     """Pairs whose context holds `needed` tokens and that this machine can run (the plan's
     verdict at their full context, as the Models tab shows it), each labelled with its context,
     its download (size, and whether it is here) and the plan's speed on this machine."""
-    from ..core.download import model_status
+    from ..core.model_cache import model_status
     from ..core.files import human_size
     from ..core.registry import load_registry
     from .models_cmd import listing_profile, plan_fit
@@ -177,7 +177,7 @@ def shorter_answer(chat: ChatLogic, message: str, attachment: dict | None, paste
 
 
 def switch_pair(handle: EngineHandle, registry_file: str | None, pair_id: str | None) -> View:
-    from ..core.download import model_status
+    from ..core.model_cache import model_status
     from ..core.files import human_size
     from ..core.registry import load_registry
 

@@ -8,7 +8,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from ..core.download import DownloadProgress, download_pair, model_status, remove_pair
+from ..core.download import DownloadProgress, download_pair
+from ..core.model_cache import model_status, remove_pair
 from ..core.files import human_size
 from ..core.registry import ModelPair, Registry
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..core.download import DownloadProgress, download_pair, model_status
+from ..core.download import DownloadProgress, download_pair
+from ..core.model_cache import model_status
 from ..core.errors import SpecchatError, first_line
 from ..core.files import human_size
 from ..core.hardware import HardwareProfile, load_or_probe

@@ -10,15 +10,14 @@ processes (each download streams into a file name unique to its process, orphane
 specchat moves the bytes itself: each file streams into `blobs/<hash>.specchat-part`, a rerun
 continues it with an HTTP Range request, a stalled or broken connection is retried from where it
 stopped, and the file is checked against the hash the Hub lists for it (sha256 for LFS files,
-the git blob sha1 for the others) before it joins the cache. A small manifest under specchat's
-cache remembers the files a model needs, so offline mode can say exactly what is missing.
+the git blob sha1 for the others) before it joins the cache, and the model's manifest
+(`model_cache.py`) records the files it needs.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -26,10 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .embedded import cache_root
-from .errors import InputError, ModelUnavailable, SpecchatError, first_line
-from .files import human_size, write_atomically
-from .registry import ModelPair, ModelSpec, Registry
+from .errors import InputError, SpecchatError, first_line
+from .files import human_size
+from .model_cache import (has_file, hub_cache, is_offline, local_model_path, model_status, read_manifest, repo_folder,
+                          snapshot_folder, write_manifest)
+from .registry import ModelPair, ModelSpec
 
 ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.jinja", "tokenizer.model"]
 # Pickled or unused formats, and Meta's original/ folder of .pth weights.
@@ -45,10 +45,6 @@ class DownloadError(SpecchatError):
     """A download failed (network, integrity, disk space); what was complete stays on disk."""
 
 
-class NotDownloaded(ModelUnavailable):
-    """Offline (or not yet downloaded) and some files of the model are not in the cache."""
-
-
 @dataclass(frozen=True)
 class DownloadProgress:
     model: str  # repo id
@@ -58,90 +54,6 @@ class DownloadProgress:
 
 
 ProgressCallback = Callable[[DownloadProgress], None]
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    repo: str
-    complete: bool
-    present_bytes: int  # cached files and partial downloads
-    missing: tuple[str, ...]  # files known to be missing (empty when nothing is known yet)
-
-
-def hub_cache() -> Path:
-    from huggingface_hub import constants
-
-    return Path(constants.HF_HUB_CACHE)
-
-
-def is_offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
-def manifest_path(model: ModelSpec) -> Path:
-    return cache_root() / "downloads" / f"{model.repo.replace('/', '--')}--{model.revision}.json"
-
-
-def _read_manifest(model: ModelSpec) -> dict | None:
-    try:
-        manifest = json.loads(manifest_path(model).read_text())
-        return manifest if isinstance(manifest.get("files"), dict) else None
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _write_manifest(model: ModelSpec, sizes: dict[str, int], verified: bool) -> None:
-    write_atomically(manifest_path(model), json.dumps(
-        {"repo": model.repo, "revision": model.revision, "files": sizes, "verified": verified}, indent=1))
-
-
-def _repo_folder(model: ModelSpec) -> Path:
-    return hub_cache() / f"models--{model.repo.replace('/', '--')}"
-
-
-def snapshot_folder(model: ModelSpec) -> Path:
-    return _repo_folder(model) / "snapshots" / model.revision
-
-
-def model_status(model: ModelSpec) -> ModelStatus:
-    """What the cache holds of `model`, read from disk only."""
-    manifest = _read_manifest(model)
-    present = _partial_bytes(model)
-    if manifest is None:
-        return ModelStatus(model.repo, False, present, ())
-    snapshot = snapshot_folder(model)
-    missing = tuple(name for name, size in manifest["files"].items()
-                    if not _has_file(snapshot / name, size))
-    present += sum(size for name, size in manifest["files"].items() if name not in missing)
-    return ModelStatus(model.repo, not missing and bool(manifest.get("verified")), present, missing)
-
-
-def _has_file(path: Path, size: int) -> bool:
-    try:
-        return path.stat().st_size == size  # follows the snapshot's symlink to the blob
-    except OSError:
-        return False
-
-
-def _partial_bytes(model: ModelSpec) -> int:
-    blobs = _repo_folder(model) / "blobs"
-    return sum(part.stat().st_size for part in blobs.glob("*.specchat-part")) if blobs.is_dir() else 0
-
-
-def local_model_path(model: ModelSpec, pair_id: str) -> Path:
-    """The snapshot folder of a complete, verified download, or `NotDownloaded` saying what is missing."""
-    status = model_status(model)
-    if status.complete:
-        return snapshot_folder(model)
-    if status.missing:
-        listed = ", ".join(status.missing[:4]) + (f" and {len(status.missing) - 4} more" if len(status.missing) > 4 else "")
-        raise NotDownloaded(f"{model.repo} is not fully downloaded: missing {listed} "
-                            f"(in {hub_cache()}); run `specchat models download {pair_id}` while online")
-    what = "only partly downloaded" if status.present_bytes else "not downloaded"
-    raise NotDownloaded(f"{model.repo} is {what} (needs {human_size(model.download_bytes)} in {hub_cache()}); "
-                        f"run `specchat models download {pair_id}` while online")
 
 
 def download_pair(pair: ModelPair, progress: ProgressCallback | None = None, token: str | None = None,
@@ -223,10 +135,10 @@ def _plan(model: ModelSpec, hub: _Hub) -> _Plan:
         raise DownloadError(f"{model.repo}@{model.revision[:8]} has no safetensors weights; specchat "
                             "never loads pickled weights: choose another revision or model")
     sizes = {file.name: file.size for file in files}
-    manifest = _read_manifest(model) or {}
-    _write_manifest(model, sizes, verified=bool(manifest.get("verified")) and manifest.get("files") == sizes)
+    manifest = read_manifest(model) or {}
+    write_manifest(model, sizes, verified=bool(manifest.get("verified")) and manifest.get("files") == sizes)
     snapshot = snapshot_folder(model)
-    to_fetch = tuple(file for file in files if not _has_file(snapshot / file.name, file.size))
+    to_fetch = tuple(file for file in files if not has_file(snapshot / file.name, file.size))
     return _Plan(model, files, to_fetch)
 
 
@@ -243,7 +155,7 @@ def _fetch(plan: _Plan, hub: _Hub, counter: _ProgressCounter) -> Path:
     folder = Path(hub.call(model, lambda: snapshot_download(
         model.repo, revision=model.revision, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS,
         cache_dir=hub_cache(), token=hub.token, endpoint=hub.endpoint, tqdm_class=_hidden_bars())))
-    _write_manifest(model, {file.name: file.size for file in plan.files}, verified=True)
+    write_manifest(model, {file.name: file.size for file in plan.files}, verified=True)
     return folder
 
 
@@ -261,7 +173,7 @@ def _hidden_bars() -> type:
 
 
 def _part_path(model: ModelSpec, file: _RemoteFile) -> Path:
-    return _repo_folder(model) / "blobs" / f"{file.digest}.specchat-part"
+    return repo_folder(model) / "blobs" / f"{file.digest}.specchat-part"
 
 
 def _part_size(model: ModelSpec, file: _RemoteFile) -> int:
@@ -273,7 +185,7 @@ def _part_size(model: ModelSpec, file: _RemoteFile) -> int:
 
 def _fetch_file(model: ModelSpec, file: _RemoteFile, hub: _Hub, counter: _ProgressCounter) -> None:
     """Download one file into its blob (resuming a partial one), verify it, link it into the snapshot."""
-    blob = _repo_folder(model) / "blobs" / file.digest
+    blob = repo_folder(model) / "blobs" / file.digest
     if not (blob.is_file() and blob.stat().st_size == file.size and _blob_matches(blob)):
         part = _part_path(model, file)
         part.parent.mkdir(parents=True, exist_ok=True)
@@ -433,44 +345,3 @@ class _ProgressCounter:
     def _report(self) -> None:
         if self.callback is not None:
             self.callback(DownloadProgress(self.model, self.filename, self.done, self.total))
-
-
-def remove_pair(pair: ModelPair, registry: Registry) -> tuple[list[str], list[str]]:
-    """Delete the pair's models from the cache, except those another downloaded pair uses.
-    Returns (removed repos, kept repos)."""
-    if pair.source != "hub":
-        raise InputError(f"{pair.id} is built in ({pair.source}); there is nothing to remove")
-    in_use = {(model.repo, model.revision) for other in registry.pairs.values()
-              if other.id != pair.id and other.source == "hub" and all(model_status(m).complete for m in other.models)
-              for model in other.models}
-    removed, kept = [], []
-    for model in pair.models:
-        if (model.repo, model.revision) in in_use:
-            kept.append(model.repo)
-            continue
-        _remove_revision(model)
-        manifest_path(model).unlink(missing_ok=True)
-        removed.append(model.repo)
-    return removed, kept
-
-
-def _remove_revision(model: ModelSpec) -> None:
-    """Delete one revision's snapshot, the blobs no other snapshot links to, and partial files."""
-    folder = _repo_folder(model)
-    if not folder.is_dir():
-        return
-    linked = _linked_blobs(snapshot_folder(model))
-    shutil.rmtree(snapshot_folder(model), ignore_errors=True)
-    for blob in linked - _linked_blobs(folder / "snapshots"):
-        blob.unlink(missing_ok=True)
-    blobs = folder / "blobs"
-    # Partial files: specchat's, and huggingface_hub's orphans from killed downloads.
-    for part in [*blobs.glob("*.specchat-part"), *blobs.glob("*.incomplete")]:
-        part.unlink(missing_ok=True)
-    snapshots = folder / "snapshots"
-    if not snapshots.is_dir() or not any(snapshots.iterdir()):
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _linked_blobs(folder: Path) -> set[Path]:
-    return {link.resolve() for link in folder.rglob("*") if link.is_symlink()} if folder.is_dir() else set()

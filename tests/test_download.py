@@ -19,8 +19,9 @@ from hub_pairs import DRAFT_REPO, TARGET_REPO, UNWANTED, build_tiny_pair
 from standin_hub import StandinHub, hub_online
 from test_cli import SPECCHAT, assert_bad_input
 
-from specchat.core import download
-from specchat.core.download import DownloadError, NotDownloaded, download_pair, model_status, remove_pair
+from specchat.core import download, model_cache
+from specchat.core.download import DownloadError, download_pair
+from specchat.core.model_cache import NotDownloaded, model_status, remove_pair
 from specchat.core.files import human_size
 from specchat.core.registry import load_registry
 
@@ -46,7 +47,7 @@ def registry(tiny_pair, tmp_path):
 
 
 def snapshot_files(model) -> dict[str, bytes]:
-    folder = download.snapshot_folder(model)
+    folder = model_cache.snapshot_folder(model)
     return {path.relative_to(folder).as_posix(): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
 
@@ -97,7 +98,7 @@ def test_a_corrupt_file_is_caught_deleted_and_reported(hub, caches, registry):
         download_pair(pair, endpoint=hub.endpoint)
     assert len(hub.gets(TARGET_WEIGHTS)) == 2  # fetched once more before giving up
     assert not model_status(pair.target).complete
-    assert not list((download.hub_cache()).rglob("*.specchat-part"))
+    assert not list((model_cache.hub_cache()).rglob("*.specchat-part"))
     hub.corrupt(TARGET_WEIGHTS, enabled=False)
     with hub_online():
         download_pair(pair, endpoint=hub.endpoint)
@@ -153,7 +154,7 @@ def test_a_full_disk_mid_file_says_so_keeps_the_part_and_resumes(hub, caches, re
     message = str(failure.value)
     assert message.startswith("the disk is full: ") and "\n" not in message
     assert f"stopped at {human_size(room)} of {human_size(size)}" in message and "run the download again" in message
-    parts = list(download.hub_cache().rglob("*.specchat-part"))
+    parts = list(model_cache.hub_cache().rglob("*.specchat-part"))
     assert [(part.name, part.stat().st_size) for part in parts] == [(weights_part, room)]
     assert not model_status(pair.target).complete
 
@@ -193,7 +194,7 @@ def test_offline_mode_uses_the_cache_and_names_what_is_missing(hub, caches, regi
         paths = download_pair(pair, endpoint=hub.endpoint)
     hub.close()
     assert download_pair(pair, offline=True) == paths
-    (download.snapshot_folder(pair.draft) / "tokenizer.json").unlink()
+    (model_cache.snapshot_folder(pair.draft) / "tokenizer.json").unlink()
     with pytest.raises(NotDownloaded, match="missing tokenizer.json"):
         download_pair(pair, offline=True)
 
@@ -217,7 +218,7 @@ def test_remove_keeps_models_another_downloaded_pair_uses(hub, caches, tiny_pair
     registry = load_registry(tmp_path / "models.toml")
     removed, kept = remove_pair(registry.get("tiny"), registry)
     assert removed == [TARGET_REPO, DRAFT_REPO] and kept == []
-    assert not any(download.hub_cache().iterdir())
+    assert not any(model_cache.hub_cache().iterdir())
 
 
 def cli(*args, env, timeout=600):

@@ -23,7 +23,7 @@ from specchat.app.ui_models import (
     download_markdown,
     engine_plan_markdown,
 )
-from specchat.core import download, embedded, selftest
+from specchat.core import embedded, model_cache, selftest
 from specchat.core.files import human_size
 from specchat.core.hardware import HardwareProfile
 from specchat.core.loading import load_engine
@@ -217,7 +217,7 @@ def test_a_cancelled_download_keeps_its_part_and_resumes(hub, caches, models_fil
         ended = wait_until_ended(panel.downloads, timeout=30)
         assert ended.state == "cancelled"
         assert "download cancelled at" in download_markdown(ended) and "resume" in download_markdown(ended)
-        parts = list(download.hub_cache().rglob("*.specchat-part"))
+        parts = list(model_cache.hub_cache().rglob("*.specchat-part"))
         kept = parts[0].stat().st_size if len(parts) == 1 else 0
         assert 0 < kept < size
         assert row_of(panel, "tiny")[-1].startswith("partly")
