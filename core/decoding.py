@@ -21,7 +21,7 @@ from .speculative.hierarchy import KeptReading, ModelDrafter, RetrievalStage
 from .speculative.lookahead import MAX_DRAFT, CostModelLookahead, FixedLookahead, Lookahead
 from .speculative.step_times import default_relative
 from .speculative.tree import Tree
-from .speculative.suffix_drafter import AnswerHistory, SuffixDrafter
+from .speculative.suffix_drafter import SuffixDrafter
 from .speculative.tree_drafters import ModelTreeDrafter, RetrievalTreeDrafter, TreeProposal
 from .speculative.types import Decoder, DecodeState, Drafter, Step, StepsOnly, TreeDrafter
 from .speculative.verify import verify_chain, verify_tree
@@ -218,13 +218,13 @@ class _NoDraft(QueryBlind):
 
 def make_decoder(mode: str, vocab_size: int, relative_time: Callable[[int, int], float] = default_relative,
                  chain_drafts: int = MAX_DRAFT, tree_draft: tuple[CausalLM, Tree] | None = None,
-                 suffix_tree_size: int = 16, history: AnswerHistory | None = None) -> Decoder:
-    """A fresh decoder for one answer in a mode that needs no models but the target's: chain mode
+                 suffix: SuffixDrafter | None = None) -> Decoder:
+    """A decoder for one answer in a mode that needs no models but the target's: chain mode
     drafts by prompt lookup as long as the cost model (`relative_time`, t(n) at a context) says
-    pays; tree mode grows `tree_draft`'s template with its draft model when one is given, else a
-    suffix tree of what followed the longest earlier match (in the conversation or `history`, the
-    earlier answers) of at most `suffix_tree_size` nodes. (TriForce and DSI: `triforce_decoder`
-    here, the engine's DsiRuntime.)
+    pays; tree mode grows `tree_draft`'s template with its draft model when one is given, else
+    `suffix`'s trees of what followed the longest earlier match (the engine's drafter, kept across
+    answers so that a follow-up indexes only its new tokens; default: a fresh one of 16 nodes).
+    (TriForce and DSI: `triforce_decoder` here, the engine's DsiRuntime.)
 
     Which drafter where (bench/2026-11-28-cpu-yardstick.json, tokens per target forward): the
     voting lookup chain beats the suffix chain; the suffix tree beats the lookup tree."""
@@ -237,7 +237,7 @@ def make_decoder(mode: str, vocab_size: int, relative_time: Callable[[int, int],
     if mode == "tree" and tree_draft is not None:
         return TreeDecoder(ModelTreeDrafter(*tree_draft))
     if mode == "tree":
-        return TreeDecoder(SuffixDrafter(vocab_size, history, max_nodes=suffix_tree_size))
+        return TreeDecoder(suffix if suffix is not None else SuffixDrafter(vocab_size, max_nodes=16))
     raise ValueError(f"{mode!r} is not a prompt-lookup mode (plain, chain or tree)")
 
 

@@ -28,7 +28,7 @@ from .runtime import EngineSettings
 from .sampling import make_generator
 from .speculative.dsi.runtime import DsiRuntime
 from .speculative.hierarchy import KeptReading
-from .speculative.suffix_drafter import AnswerHistory
+from .speculative.suffix_drafter import AnswerHistory, SuffixDrafter
 from .speculative.step_times import StepTimes, default_relative
 from .speculative.types import DecodeState, Decoder
 from .textstream import TextStream
@@ -133,6 +133,9 @@ class Engine:
         self.documents = documents  # saved document caches on disk (None: off)
         self.answers = AnswerHistory()  # recent answers' tokens, where the tree mode's drafter also looks
         self._draft_reading = KeptReading()  # the pair draft's reading of the last conversation (TriForce)
+        # Tree mode's suffix drafter, kept across answers: a follow-up indexes only its new tokens
+        # (indexing a 128K prompt anew took about a second).
+        self._suffix = SuffixDrafter(model.vocab_size, self.answers, max_nodes=settings.tree_size)
         self.stop_ids = _stop_ids(tokenizer, model)
         self.plan = plan  # core.planning.Plan for this machine, when the model is a registry pair
         self.calibration_key = calibration_key  # its step times' name in the machine's profile ("": none)
@@ -223,8 +226,7 @@ class Engine:
             settings = self.settings
             relative = settings.step_times.relative if settings.step_times else default_relative
             draft = (tree_draft.model, tree_draft.template) if tree_draft is not None else None
-            return make_decoder(mode, self.model.vocab_size, relative, settings.chain_drafts, draft,
-                                settings.tree_size, self.answers)
+            return make_decoder(mode, self.model.vocab_size, relative, settings.chain_drafts, draft, self._suffix)
         return build
 
     def _triforce_decoder(self, settings: TriforceSettings | None) -> Decoder:

@@ -369,3 +369,20 @@ def test_a_pair_draft_reads_a_follow_up_s_new_tokens_only_and_triforce_stays_pla
     plain, _ = run(engine_with(tiny_engine_parts), messages, "plain")
     assert follow_up.token_ids == plain.token_ids
     assert min(starts) >= first.prompt_tokens - 1, starts  # the document is not read again
+
+
+def test_tree_mode_s_suffix_index_carries_over_to_a_follow_up(tiny_engine_parts):
+    """Tree mode's suffix drafter is the engine's: a follow-up's prompt extends what it indexed,
+    so the index grows by the new tokens instead of being built again (about a second at 128K)."""
+    engine = engine_with(tiny_engine_parts)
+    first, _ = run(engine, conversation("")[:1], "tree")
+    index = engine._suffix.index
+    indexed = len(index)
+    messages = conversation(first.text)
+    follow_up, _ = run(engine, messages, "tree")
+    assert engine._suffix.index is index and len(index) > indexed >= first.prompt_tokens
+    assert follow_up.token_ids == run(engine_with(tiny_engine_parts), messages, "plain")[0].token_ids
+    other, _ = run(engine, [{"role": "user", "content": "Something else entirely."}], "tree")
+    assert engine._suffix.index is not index  # another conversation: indexed afresh
+    assert other.token_ids == run(engine_with(tiny_engine_parts), [{"role": "user", "content": "Something else entirely."}],
+                                  "plain")[0].token_ids
