@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from specchat.core.selftest import chi_square_p_value
+from specchat.core.exact_outcomes import chi_square_p_value
 from conftest import tiny_llama
 from specchat.core.decoding import ChainDecoder, decode, make_decoder, prefill_all
 from specchat.core.speculative.types import DecodeState

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specchat.core.selftest import chi_square_p_value
+from specchat.core.exact_outcomes import chi_square_p_value
 from conftest import needs_cuda, tiny_llama
 from test_decoding import exact_sequence_probs, prompts, run
 from test_hierarchy import sampled_hierarchy

@@ -27,7 +27,7 @@ from specchat.core.kv.prefix_store import PrefixStore
 from specchat.core.model import TransformersLM
 from specchat.core.placement import LoadOptions
 from specchat.core.sampling import SamplingParams
-from specchat.core.selftest import chi_square_p_value
+from specchat.core.exact_outcomes import chi_square_p_value
 from specchat.core.speculative.drafters import PromptLookupDrafter
 from specchat.core.speculative.lookahead import FixedLookahead
 from specchat.core.speculative.tree import Tree

@@ -22,7 +22,7 @@ from specchat.core.repeats import RepeatGuard, repeat_end
 from specchat.core.request import Request
 from specchat.core.sampling import (SamplingParams, apply_penalties, chain_counts, make_generator, path_counts,
                                     token_counts, warp)
-from specchat.core.selftest import chi_square_p_value
+from specchat.core.exact_outcomes import chi_square_p_value
 from specchat.core.speculative.drafters import PromptLookupDrafter
 from specchat.core.speculative.dsi.orchestrator import DsiDecoder
 from specchat.core.speculative.hierarchy import ModelDrafter

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_llama
 from specchat.core.decoding import ChainDecoder, TreeDecoder
 from specchat.core.sampling import SamplingParams, make_generator
-from specchat.core.selftest import chi_square_p_value
+from specchat.core.exact_outcomes import chi_square_p_value
 from specchat.core.speculative.drafters import PromptLookupDrafter
 from specchat.core.speculative.lookahead import FixedLookahead
 from specchat.core.speculative.suffix_drafter import AnswerHistory, SuffixDrafter

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specchat.core.selftest import chi_square_p_value
+from specchat.core.exact_outcomes import chi_square_p_value
 from conftest import tiny_llama
 from test_decoding import assert_greedy_identity, exact_sequence_probs, prompts, run
 from specchat.core.decoding import TreeDecoder

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from specchat.core.selftest import chi_square_p_value
-from specchat.core.selftest import without_replacement_draws
+from specchat.core.exact_outcomes import chi_square_p_value
+from specchat.core.exact_outcomes import without_replacement_draws
 from specchat.core.sampling import SamplingParams, sample_without_replacement, warp
 from specchat.core.speculative.tree import Tree
 from specchat.core.speculative.verify import (NodeState, child_acceptance, child_proposal, node_start,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specchat.core.selftest import chi_square_p_value
+from specchat.core.exact_outcomes import chi_square_p_value
 from specchat.core.sampling import SamplingParams, warp
 from specchat.core.speculative.verify import acceptance_probability, residual, verify_chain
 
