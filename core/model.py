@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from .env_settings import env_choice
 from .hardware import cap_cuda_allocator
 from .host_embedding import compute_device, embedding_on_cpu
 from .kv.cache import KVCache
@@ -22,6 +23,7 @@ from .kv.int8 import Int8Cache
 from .kv.offload import OffloadedCache
 from .kv.queries import ATTENTION, new_tokens_see_the_past, record_queries
 from .linear_choice import choose_cpu_linear
+from .step_graphs import StepGraphs
 
 if TYPE_CHECKING:
     from .placement import LoadOptions
@@ -111,6 +113,8 @@ class TransformersLM:
         # the old name (a line per token); older 5.x knows only the old name.
         forward_parameters = inspect.signature(self.hf.forward).parameters
         self._cache_argument = "cache" if "cache" in forward_parameters else "past_key_values"
+        self._graphs: StepGraphs | None = None
+        self._graphs_wanted: bool | None = None  # decided at the first forward, where the weights are then
 
     @classmethod
     def from_pretrained(cls, path: Path | str, options: LoadOptions | None = None,
@@ -163,7 +167,10 @@ class TransformersLM:
         short_base.layers = torch.nn.ModuleList(base.layers[:num_layers])
         hf.config = short_base.config = config
         setattr(hf, self.hf.base_model_prefix, short_base)
-        return TransformersLM(hf, self.vocab_size)
+        draft = TransformersLM(hf, self.vocab_size)
+        if self._graphs is not None:  # replays as the target does (the CPU rehearsal included)
+            draft.set_step_graphs(self._graphs.capture)
+        return draft
 
     @property
     def num_layers(self) -> int:
@@ -189,6 +196,7 @@ class TransformersLM:
     def to(self, device: str | torch.device) -> "TransformersLM":
         """Move every weight to `device` (tests and the self-test; loading places weights itself)."""
         self.hf.to(device)
+        self._graphs = self._graphs_wanted = None  # decided again where the weights now are
         return self
 
     def new_cache(self) -> FullCache | OffloadedCache:
@@ -200,18 +208,41 @@ class TransformersLM:
 
     @torch.inference_mode()
     def forward(self, ids, positions, cache, mask=None, last_only=False):
-        mask = None if mask is None else mask.to(self.device, self.hf.dtype)
-        with new_tokens_see_the_past(mask, len(ids)):
-            out = self.hf(
-                input_ids=ids[None].to(self.hf.get_input_embeddings().weight.device),
-                position_ids=positions[None].to(self.device),
-                attention_mask=mask,
-                use_cache=True,
-                **{self._cache_argument: cache.transformers_cache},
-                logits_to_keep=1 if last_only else 0,
-            )
-        logits = out.logits[0].float().cpu()  # verification and sampling run on the CPU
+        def eager() -> torch.Tensor:
+            device_mask = None if mask is None else mask.to(self.device, self.hf.dtype)
+            with new_tokens_see_the_past(device_mask, len(ids)):
+                out = self.hf(
+                    input_ids=ids[None].to(self.hf.get_input_embeddings().weight.device),
+                    position_ids=positions[None].to(self.device),
+                    attention_mask=device_mask,
+                    use_cache=True,
+                    **{self._cache_argument: cache.transformers_cache},
+                    logits_to_keep=1 if last_only else 0,
+                )
+            return out.logits[0]
+
+        graphs = self.step_graphs
+        replayed = None if graphs is None or last_only else graphs.forward(ids, positions, cache, mask, eager)
+        logits = (eager() if replayed is None else replayed).float().cpu()  # verification and sampling run on the CPU
         return torch.nn.functional.pad(logits, (0, self._pad), value=-torch.inf) if self._pad else logits
+
+    @property
+    def step_graphs(self) -> StepGraphs | None:
+        """Decode steps replayed as CUDA graphs (step_graphs.py), made at the first forward on a
+        GPU; None on the CPU or with `SPECCHAT_CUDA_GRAPHS=off`. `set_step_graphs` sets it."""
+        if self._graphs is None and self._graphs_wanted is None:
+            self._graphs_wanted = (self.device.type == "cuda"
+                                   and env_choice("SPECCHAT_CUDA_GRAPHS", ("on", "off"), "on") == "on")
+            if self._graphs_wanted:
+                self._graphs = StepGraphs(self.hf, self._cache_argument, capture=True)
+        return self._graphs
+
+    def set_step_graphs(self, capture: bool | None) -> StepGraphs | None:
+        """From now on, steps captured and replayed on a GPU (`capture` True), the same static path
+        run eagerly as the CPU rehearses it (False), or every forward eager (None)."""
+        self._graphs_wanted = capture is not None
+        self._graphs = None if capture is None else StepGraphs(self.hf, self._cache_argument, capture)
+        return self._graphs
 
     def forward_with_queries(self, ids, positions, cache, mask=None, last_only=False):
         # transformers keeps the queries inside its attention call: kv/queries.py's attention

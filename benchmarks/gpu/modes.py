@@ -6,7 +6,8 @@ each mode's speed, and whether it wrote plain's tokens (in bf16, batched and sin
 round near-ties apart). Then in fp32, where speculation must write exactly plain's tokens, with the
 KV on the device, in 8 bits, and offloaded to host memory; DSI runs two instances on one card.
 The dry run does the same on the CPU with a short prompt, few tokens and no DSI (a spawned process
-would load a second model)."""
+would load a second model). Each variant says whether its steps were replayed as CUDA graphs (the
+dry run replays the KV-on-the-device variant's through their static path, run eagerly)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def run(rig: Rig, report: dict) -> dict:
                   "dtype": str(planned.model.dtype), "kv_dtype": planned.model.kv_dtype,
                   "plan": {"weights": plan.weights, "kv": plan.kv_label(), "mode": plan.mode} if plan else None,
                   "auto_mode": planned.auto_mode,
-                  "runs": decode_speeds(planned, prompt, new_tokens, _runs(LOOKUP_MODES), repeats)}]}
+                  "runs": decode_speeds(planned, prompt, new_tokens, _runs(LOOKUP_MODES), repeats),
+                  "graphs": _graphs(planned.model)}]}
     path = embedded.ensure_converted(lambda line: None)
     settings, tokenizer = planned.settings, planned.tokenizer
     del planned
@@ -67,16 +69,25 @@ def run(rig: Rig, report: dict) -> dict:
                         settings=replace(settings, dsi_devices=(rig.device, rig.device) if with_dsi else (),
                                          keep_prefixes="offload_capacity" not in fields),  # as runtime.py plans
                         target_loader=TargetLoader(str(path), options))
+        if rig.dry_run and not fields:  # the CPU runs the graphs' static path eagerly, as a GPU replays it
+            engine.model.set_step_graphs(False)
         modes = LOOKUP_MODES + (("dsi",) if with_dsi else ())
         runs = decode_speeds(engine, prompt, new_tokens, _runs(modes), repeats=1)
         failures += [f"{label}: {mode}" for mode, row in runs.items() if not row["identical_to_plain"]]
-        result["variants"].append({"label": label, "kv_dtype": engine.model.kv_dtype, "runs": runs})
+        result["variants"].append({"label": label, "kv_dtype": engine.model.kv_dtype, "runs": runs,
+                                   "graphs": _graphs(engine.model)})
         engine.dsi.close()
         del engine
         free_memory(rig.device)
     if failures:
         result["status"] = "fail: differs from plain in fp32: " + ", ".join(failures)
     return result
+
+
+def _graphs(model: TransformersLM) -> dict | None:
+    """Whether the steps were replayed (CUDA graphs; their static path on the dry run's CPU)."""
+    graphs = model.step_graphs
+    return None if graphs is None else {"captured": graphs.capture, "replays": graphs.replays, "off": graphs.off}
 
 
 def _runs(modes: tuple[str, ...]) -> dict[str, tuple]:

@@ -10,6 +10,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .device_length import active_step
+
 GROWTH = 1.25  # spare capacity on growth: amortized O(1) per token, at most 25% unused memory
 MIN_GROWTH = 256  # positions
 
@@ -29,6 +31,11 @@ class GrowingLayer(DynamicLayer):
         self._value_buffer: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        step = active_step()
+        if step is not None:  # a replayable step (core/step_graphs.py): the runner keeps the length
+            self._key_buffer.index_copy_(2, step.slots, key_states)
+            self._value_buffer.index_copy_(2, step.slots, value_states)
+            return self._key_buffer, self._value_buffer
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length, end = self.get_seq_length(), self.get_seq_length() + key_states.shape[-2]
@@ -36,8 +43,17 @@ class GrowingLayer(DynamicLayer):
             self._grow(length, end, key_states, value_states)
         self._key_buffer[..., length:end, :] = key_states
         self._value_buffer[..., length:end, :] = value_states
-        self.keys, self.values = self._key_buffer[..., :end, :], self._value_buffer[..., :end, :]
+        self.written(end)
         return self.keys, self.values
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(keys, values) [1, kv_heads, capacity, head_dim]: what a replayable step writes into."""
+        return None if self._key_buffer is None else (self._key_buffer, self._value_buffer)
+
+    def written(self, end: int) -> None:
+        """The buffers' first `end` slots are held (after a replayable step wrote the last ones)."""
+        self.keys, self.values = self._key_buffer[..., :end, :], self._value_buffer[..., :end, :]
 
     def _grow(self, length: int, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         capacity = max(needed, int(length * GROWTH), length + MIN_GROWTH)

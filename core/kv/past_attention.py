@@ -119,6 +119,14 @@ def past_and_new_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
                                        mask.folded_bias(kv_heads, groups, query.dtype, query.device))
         if new is None:
             return None
+    return merge_past_and_new(old, new, query)
+
+
+def merge_past_and_new(old: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor],
+                       query: torch.Tensor) -> torch.Tensor:
+    """The attention over past and new keys from each part's (out [1, kv_heads, groups * n, d],
+    lse [1, kv_heads, groups * n]) for folded `query` [1, heads, n, d] -> [1, n, heads, d]."""
+    batch, heads, n, dim = query.shape
     precise = torch.promote_types(query.dtype, torch.float32)  # the merge's arithmetic
     past_share = torch.sigmoid(old[1] - new[1]).to(precise)[..., None]  # every query sees the past: finite
     merged = torch.lerp(new[0].to(precise), old[0].to(precise), past_share)

@@ -18,6 +18,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
+from .device_length import active_step, attend
 from .past_attention import NewTokenMask, fused_kernels_known_to_fail, past_and_new_attention
 
 ATTENTION = "specchat_sdpa"
@@ -62,6 +63,10 @@ def new_tokens_see_the_past(mask: torch.Tensor | None, n: int) -> Iterator[None]
 
 
 def _sdpa_recording_queries(module, query, key, value, attention_mask, **kwargs):
+    step = active_step()
+    if step is not None:  # a replayable step: key and value are the layer's whole buffers
+        scale = kwargs.get("scaling")
+        return attend(query, key, value, step, query.shape[-1] ** -0.5 if scale is None else scale), None
     recorded = _recording.get()
     if recorded is not None:
         recorded[module.layer_idx] = query.detach()  # [1, heads, n, head_dim], after RoPE
@@ -140,6 +145,11 @@ def _causal_mask(*args, **kwargs) -> torch.Tensor | None:
 
 AttentionInterface.register(ATTENTION, _sdpa_recording_queries)
 AttentionMaskInterface.register(ATTENTION, _causal_mask)
+
+
+def recording_queries() -> bool:
+    """Whether a forward now must record its queries (a replayed step could not)."""
+    return _recording.get() is not None
 
 
 @contextlib.contextmanager
