@@ -152,15 +152,20 @@ class StepGraphs:
                 layer.written(start)
         try:
             device = self.device
-            side = torch.cuda.Stream(device)
+            side = torch.cuda.Stream(device)  # captures need a stream of their own
             side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # lazy allocations and kernel choices happen outside the capture
-                self._run(replay, cache.transformers_cache)
-            torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: a DSI thread's eager forwards may run during the capture
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._run(replay, cache.transformers_cache)
+            with torch.cuda.stream(side):
+                self._run(replay, cache.transformers_cache)  # lazy allocations and kernel choices, uncaptured
+                # capture_begin, not `torch.cuda.graph`, which collects garbage first (a pause in a
+                # large process, at every size of every answer); thread_local: a DSI thread's eager
+                # forwards may run meanwhile
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    self._run(replay, cache.transformers_cache)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(device).wait_stream(side)
             self._pool = graph.pool()
             graph.replay()
         except Cancelled:

@@ -90,10 +90,18 @@ def test_8_bit_and_offloaded_caches_decode_eagerly():
 
 
 class FakeGraph:
-    """Stands in for a CUDA graph on the CPU: the capture runs the static path once, as a
-    capture records it; `replay` runs it again with whatever the static tensors hold then."""
+    """Stands in for a CUDA graph on the CPU: while capturing, the static path is recorded, not
+    run, as a capture records kernels; `replay` runs it with whatever the static tensors hold."""
+    capturing = None
+
     def __init__(self):
-        self.replays = 0
+        self.replays, self.run = 0, None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        FakeGraph.capturing = self
+
+    def capture_end(self):
+        FakeGraph.capturing = None
 
     def replay(self):
         self.replays += 1
@@ -110,19 +118,14 @@ def fake_cuda_graphs(monkeypatch):
     from specchat.core.step_graphs import StepGraphs
 
     captured = []
+    run = StepGraphs._run
 
-    @contextlib.contextmanager
-    def graph(fake, pool=None, capture_error_mode="global"):
-        run = StepGraphs._run
-
-        def recording(runner, replay, transformers_cache):
-            fake.run = lambda: run(runner, replay, transformers_cache)  # what replay() will run
-        monkeypatch.setattr(StepGraphs, "_run", recording)
-        try:
-            yield
-        finally:
-            monkeypatch.setattr(StepGraphs, "_run", run)
-        captured.append(fake)
+    def run_or_record(runner, replay, transformers_cache):
+        graph = FakeGraph.capturing
+        if graph is None:
+            return run(runner, replay, transformers_cache)
+        graph.run = lambda: run(runner, replay, transformers_cache)
+        captured.append(graph)
 
     class Stream:
         def __init__(self, device=None):
@@ -131,7 +134,7 @@ def fake_cuda_graphs(monkeypatch):
         def wait_stream(self, other):
             pass
 
-    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(StepGraphs, "_run", run_or_record)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
