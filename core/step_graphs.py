@@ -8,7 +8,7 @@ replays them in one call.
 What is replayed: the model's forward with the cache layers writing at device-side slots and
 attention reading a device-side past length (kv/device_length.py), into a fixed logits buffer.
 The host keeps the lengths (it commits the tokens anyway) and sets the device numbers before each
-replay. Captured by hand (`torch.cuda.graph`, no compiler), so it works wherever CUDA does.
+replay. Captured by hand (`CUDAGraph.capture_begin`, no compiler), so it works wherever CUDA does.
 
 Where it applies: caches whose layers are all `GrowingLayer`s with room for the new tokens (the
 full KV on the GPU, a StreamingLLM draft's, the retrieval cache), forwards of up to
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -51,7 +51,7 @@ class _Replay:
     ids: torch.Tensor  # [n] long
     positions: torch.Tensor  # [n] long
     graph: torch.cuda.CUDAGraph | None = None
-    uses: int = field(default=0)
+    uses: int = 0  # forwards of this size over these buffers: the second captures
 
 
 class StepGraphs:

@@ -32,6 +32,50 @@ def test_top_p_keeps_smallest_set_reaching_p():
     assert warp(logits, SamplingParams(temperature=1.0, top_p=0.1)).tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
+def full_sort_top_p(probs, top_p):
+    """The nucleus by a full sort of the vocabulary (what `warp` did before it searched the top k)."""
+    sorted_probs, order = probs.sort(-1, descending=True)
+    sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, 0.0)
+    filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return filtered / filtered.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("spread", [8.0, 3.0, 1.0, 0.2])  # nuclei of 6 to 48,329 tokens: every k the search reaches
+def test_top_p_among_the_top_k_is_the_full_sorts_nucleus(spread):
+    from specchat.core.sampling import _top_p_filter
+
+    generator = torch.Generator().manual_seed(11)
+    probs = (torch.randn(5, 49152, generator=generator) * spread).softmax(-1)
+    for top_p in (0.5, 0.9, 0.99):
+        assert torch.equal(_top_p_filter(probs, top_p), full_sort_top_p(probs, top_p))
+
+
+def test_penalties_on_the_seen_columns_equal_them_over_the_whole_vocabulary():
+    from test_repetition import reference_penalties
+
+    from specchat.core.sampling import apply_penalties
+
+    generator = torch.Generator().manual_seed(12)
+    logits = torch.randn(3, 500, generator=generator) * 3
+    counts = torch.zeros(3, 500)
+    counts[0, [3, 7, 400]] = torch.tensor([1.0, 2.0, 1.0])  # each row its own seen tokens
+    counts[2, [7, 9]] = 3.0
+    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=-0.5)
+    torch.testing.assert_close(apply_penalties(logits, counts, params), reference_penalties(logits, counts, params),
+                               rtol=0, atol=1e-6)
+    assert torch.equal(apply_penalties(logits, torch.zeros(3, 500), params), logits)
+
+
+def test_temperature_divides_in_float32_unless_it_rounds_to_zero_there():
+    logits = torch.tensor([[1.0, 2.0, 3.0, -50.0]])
+    for temperature in (0.7, 1e-30):
+        expected = ((logits - 3.0).double() / temperature).softmax(-1).float()
+        torch.testing.assert_close(warp(logits, SamplingParams(temperature=temperature)), expected,
+                                   rtol=1e-6, atol=1e-7)
+    tiny = warp(logits, SamplingParams(temperature=1e-50))  # 0 in float32: float64 keeps it finite
+    assert tiny.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+
+
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")),
                                     dict(temperature=float("inf")), dict(top_k=-1), dict(top_p=0.0),
                                     dict(top_p=1.5), dict(seed=-1), dict(seed=2**64)])
