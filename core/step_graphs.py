@@ -22,6 +22,7 @@ forward; a mismatch or a failed capture turns graphs off for that model, with th
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import torch
 from .interrupt import Cancelled
 from .kv.device_length import DeviceStep, device_step
 from .kv.full import GrowingLayer
-from .kv.queries import recording_queries
+from .kv.queries import ATTENTION, recording_queries
 
 GRAPH_TOKENS = 64  # decode steps and verifications; a prefill chunk runs eagerly
 # The largest difference from the eager forward's logits a first capture may show, over their
@@ -76,6 +77,11 @@ class StepGraphs:
         # uses the static tensors and the logits buffer, the other runs that forward eagerly.
         self._busy = threading.Lock()
 
+    def __deepcopy__(self, memo) -> StepGraphs:
+        """A copy of the model gets runners of its own, with no graphs yet (they write the
+        original's buffers) and its own lock."""
+        return StepGraphs(copy.deepcopy(self.hf, memo), self._cache_argument, self.capture)
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None,
                 eager: Callable[[], torch.Tensor]) -> torch.Tensor | None:
         """Logits [n, vocab] fp32 on the device, with the cache
@@ -83,7 +89,8 @@ class StepGraphs:
         `eager` runs the eager forward (the first capture's reference)."""
         n = ids.shape[0]
         layers = getattr(cache.transformers_cache, "layers", None)
-        if self.off or n > GRAPH_TOKENS or not layers or recording_queries() or not _replayable(layers, self.device):
+        if (self.off or n > GRAPH_TOKENS or not layers or recording_queries() or not _replayable(layers, self.device)
+                or self.hf.config._attn_implementation != ATTENTION):  # another attention ignores the device step
             return None
         if not self._busy.acquire(blocking=False):
             return None

@@ -78,6 +78,20 @@ def test_a_new_token_that_does_not_see_the_whole_past_runs_eagerly():
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
+def test_a_copied_model_replays_with_its_own_runner_and_another_attention_runs_eagerly():
+    import copy
+
+    eager, replaying, graphs = twins()
+    copied = copy.deepcopy(replaying)  # DSI's thread instances are copies
+    assert copied.step_graphs is not graphs and copied.step_graphs.hf is copied.hf
+    expected, _ = run(eager, prompts(3)["n-gram hits"], "chain", SamplingParams(), 12)
+    got, _ = run(copied, prompts(3)["n-gram hits"], "chain", SamplingParams(), 12)
+    assert got == expected and copied.step_graphs.replays > 0 and graphs.replays == 0
+    replaying.hf.set_attn_implementation("eager")  # transformers' own: it would read every slot
+    got, _ = run(replaying, prompts(3)["n-gram hits"], "chain", SamplingParams(), 12)
+    assert got == expected and graphs.replays == 0
+
+
 def test_8_bit_and_offloaded_caches_decode_eagerly():
     from specchat.core.model import TransformersLM
 
