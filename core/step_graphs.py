@@ -12,8 +12,8 @@ replay. Captured by hand (`CUDAGraph.capture_begin`, no compiler), so it works w
 
 Where it applies: caches whose layers are all `GrowingLayer`s with room for the new tokens (the
 full KV on the GPU, a StreamingLLM draft's, the retrieval cache), forwards of up to
-`GRAPH_TOKENS` tokens after at least one cached position that see all of it, recording no
-queries, with every weight on one CUDA device. Elsewhere (offloaded or 8-bit KV, prefill chunks,
+`GRAPH_TOKENS` tokens after at least one cached position that see all of it (recording the
+queries or not: a size that records has a graph of its own), with every weight on one CUDA device. Elsewhere (offloaded or 8-bit KV, prefill chunks,
 a model split over GPUs or with its embedding on the host) the eager forward runs. A graph is
 captured at the second forward of its size over the same buffers (a cache used once is not worth
 a capture) and lives as long as they do. A model's first capture is checked against its eager
@@ -33,7 +33,7 @@ import torch
 from .interrupt import Cancelled
 from .kv.device_length import DeviceStep, device_step
 from .kv.full import GrowingLayer
-from .kv.queries import ATTENTION, recording_queries
+from .kv.queries import ATTENTION, recording
 
 GRAPH_TOKENS = 64  # decode steps and verifications; a prefill chunk runs eagerly
 # The largest difference from the eager forward's logits a first capture may show, over their
@@ -89,7 +89,7 @@ class StepGraphs:
         `eager` runs the eager forward (the first capture's reference)."""
         n = ids.shape[0]
         layers = getattr(cache.transformers_cache, "layers", None)
-        if (self.off or n > GRAPH_TOKENS or not layers or recording_queries() or not _replayable(layers, self.device)
+        if (self.off or n > GRAPH_TOKENS or not layers or not _replayable(layers, self.device)
                 or self.hf.config._attn_implementation != ATTENTION):  # another attention ignores the device step
             return None
         if not self._busy.acquire(blocking=False):
@@ -106,7 +106,8 @@ class StepGraphs:
         allowed = _new_tokens_mask(mask, start, n)
         if start < 1 or start + n > capacity or allowed is False:
             return None
-        replay = self._replay_for(cache.transformers_cache, layers, n, capacity)
+        recorded = recording()
+        replay = self._replay_for(cache.transformers_cache, layers, n, capacity, recorded is not None)
         replay.ids.copy_(ids)
         replay.positions.copy_(positions)
         replay.step.fill(start, allowed)
@@ -123,17 +124,21 @@ class StepGraphs:
         for layer in layers:
             layer.written(start + n)
         self.replays += 1
+        if recorded is not None:  # copied out: the next replay rewrites them
+            recorded.update({layer: queries.clone() for layer, queries in replay.step.queries.items()})
         return self._logits[:n].clone()
 
-    def _replay_for(self, transformers_cache, layers, n: int, capacity: int) -> _Replay:
+    def _replay_for(self, transformers_cache, layers, n: int, capacity: int, record: bool) -> _Replay:
         buffers = tuple(tensor.data_ptr() for layer in layers for tensor in layer.buffers)
         replays = self._by_cache.setdefault(transformers_cache, {})
-        replay = replays.get(n)
+        replay = replays.get((n, record))
         if replay is None or replay.buffers != buffers:  # new, or the buffers grew: capture again
             replay = _Replay(buffers, DeviceStep.empty(n, capacity, self.device),
                              torch.zeros(n, dtype=torch.long, device=self.device),
                              torch.zeros(n, dtype=torch.long, device=self.device))
-            replays[n] = replay
+            if record:
+                replay.step.queries = {}
+            replays[n, record] = replay
         if self._logits is None:
             vocab = self.hf.get_output_embeddings().out_features
             self._logits = torch.empty(GRAPH_TOKENS, vocab, dtype=torch.float32, device=self.device)

@@ -49,6 +49,17 @@ def test_a_replayable_step_equals_the_eager_forward_and_a_wrong_length_would_sho
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     assert graphs.replays == 6 and caches[1].length == caches[0].length == 45
 
+    # A forward that records its queries (TriForce's final verification): recorded through the step too.
+    (expected, expected_queries), (got, got_queries) = (
+        model.forward_with_queries(ids[45:48], torch.arange(45, 48), cache)
+        for model, cache in zip((eager, replaying), caches))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert set(got_queries) == set(expected_queries) == {0, 1} and graphs.replays == 7
+    for layer, queries in expected_queries.items():
+        torch.testing.assert_close(got_queries[layer], queries, rtol=0, atol=1e-12)
+    for cache in caches:
+        cache.trim(45)
+
     # The control: a past one slot short changes the logits, so the comparisons above can fail.
     fill = device_length.DeviceStep.fill
     monkeypatch.setattr(device_length.DeviceStep, "fill", lambda step, start, allowed: fill(step, start - 1, allowed))

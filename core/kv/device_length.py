@@ -33,6 +33,9 @@ class DeviceStep:
     key_bounds: torch.Tensor  # [2] int32: 0 and the capacity
     slots: torch.Tensor = field(init=False)  # [n] long: where the new entries go, past .. past + n - 1
     new_mask: NewTokenMask = field(init=False)
+    # {layer: queries [1, heads, n, d]} where the forward records them (TriForce's retrieval scores
+    # with them): the tensors a capture made, rewritten by every replay; None: not recorded
+    queries: dict[int, torch.Tensor] | None = field(default=None, init=False)
 
     @classmethod
     def empty(cls, n: int, capacity: int, device: torch.device) -> DeviceStep:

@@ -65,6 +65,8 @@ def new_tokens_see_the_past(mask: torch.Tensor | None, n: int) -> Iterator[None]
 def _sdpa_recording_queries(module, query, key, value, attention_mask, **kwargs):
     step = active_step()
     if step is not None:  # a replayable step: key and value are the layer's whole buffers
+        if step.queries is not None:
+            step.queries[module.layer_idx] = query.detach()
         scale = kwargs.get("scaling")
         return attend(query, key, value, step, query.shape[-1] ** -0.5 if scale is None else scale), None
     recorded = _recording.get()
@@ -147,9 +149,9 @@ AttentionInterface.register(ATTENTION, _sdpa_recording_queries)
 AttentionMaskInterface.register(ATTENTION, _causal_mask)
 
 
-def recording_queries() -> bool:
-    """Whether a forward now must record its queries (a replayed step could not)."""
-    return _recording.get() is not None
+def recording() -> dict[int, torch.Tensor] | None:
+    """Where a forward now records its queries ({layer: [1, heads, n, head_dim]}), or None."""
+    return _recording.get()
 
 
 @contextlib.contextmanager
