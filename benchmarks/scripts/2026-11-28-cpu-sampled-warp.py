@@ -34,18 +34,6 @@ MODES = ("plain", "chain", "tree")
 ROUNDS, NEW_TOKENS = 2, 128
 
 
-def old_apply_penalties(logits, counts, params):
-    seen = counts > 0
-    if params.repetition_penalty != 1.0:
-        penalty = params.repetition_penalty
-        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    if params.frequency_penalty != 0.0:
-        logits = logits - params.frequency_penalty * counts
-    if params.presence_penalty != 0.0:
-        logits = logits - params.presence_penalty * seen.to(logits.dtype)
-    return logits
-
-
 def old_top_p_filter(probs, top_p):
     sorted_probs, order = probs.sort(-1, descending=True)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
@@ -73,7 +61,8 @@ def old_warp(logits, params, counts=None):
 
 
 NEW = (sampling.warp.__code__, sampling.apply_penalties, sampling._top_p_filter)
-OLD = (old_warp.__code__, old_apply_penalties, old_top_p_filter)
+# The old penalties: today's arithmetic (`_penalties`) over every column of the vocabulary.
+OLD = (old_warp.__code__, sampling._penalties, old_top_p_filter)
 
 
 def use(version) -> None:
