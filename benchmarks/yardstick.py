@@ -86,9 +86,9 @@ def tree_drafter(make_tree_drafter: Callable[[int], object]) -> DrafterFactory:
     return make
 
 
-def drafters(vocab_size: int, eos_ids: frozenset[int]) -> dict[str, tuple[str, DrafterFactory]]:
+def drafters(eos_ids: frozenset[int]) -> dict[str, tuple[str, DrafterFactory]]:
     """Every drafter compared, with the settings it runs with."""
-    lookup = PromptLookupDrafter(vocab_size, min_ngram=1)
+    lookup = PromptLookupDrafter(min_ngram=1)
     entries = {
         "specchat lookup (chain)": ("PromptLookupDrafter(min_ngram=1), chain mode's drafter; fixed length "
                                     "instead of the cost model's choice",
@@ -105,9 +105,9 @@ def drafters(vocab_size: int, eos_ids: frozenset[int]) -> dict[str, tuple[str, D
     entries["llama.cpp ngram-mod"] = ("ngram-mod rules, n_match=24, n_min=48, n_max=64 (defaults), exact table, "
                                       "cut to the budget", _ngram_mod)
     entries["suffix (tree)"] = ("SuffixDrafter(max_nodes=budget), tree mode's drafter; no answer history",
-                                tree_drafter(lambda nodes: SuffixDrafter(vocab_size, max_nodes=nodes)))
+                                tree_drafter(lambda nodes: SuffixDrafter(max_nodes=nodes)))
     entries["suffix (chain)"] = ("SuffixDrafter.draft, no answer history",
-                                 _suffix_chain(lambda: SuffixDrafter(vocab_size)))
+                                 _suffix_chain(lambda: SuffixDrafter()))
     return entries
 
 
@@ -168,11 +168,11 @@ def plain_answer(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> 
     return next(event.result for event in events if isinstance(event, Finished)).token_ids
 
 
-def measure(prompts: dict[str, list[int]], answers: dict[str, list[int]], vocab_size: int,
+def measure(prompts: dict[str, list[int]], answers: dict[str, list[int]],
             eos_ids: frozenset[int], budgets=NODE_BUDGETS) -> dict:
     """Per document, per drafter and budget: tokens per forward and mean nodes verified; and the
     mean over documents of tokens per forward."""
-    compared = drafters(vocab_size, eos_ids)
+    compared = drafters(eos_ids)
     documents = {}
     for name, prompt_ids in prompts.items():
         rows = {label: {str(nodes): replay(make(nodes), prompt_ids, answers[name]) for nodes in budgets}
@@ -193,7 +193,7 @@ def run_yardstick(engine: Engine, prompts: dict[str, list[int]], max_new_tokens:
               "max_new_tokens": max_new_tokens,
               "method": "greedy answer replayed; nodes = verified tokens including the root; "
                         "tokens per forward = answer tokens / target forwards (plain = 1.00)",
-              **measure(prompts, answers, engine.model.vocab_size, frozenset(engine.stop_ids))}
+              **measure(prompts, answers, frozenset(engine.stop_ids))}
     return write_report(report, out_dir, ("gpu" if torch.cuda.is_available() else "cpu") + "-yardstick",
                         _draw_yardstick)
 

@@ -189,7 +189,7 @@ def triforce_drafter(target: CausalLM, settings: TriforceSettings, pair_draft: C
     a retrieval cache. A draft model reads the prompt `prefill_chunk` tokens per forward."""
     first: Drafter
     if settings.draft == "lookup":
-        first = PromptLookupDrafter(target.vocab_size)
+        first = PromptLookupDrafter()
     elif settings.draft.startswith("skip"):
         layers = int(settings.draft[len("skip"):])
         first = ModelDrafter(target.truncated(layers), settings.sinks, settings.window, True, settings.draft,
@@ -216,7 +216,7 @@ class _NoDraft(QueryBlind):
         return {}
 
 
-def make_decoder(mode: str, vocab_size: int, relative_time: Callable[[int, int], float] = default_relative,
+def make_decoder(mode: str, relative_time: Callable[[int, int], float] = default_relative,
                  chain_drafts: int = MAX_DRAFT, tree_draft: tuple[CausalLM, Tree] | None = None,
                  suffix: SuffixDrafter | None = None) -> Decoder:
     """A decoder for one answer in a mode that needs no models but the target's: chain mode
@@ -233,11 +233,11 @@ def make_decoder(mode: str, vocab_size: int, relative_time: Callable[[int, int],
     if mode == "chain":
         # Unigram matches too: their drafts are rarely accepted, but the cost model keeps them
         # short or drops them, and on hardware where a few more tokens verify for free they pay.
-        return ChainDecoder(PromptLookupDrafter(vocab_size, min_ngram=1), CostModelLookahead(relative_time, chain_drafts))
+        return ChainDecoder(PromptLookupDrafter(min_ngram=1), CostModelLookahead(relative_time, chain_drafts))
     if mode == "tree" and tree_draft is not None:
         return TreeDecoder(ModelTreeDrafter(*tree_draft))
     if mode == "tree":
-        return TreeDecoder(suffix if suffix is not None else SuffixDrafter(vocab_size, max_nodes=16))
+        return TreeDecoder(suffix if suffix is not None else SuffixDrafter(max_nodes=16))
     raise ValueError(f"{mode!r} is not a prompt-lookup mode (plain, chain or tree)")
 
 

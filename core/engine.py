@@ -135,7 +135,7 @@ class Engine:
         self._draft_reading = KeptReading()  # the pair draft's reading of the last conversation (TriForce)
         # Tree mode's suffix drafter, kept across answers: a follow-up indexes only its new tokens
         # (indexing a 128K prompt anew took about a second).
-        self._suffix = SuffixDrafter(model.vocab_size, self.answers, max_nodes=settings.tree_size)
+        self._suffix = SuffixDrafter(self.answers, max_nodes=settings.tree_size)
         self.stop_ids = _stop_ids(tokenizer, model)
         self.plan = plan  # core.planning.Plan for this machine, when the model is a registry pair
         self.calibration_key = calibration_key  # its step times' name in the machine's profile ("": none)
@@ -226,7 +226,7 @@ class Engine:
             settings = self.settings
             relative = settings.step_times.relative if settings.step_times else default_relative
             draft = (tree_draft.model, tree_draft.template) if tree_draft is not None else None
-            return make_decoder(mode, self.model.vocab_size, relative, settings.chain_drafts, draft, self._suffix)
+            return make_decoder(mode, relative, settings.chain_drafts, draft, self._suffix)
         return build
 
     def _triforce_decoder(self, settings: TriforceSettings | None) -> Decoder:

@@ -54,7 +54,9 @@ class CausalLM(Protocol):
 
         `mask` (optional) is a 4-D attention mask [1, 1, n, cache.length + n]; without it the
         new tokens attend causally. Returns fp32 logits [n, vocab_size] ([1, vocab_size] when
-        `last_only`, which spares the vocabulary projection during prefill).
+        `last_only`, which spares the vocabulary projection during prefill) on `device`: warping,
+        sampling and verification run there (core/sampling.py), nothing vocabulary-wide crosses
+        to the host.
         """
         ...
 
@@ -223,7 +225,7 @@ class TransformersLM:
 
         graphs = self.step_graphs
         replayed = None if graphs is None or last_only else graphs.forward(ids, positions, cache, mask, eager)
-        logits = (eager() if replayed is None else replayed).float().cpu()  # verification and sampling run on the CPU
+        logits = (eager() if replayed is None else replayed).float()
         return torch.nn.functional.pad(logits, (0, self._pad), value=-torch.inf) if self._pad else logits
 
     @property

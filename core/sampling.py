@@ -10,11 +10,16 @@ counts of the tokens seen before that row's position (`apply_penalties`). A spec
 scores many positions at once, each with its own prefix, so it passes one row of counts per
 position (`chain_counts`, `path_counts`): the processed distribution is then the same whichever
 forward computed the row, and speculation stays exact.
+
+Everything here runs on the device the logits are on (a GPU's logits never cross to the host
+whole): random numbers are drawn there, from a generator seeded by the answer's own
+(`on_device`), and a sampled token is the one number that comes back.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -94,19 +99,20 @@ def _penalties(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParam
     return logits
 
 
-def token_counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    """How often each token id occurs in `tokens` [m] -> [vocab] float."""
-    return torch.bincount(tokens, minlength=vocab)[:vocab].float()
+def token_counts(tokens: torch.Tensor, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """How often each token id occurs in `tokens` [m] -> [vocab] float, on `device`."""
+    return torch.bincount(tokens.to(device), minlength=vocab)[:vocab].float()
 
 
 def path_counts(base: torch.Tensor, tokens: torch.Tensor, on_path: torch.Tensor) -> torch.Tensor:
-    """Counts for nodes of a token tree scored in one forward -> [m, vocab]: `base` [vocab] (the
-    committed text's, the root included) plus the tokens on each node's path. tokens [n], with
-    tokens[0] the root; on_path [m, n] bool, True where node j is row i's node or above it (rows
-    of `Tree.ancestors`): row i predicts what follows them."""
+    """Counts for nodes of a token tree scored in one forward -> [m, vocab] (on `base`'s device):
+    `base` [vocab] (the committed text's, the root included) plus the tokens on each node's path.
+    tokens [n], with tokens[0] the root; on_path [m, n] bool, True where node j is row i's node or
+    above it (rows of `Tree.ancestors`): row i predicts what follows them."""
     rows, nodes = on_path[:, 1:].nonzero(as_tuple=True)
     counts = base.expand(on_path.shape[0], -1).clone()
-    counts.index_put_((rows, tokens[nodes + 1]), torch.ones(rows.shape[0]), accumulate=True)
+    counts.index_put_((rows.to(base.device), tokens.to(base.device)[nodes.to(base.device) + 1]),
+                      torch.ones(rows.shape[0], device=base.device), accumulate=True)
     return counts
 
 
@@ -125,7 +131,7 @@ def warp(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | No
     if params.penalized:
         if counts is None:
             raise ValueError("repetition penalties need each row's counts of the tokens seen before it")
-        logits = apply_penalties(logits, counts, params)
+        logits = apply_penalties(logits, counts.to(logits.device), params)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     # Shifted so the largest logit is 0 before dividing (softmax is shift-invariant, so the same
@@ -167,8 +173,13 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token id drawn from `probs` [vocab]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token id drawn from `probs` [vocab], on its device (one number comes back)."""
+    return int(draw(probs, generator))
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """`sample`, left on the device: [1] token id, for a caller that reads it with other numbers."""
+    return torch.multinomial(probs, 1, generator=on_device(generator, probs.device))
 
 
 def sample_without_replacement(probs: torch.Tensor, k: int,
@@ -183,7 +194,8 @@ def sample_without_replacement(probs: torch.Tensor, k: int,
     """
     # The noise is float64: a float32 uniform's 2**-24 granularity caps Gumbel noise near 16.6,
     # which some token of a 100k vocabulary would exceed in about 0.6% of draws, biasing them.
-    uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    uniform = torch.rand(probs.shape, generator=on_device(generator, probs.device), dtype=torch.float64,
+                         device=probs.device)
     # Clamped away from 0 so the noise is finite: a token with mass always outranks one without.
     gumbel = -(-uniform.clamp(min=torch.finfo(torch.float64).tiny).log()).log()  # [vocab]
     has_mass = probs > 0  # [vocab]
@@ -195,3 +207,26 @@ def make_generator(seed: int | None) -> torch.Generator:
     generator = torch.Generator()
     generator.manual_seed(seed if seed is not None else torch.seed())
     return generator
+
+
+# Each answer's generator (a host one) and the generators it seeded on other devices.
+_companions: weakref.WeakKeyDictionary[torch.Generator, dict[torch.device, torch.Generator]] = (
+    weakref.WeakKeyDictionary())
+
+
+def on_device(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """The generator that draws `generator`'s random numbers for tensors on `device`: itself
+    where it lives there; else one generator per device, seeded once from it (a seeded answer is
+    then reproducible on a GPU too), so that distributions on a GPU are sampled there instead of
+    crossing to the host. Its stream is independent of the host generator's (another algorithm,
+    Philox, or another seed per GPU), so draws from the two never correlate."""
+    device = torch.device(device)
+    if generator is None or generator.device == device or (
+            device.type == generator.device.type == "cpu"):
+        return generator
+    per_device = _companions.setdefault(generator, {})
+    if device not in per_device:
+        companion = torch.Generator(device)
+        companion.manual_seed((generator.initial_seed() + (device.index or 0) + 1) % 2**63)
+        per_device[device] = companion
+    return per_device[device]

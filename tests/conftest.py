@@ -26,6 +26,11 @@ DATA = Path(__file__).parent / "data"
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+# Where the sampling and verification tests run: the CPU, and a CUDA GPU when there is one (the
+# device path: logits stay there, random numbers are drawn there).
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
 def needs_cuda(test):
     for mark in CUDA:
         test = mark(test)

@@ -18,7 +18,7 @@ def run(model, prompt, mode, params, max_new_tokens, decoder=None):
     """Token ids generated and the steps that produced them."""
     ids = torch.tensor(prompt)
     state = DecodeState(model, model.new_cache(), ids, params, make_generator(params.seed))
-    decoder = decoder or make_decoder(mode, model.vocab_size)
+    decoder = decoder or make_decoder(mode)
     first_logits = prefill_all(model, state.cache, ids, chunk_size=16, decoder=decoder)
     steps = list(decode(state, decoder, first_logits, max_new_tokens))
     assert state.cache.length == state.ids.shape[0] - 1  # the cache holds all but the last token
@@ -52,7 +52,7 @@ def assert_greedy_identity(models, make_decoder, max_new_tokens):
 
 def test_greedy_chain_equals_greedy_plain():
     assert_greedy_identity([(seed, tiny_llama(seed)) for seed in range(4)],
-                           lambda seed, model: make_decoder("chain", model.vocab_size), 60)
+                           lambda seed, model: make_decoder("chain"), 60)
 
 
 def test_plain_commits_one_token_per_forward():
@@ -108,7 +108,7 @@ def test_sampled_chain_speculation_samples_from_the_target(params, lookahead):
     samples = 2500
     for sample in range(samples):
         run_params = SamplingParams(params.temperature, params.top_k, params.top_p, seed=sample)
-        decoder = ChainDecoder(PromptLookupDrafter(model.vocab_size, max_ngram=2, min_ngram=1), lookahead())
+        decoder = ChainDecoder(PromptLookupDrafter(max_ngram=2, min_ngram=1), lookahead())
         tokens, steps = run(model, prompt, "chain", run_params, 4, decoder)
         counts[tuple(tokens)] += 1
         drafted += sum(s.drafted for s in steps)

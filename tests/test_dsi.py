@@ -97,7 +97,7 @@ def test_greedy_dsi_equals_greedy_plain(drafter, workers, jitter):
         pool = instances(target, workers, jitter=jitter)
         for name, prompt in prompts(seed).items():
             plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
-            source = (PromptLookupDrafter(target.vocab_size, min_ngram=1) if drafter == "lookup"
+            source = (PromptLookupDrafter(min_ngram=1) if drafter == "lookup"
                       else ModelDrafter(noisy_copy(seed, 0.3, weight_scale=8.0), 2, 16, False, "pair", PREFILL_CHUNK))
             decoder = DsiDecoder(source, pool, plain_steps=False)
             if seed == 1:
@@ -123,7 +123,7 @@ def test_greedy_dsi_equals_greedy_plain_through_plain_steps_and_back():
         pool = instances(target, 2, jitter=0.005)
         for name, prompt in prompts(seed).items():
             plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
-            for source in (PromptLookupDrafter(target.vocab_size, min_ngram=1),
+            for source in (PromptLookupDrafter(min_ngram=1),
                            ModelDrafter(noisy_copy(seed, 0.3, weight_scale=8.0), 2, 16, False, "pair", PREFILL_CHUNK)):
                 decoder = alternating(DsiDecoder(source, pool), 3)
                 parallel, _ = run_dsi(target, prompt, SamplingParams(), 40, decoder)
@@ -198,7 +198,7 @@ def test_a_plain_step_measures_a_greedy_draft_as_the_general_rule_would():
     """min(1, P/Q) at the draft's token, P one-hot at the target's token (greedy): 1 where the
     draft is that token, 0 elsewhere, whatever Q. The plain step takes it without a tensor
     operation."""
-    decoder = DsiDecoder(PromptLookupDrafter(8), SimpleNamespace(size=2, cancel=lambda tasks: None))
+    decoder = DsiDecoder(PromptLookupDrafter(), SimpleNamespace(size=2, cancel=lambda tasks: None))
     q = torch.tensor([0.1, 0.6, 0.3, 0, 0, 0, 0, 0])
     p = torch.nn.functional.one_hot(torch.tensor(2), 8).float()
     for draft in (1, 2):
@@ -241,7 +241,7 @@ def test_most_plain_steps_are_plain_decoding_with_no_lock_and_the_probes_measure
     pool = instances(target, 2)
     prompt = prompts(0)["n-gram hits"]
     plain, _ = run(target, prompt, "plain", SamplingParams(), 64)
-    decoder = DsiDecoder(PromptLookupDrafter(target.vocab_size, min_ngram=1), pool)
+    decoder = DsiDecoder(PromptLookupDrafter(min_ngram=1), pool)
     decoder.policy.pays = lambda fresh=True: False
     decoder._changed = lock = Counting()
     took_the_lock = []
@@ -339,7 +339,7 @@ def test_a_verdict_counts_only_the_drafts_it_judged():
     """Drafts after the first rejection were never judged: counting them as failed would make a
     90% drafter look like a 60% one (and the cost model choose as if it were)."""
     model = tiny_llama(0)
-    decoder = DsiDecoder(PromptLookupDrafter(model.vocab_size), SimpleNamespace(size=2, cancel=lambda tasks: None))
+    decoder = DsiDecoder(PromptLookupDrafter(), SimpleNamespace(size=2, cancel=lambda tasks: None))
     state = DecodeState(model, model.new_cache(), torch.tensor([1, 2]), SamplingParams(), make_generator(0))
     decoder.drafts = [5, 6, 7, 8, 9, 10, 11, 12]
     decoder.q = list(torch.eye(model.vocab_size)[decoder.drafts])
@@ -464,7 +464,7 @@ def test_greedy_dsi_over_cuda_processes_through_plain_steps_on_the_shared_target
     plain_steps = tasks = 0
     for name, prompt in prompts(0).items():
         plain, _ = run(target, prompt, "plain", SamplingParams(), 40)
-        for source in (PromptLookupDrafter(target.vocab_size, min_ngram=1),
+        for source in (PromptLookupDrafter(min_ngram=1),
                        ModelDrafter(noisy_copy(0, 0.3, weight_scale=8.0), 2, 16, False, "pair", PREFILL_CHUNK)):
             decoder = alternating(DsiDecoder(source, pool), 3)
             parallel, _ = run_dsi(target, prompt, SamplingParams(), 40, decoder)

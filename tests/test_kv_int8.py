@@ -138,7 +138,7 @@ def test_an_all_zero_row_has_scale_zero_and_dequantizes_to_zeros():
 
 def test_greedy_chain_with_an_8bit_kv_equals_greedy_plain():
     assert_greedy_identity([(seed, int8(tiny_llama(seed))) for seed in range(2)],
-                           lambda seed, model: make_decoder("chain", model.vocab_size), 30)
+                           lambda seed, model: make_decoder("chain"), 30)
 
 
 def test_greedy_tree_with_an_8bit_kv_equals_greedy_plain_with_a_draft_model():
@@ -149,7 +149,7 @@ def test_greedy_tree_with_an_8bit_kv_equals_greedy_plain_with_a_draft_model():
 def test_greedy_tree_with_an_8bit_kv_equals_greedy_plain_with_prompt_lookup_branches():
     assert_greedy_identity(
         [(seed, int8(tiny_llama(seed))) for seed in range(2)],
-        lambda seed, model: TreeDecoder(SuffixDrafter(model.vocab_size)),
+        lambda seed, model: TreeDecoder(SuffixDrafter()),
         24)
 
 
@@ -176,7 +176,7 @@ def test_sampled_chain_speculation_samples_from_the_8bit_target():
     counts = torch.zeros_like(exact)
     drafted = accepted = 0
     for sample in range(1000):
-        decoder = ChainDecoder(PromptLookupDrafter(model.vocab_size, max_ngram=2, min_ngram=1), FixedLookahead(3))
+        decoder = ChainDecoder(PromptLookupDrafter(max_ngram=2, min_ngram=1), FixedLookahead(3))
         tokens, steps = run(model, prompt, "chain", SamplingParams(1.0, seed=sample), 3, decoder)
         counts[tuple(tokens)] += 1
         drafted += sum(s.drafted for s in steps)

@@ -62,7 +62,7 @@ def test_greedy_output_is_plains_while_the_draft_length_moves():
         model = tiny_llama(seed)
         prompt = prompts(seed)["n-gram hits"]
         plain, _ = run(model, prompt, "plain", SamplingParams(), 60)
-        decoder = ChainDecoder(PromptLookupDrafter(model.vocab_size, min_ngram=1),
+        decoder = ChainDecoder(PromptLookupDrafter(min_ngram=1),
                                CostModelLookahead(lambda n, context: 1 + 0.4 * (n - 1), cap=6))
         tokens, steps = run(model, prompt, "chain", SamplingParams(), 60, decoder)
         assert tokens == plain

@@ -116,7 +116,7 @@ def speculative_run(model, prompt, params, max_new_tokens, decoder):
 
 def test_greedy_chain_with_penalties_equals_plain():
     assert_identity_with_penalties([(seed, tiny_llama(seed)) for seed in range(3)],
-                                   lambda seed, model: make_decoder("chain", model.vocab_size), 40, speculative_run)
+                                   lambda seed, model: make_decoder("chain"), 40, speculative_run)
 
 
 def test_greedy_tree_with_penalties_equals_plain():
@@ -125,7 +125,7 @@ def test_greedy_tree_with_penalties_equals_plain():
         models, lambda seed, model: TreeDecoder(ModelTreeDrafter(noisy_copy(seed, 0.3, weight_scale=8.0), TEMPLATE)),
         40, speculative_run)
     assert_identity_with_penalties(
-        models, lambda seed, model: TreeDecoder(SuffixDrafter(model.vocab_size)),
+        models, lambda seed, model: TreeDecoder(SuffixDrafter()),
         40, speculative_run, MILD)
 
 
@@ -243,7 +243,7 @@ def assert_samples_the_penalized_target(decoder, samples):
 
 
 def test_sampled_chain_with_penalties_samples_the_penalized_target():
-    lookup = ChainDecoder(PromptLookupDrafter(5, max_ngram=2, min_ngram=1), FixedLookahead(2))
+    lookup = ChainDecoder(PromptLookupDrafter(max_ngram=2, min_ngram=1), FixedLookahead(2))
     assert_samples_the_penalized_target(lambda target: lookup, 1000)
 
 

@@ -204,9 +204,8 @@ def decoders():
     def pair(seed):
         return noisy_copy(seed, 0.3, weight_scale=8.0)
     return {
-        "chain": lambda seed, target: (make_decoder("chain", target.vocab_size), None),
-        "suffix tree": lambda seed, target: (make_decoder("tree", target.vocab_size,
-                                                          suffix=SuffixDrafter(target.vocab_size)), None),
+        "chain": lambda seed, target: (make_decoder("chain"), None),
+        "suffix tree": lambda seed, target: (make_decoder("tree", suffix=SuffixDrafter()), None),
         "draft tree": lambda seed, target: (lambda draft: (model_tree_decoder(draft), draft))(pair(seed)),
         "triforce skip1": lambda seed, target: (triforce_decoder(target, TriforceSettings(draft="skip1", **SMALL),
                                                                  prefill_chunk=16), None),

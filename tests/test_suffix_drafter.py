@@ -103,7 +103,7 @@ def test_trees_are_valid_and_their_first_path_is_the_most_frequent_continuation(
         if len(text) < 2:
             continue
         for budget, max_nodes in ((2, 8), (5, 16), (40, 32)):
-            drafter = SuffixDrafter(vocab_size=64, max_nodes=max_nodes)
+            drafter = SuffixDrafter(max_nodes=max_nodes)
             state = state_of(text)
             drafter.prepare(state)
             proposal = drafter.propose_tree(state, budget)
@@ -126,7 +126,7 @@ def test_trees_are_valid_and_their_first_path_is_the_most_frequent_continuation(
 def test_most_frequent_continuation_first_and_rarer_branches_beside_it():
     # After "1": "2 3" twice, then the latest "2 4"; then "5" once, latest of all.
     state = state_of([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 5, 1])
-    drafter = SuffixDrafter(vocab_size=20)
+    drafter = SuffixDrafter()
     assert drafter.draft(state, state.ids, 2).tokens.tolist() == [2, 3]
     proposal = drafter.propose_tree(state, 3)
     tokens = proposal.tokens.tolist()
@@ -139,9 +139,9 @@ def test_longest_match_beats_the_ngram_lookups_vote():
     span = [rng.randrange(100, 200) for _ in range(30)]
     decoy = span[10:14] + [7, 7, 7]  # span[10:14] occurs again, twice, followed by something else
     text = span + decoy + decoy + span[:14]
-    lookup = PromptLookupDrafter(vocab_size=200).propose(torch.tensor(text), 8)
+    lookup = PromptLookupDrafter().propose(torch.tensor(text), 8)
     state = state_of(text)
-    proposal = SuffixDrafter(vocab_size=200).draft(state, state.ids, 8)
+    proposal = SuffixDrafter().draft(state, state.ids, 8)
     assert lookup.tokens.tolist()[:3] == [7, 7, 7]  # the latest two occurrences outvote the first
     assert proposal.tokens.tolist() == span[14:22] and proposal.kind == 8  # 14 tokens matched
 
@@ -150,8 +150,8 @@ def test_drafts_wherever_prompt_lookup_does_and_as_far():
     for text in texts():
         for cut in range(2, len(text), 7):
             ids = torch.tensor(text[:cut])
-            lookup = PromptLookupDrafter(vocab_size=64, min_ngram=1).propose(ids, 16)
-            drafter = SuffixDrafter(vocab_size=64, min_probability=0.0)
+            lookup = PromptLookupDrafter(min_ngram=1).propose(ids, 16)
+            drafter = SuffixDrafter(min_probability=0.0)
             proposal = drafter.draft(state_of(text[:cut]), ids, 16)
             assert (lookup is None) == (proposal is None)
             if lookup is not None:
@@ -159,7 +159,7 @@ def test_drafts_wherever_prompt_lookup_does_and_as_far():
 
 
 def test_the_index_follows_the_committed_text_and_rebuilds_for_a_new_conversation():
-    drafter = SuffixDrafter(vocab_size=50)
+    drafter = SuffixDrafter()
     drafter.prepare(state_of([1, 2, 3, 4]))
     index = drafter.index
     drafter.prepare(state_of([1, 2, 3, 4, 5, 1, 2]))  # a follow-up: the same text, extended
@@ -173,9 +173,9 @@ def test_history_drafts_when_the_conversation_has_no_match_and_stays_bounded():
     history.add([10, 11, 12, 13, 14])
     history.add([20, 21, 22])
     state = state_of([1, 2, 3, 10, 11])
-    proposal = SuffixDrafter(vocab_size=50, history=history).draft(state, state.ids, 8)
+    proposal = SuffixDrafter(history=history).draft(state, state.ids, 8)
     assert proposal.tokens.tolist() == [12, 13, 14] and proposal.kind == -2  # stops at the answer's end
-    assert SuffixDrafter(vocab_size=50).draft(state, state.ids, 8) is None
+    assert SuffixDrafter().draft(state, state.ids, 8) is None
     for start in range(0, 200, 10):
         history.add(range(start, start + 10))
         assert history.tokens_held <= 40 and len(history._answers) <= 3
@@ -184,12 +184,12 @@ def test_history_drafts_when_the_conversation_has_no_match_and_stays_bounded():
 
 def test_greedy_chain_with_suffix_drafts_equals_greedy_plain():
     assert_greedy_identity([(seed, tiny_llama(seed)) for seed in range(1)],
-                           lambda seed, model: ChainDecoder(SuffixDrafter(model.vocab_size), FixedLookahead(6)), 40)
+                           lambda seed, model: ChainDecoder(SuffixDrafter(), FixedLookahead(6)), 40)
 
 
 def test_greedy_tree_with_suffix_drafts_equals_greedy_plain():
     assert_greedy_identity([(seed, tiny_llama(seed)) for seed in range(1)],
-                           lambda seed, model: TreeDecoder(SuffixDrafter(model.vocab_size, min_probability=0.0)), 40)
+                           lambda seed, model: TreeDecoder(SuffixDrafter(min_probability=0.0)), 40)
 
 
 def test_an_earlier_answer_in_the_history_is_drafted_whole_and_stays_lossless():
@@ -198,8 +198,8 @@ def test_an_earlier_answer_in_the_history_is_drafted_whole_and_stays_lossless():
     plain, _ = run(model, prompt, "plain", SamplingParams(), 30)
     history = AnswerHistory()
     history.add(plain)
-    for decoder in (ChainDecoder(SuffixDrafter(model.vocab_size, history=history), FixedLookahead(8)),
-                    TreeDecoder(SuffixDrafter(model.vocab_size, history=history))):
+    for decoder in (ChainDecoder(SuffixDrafter(history=history), FixedLookahead(8)),
+                    TreeDecoder(SuffixDrafter(history=history))):
         again, steps = run(model, prompt, "speculative", SamplingParams(), 30, decoder)
         assert again == plain and len(steps) < 10
 
@@ -215,7 +215,7 @@ def test_sampled_tree_with_suffix_drafts_samples_from_the_target():
     counts = torch.zeros_like(exact)
     drafted = accepted = 0
     for sample in range(600):
-        decoder = TreeDecoder(SuffixDrafter(model.vocab_size, min_probability=0.0))
+        decoder = TreeDecoder(SuffixDrafter(min_probability=0.0))
         tokens, steps = run(model, prompt, "tree", SamplingParams(1.0, seed=sample), 3, decoder)
         counts[tuple(tokens)] += 1
         drafted += sum(s.drafted for s in steps)

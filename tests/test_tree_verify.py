@@ -7,9 +7,10 @@ import itertools
 import pytest
 import torch
 
+from conftest import DEVICES
 from specchat.core.exact_outcomes import chi_square_p_value
 from specchat.core.exact_outcomes import without_replacement_draws
-from specchat.core.sampling import SamplingParams, sample_without_replacement, warp
+from specchat.core.sampling import SamplingParams, sample, sample_without_replacement, warp
 from specchat.core.speculative.tree import Tree
 from specchat.core.speculative.verify import (NodeState, child_acceptance, child_proposal, node_start,
                                        reject_child, residual, verify_tree)
@@ -232,10 +233,11 @@ def greedy_children(tree, draft_logits, start):
     tokens = torch.full((tree.size,), start)
     for node, children in enumerate(tree.children):
         if children:
-            tokens[list(children)] = draft_logits[tokens[node]].topk(len(children)).indices
+            tokens[list(children)] = draft_logits[tokens[node]].topk(len(children)).indices.cpu()
     return tokens
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("params, deterministic", [
     (SamplingParams(temperature=1.0), False),
     (SamplingParams(temperature=0.7), False),
@@ -244,11 +246,11 @@ def greedy_children(tree, draft_logits, start):
     (SamplingParams(temperature=0.7), True),
     (SamplingParams(temperature=1.0, top_p=0.9), True),
 ])
-def test_tree_samples_sequences_from_p(params, deterministic):
+def test_tree_samples_sequences_from_p(params, deterministic, device):
     """Draft the tree (without replacement from Q, or Q's top-k as deterministic children),
     verify, record the first 2 emitted tokens: their joint distribution must be
-    P(y1 | s) P(y2 | y1), checked by chi-square over 25 outcomes."""
-    target, draft, draft_logits = toy_model(7, params)
+    P(y1 | s) P(y2 | y1), checked by chi-square over 25 outcomes (on a GPU, drawn there)."""
+    target, draft, draft_logits = (rows.to(device) for rows in toy_model(7, params))
     start = 0
     generator = torch.Generator().manual_seed(1234)
     counts = torch.zeros(VOCAB, VOCAB)
@@ -261,9 +263,9 @@ def test_tree_samples_sequences_from_p(params, deterministic):
         verdict = verify_tree(TREE, tokens, target[tokens], q, generator)
         emitted = tokens[verdict.path].tolist() + [verdict.next_token]
         if len(emitted) < 2:  # nothing accepted: continue plainly from the recovered token
-            emitted.append(int(torch.multinomial(target[emitted[0]], 1, generator=generator)))
+            emitted.append(sample(target[emitted[0]], generator))
         counts[emitted[0], emitted[1]] += 1
-    exact = target[start].double()[:, None] * target.double()  # [y1, y2]
+    exact = (target[start].double()[:, None] * target.double()).cpu()  # [y1, y2]
     assert chi_square_p_value(counts.flatten(), exact.flatten()) > 1e-3
 
 

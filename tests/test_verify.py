@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from conftest import DEVICES
 from specchat.core.exact_outcomes import chi_square_p_value
-from specchat.core.sampling import SamplingParams, warp
+from specchat.core.sampling import SamplingParams, sample, warp
 from specchat.core.speculative.verify import acceptance_probability, residual, verify_chain
 
 VOCAB = 4
@@ -29,12 +30,13 @@ def emitted_distribution(p, q, correction):
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(20))
-def test_enumeration_emits_exactly_p(seed):
+def test_enumeration_emits_exactly_p(seed, device):
     generator = torch.Generator().manual_seed(seed)
     # Disjoint and partial supports included: P and Q each may have zeros.
-    p = random_dist(generator, zeros=seed % 3)
-    q = random_dist(generator, zeros=(seed // 3) % 3)
+    p = random_dist(generator, zeros=seed % 3).to(device)
+    q = random_dist(generator, zeros=(seed // 3) % 3).to(device)
     assert torch.allclose(emitted_distribution(p, q, residual), p, atol=1e-12, rtol=0)
 
 
@@ -80,31 +82,33 @@ def toy_model(seed, params):
     return target, draft
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7),
     SamplingParams(temperature=0.3),
     SamplingParams(temperature=1.0, top_p=0.9),
 ])
-def test_chain_of_two_drafts_samples_sequences_from_p(params):
+def test_chain_of_two_drafts_samples_sequences_from_p(params, device):
     """Draft 2 tokens from Q, verify with P, record the first 2 emitted tokens: their joint
-    distribution must be P(y1 | s) P(y2 | y1), checked by chi-square over 16 outcomes."""
-    target, draft = toy_model(7, params)
+    distribution must be P(y1 | s) P(y2 | y1), checked by chi-square over 16 outcomes. On a GPU
+    every draw is made there, from the host generator's companion."""
+    target, draft = (rows.to(device) for rows in toy_model(7, params))
     start = 0
     generator = torch.Generator().manual_seed(1234)
     counts = torch.zeros(VOCAB, VOCAB)
     for _ in range(6000):
-        x1 = int(torch.multinomial(draft[start], 1, generator=generator))
-        x2 = int(torch.multinomial(draft[x1], 1, generator=generator))
+        x1 = sample(draft[start], generator)
+        x2 = sample(draft[x1], generator)
         tokens = torch.tensor([x1, x2])
         q = torch.stack([draft[start], draft[x1]])
         p = torch.stack([target[start], target[x1], target[x2]])
         verdict = verify_chain(tokens, q, p, generator)
         emitted = tokens[:verdict.accepted].tolist() + [verdict.next_token]
         if len(emitted) < 2:  # the first token was rejected: continue plainly from it
-            emitted.append(int(torch.multinomial(target[emitted[0]], 1, generator=generator)))
+            emitted.append(sample(target[emitted[0]], generator))
         counts[emitted[0], emitted[1]] += 1
-    exact = target[start][:, None] * target  # [y1, y2]
+    exact = (target[start][:, None] * target).cpu()  # [y1, y2]
     assert chi_square_p_value(counts.flatten(), exact.flatten()) > 1e-3
 
 

@@ -204,7 +204,7 @@ def main() -> None:
         curve = [relative(n, len(prompt)) for n in range(1, MOST_ROWS + 1)]
         cost = {n: min(curve[n - 1:]) for n in range(1, MOST_ROWS + 1)}
         tokens = len(answer) - 1
-        chain = make_decoder("chain", vocab, relative, engine.settings.chain_drafts)
+        chain = make_decoder("chain", relative, engine.settings.chain_drafts)
         replayed = tokens / replayed_units(chain, prompt, answer, vocab, cost)
         proposals = drafter_proposals(chain.drafter, prompt, answer)
         rated = tokens / measured_rates_units(proposals, cost)

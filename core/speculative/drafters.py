@@ -17,12 +17,12 @@ VOTERS = 64  # the latest occurrences whose continuations vote: bounded work in 
 @dataclass(frozen=True)
 class Proposal:
     tokens: torch.Tensor  # [g] draft tokens
-    q: torch.Tensor  # [g, vocab] draft distributions
+    q: torch.Tensor | None  # [g, vocab] draft distributions; None: deterministic (each Q one-hot)
     kind: int = 0  # what sort of proposal, for acceptance bookkeeping (prompt lookup: the matched n)
 
     def first(self, count: int) -> "Proposal":
         """The first `count` draft tokens."""
-        return Proposal(self.tokens[:count], self.q[:count], self.kind)
+        return Proposal(self.tokens[:count], None if self.q is None else self.q[:count], self.kind)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -47,8 +47,7 @@ class PromptLookupDrafter(QueryBlind):
     when the answer quotes the document or the conversation. (Voting rather than copying the
     latest occurrence: a summary reuses the phrasing the document uses most, not the nearest.)"""
 
-    def __init__(self, vocab_size: int, max_ngram: int = 4, min_ngram: int = 2):
-        self.vocab_size = vocab_size
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
@@ -82,7 +81,7 @@ class PromptLookupDrafter(QueryBlind):
             return None
         voted = vote([ids[s + n:s + n + max_tokens].tolist() for s in starts[:VOTERS]])
         tokens = torch.tensor(voted, dtype=ids.dtype)
-        return Proposal(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float(), n)
+        return Proposal(tokens, None, n)
 
 
 def vote(continuations: list[list[int]]) -> list[int]:

@@ -70,9 +70,8 @@ class SuffixDrafter(QueryBlind):
     path probability is below `min_probability`. A long match has few occurrences that agree, so
     its tree is one deep path; a short one spreads its few nodes over the frequent branches."""
 
-    def __init__(self, vocab_size: int, history: AnswerHistory | None = None, max_nodes: int = 32,
+    def __init__(self, history: AnswerHistory | None = None, max_nodes: int = 32,
                  drafts_per_matched_token: int = 4, min_probability: float = 0.1):
-        self.vocab_size = vocab_size
         self.history = history
         self.max_nodes = max_nodes
         self.drafts_per_matched_token = drafts_per_matched_token
@@ -94,7 +93,7 @@ class SuffixDrafter(QueryBlind):
         if not path:
             return None
         tokens = torch.tensor(path, dtype=seq.dtype)
-        return Proposal(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float(), self._kind(match))
+        return Proposal(tokens, None, self._kind(match))
 
     def propose_tree(self, state, budget: int) -> TreeProposal | None:
         """A deterministic tree (q=None) rooted at the last committed token, at most `budget - 1`

@@ -87,7 +87,7 @@ class ModelTreeDrafter(QueryBlind):
         self._tokens = tokens
         q = None
         if not params.greedy:
-            q = torch.zeros(tree.size, self.model.vocab_size)
+            q = torch.zeros(tree.size, self.model.vocab_size, device=self.model.device)
             for node, row in q_rows.items():
                 q[node] = row
         return TreeProposal(tree, torch.tensor(tokens), q)

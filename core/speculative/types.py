@@ -65,7 +65,7 @@ class DecodeState:
         if not self.params.penalized:
             return None
         seq = self.ids if seq is None else seq
-        return token_counts(seq[self.answer_start:], self.model.vocab_size)
+        return token_counts(seq[self.answer_start:], self.model.vocab_size, self.model.device)  # where the logits are
 
     def chain_counts(self, draft: torch.Tensor, seq: torch.Tensor | None = None) -> torch.Tensor | None:
         """[g + 1, vocab] for the positions after `seq` (default: the committed text) and after

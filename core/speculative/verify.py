@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import sample
+from ..sampling import draw, on_device, sample
 from .tree import Tree
 
 
@@ -32,10 +32,12 @@ class ChainVerdict:
     next_token: int  # the recovered token (after a rejection) or the bonus token (all accepted)
 
 
-def acceptance_probability(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """min(1, P(x) / Q(x)) for each draft token; p, q [g, vocab], tokens [g] -> [g]."""
-    rows = torch.arange(tokens.shape[0])
-    return (p[rows, tokens] / q[rows, tokens]).clamp(max=1.0)
+def acceptance_probability(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """min(1, P(x) / Q(x)) for each draft token, on p's device; p [g, vocab], tokens [g], q [g,
+    vocab] or None for a deterministic draft (Q(x) = 1) -> [g]."""
+    rows = torch.arange(tokens.shape[0], device=p.device)
+    target = p[rows, tokens.to(p.device)]
+    return (target if q is None else target / q.to(p.device)[rows, tokens.to(p.device)]).clamp(max=1.0)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -43,24 +45,39 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
     When P == Q (up to rounding) the residual is all zero; rejection then has probability zero
     in exact arithmetic, so any reachable case is rounding noise and P itself is the right answer.
+    (Chosen on the device: deciding on the host would wait for the GPU.)
     """
     leftover = (p - q).clamp(min=0.0)
     total = leftover.sum()
-    if total <= 1e-12:
-        return p
-    return leftover / total
+    return torch.where(total > 1e-12, leftover / total, p)
 
 
-def verify_chain(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+def verify_chain(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
                  generator: torch.Generator | None) -> ChainVerdict:
-    """draft_tokens [g], q [g, vocab], p [g + 1, vocab] (fp32) -> accepted count and next token."""
+    """draft_tokens [g], q [g, vocab] (or None: a deterministic draft, each Q the one-hot of its
+    token), p [g + 1, vocab] (fp32) -> accepted count and next token.
+
+    Runs where p is: the uniforms are drawn there, and the two numbers of the verdict are all
+    that comes back to the host, in one transfer."""
     g = draft_tokens.shape[0]
-    accept = torch.rand(g, generator=generator) < acceptance_probability(p[:g], q, draft_tokens)
-    rejected = (~accept).nonzero()
-    if rejected.numel() == 0:
-        return ChainVerdict(g, sample(p[g], generator))
-    first = int(rejected[0])
-    return ChainVerdict(first, sample(residual(p[first], q[first]), generator))
+    if g == 0:
+        return ChainVerdict(0, sample(p[0], generator))
+    device = p.device
+    tokens = draft_tokens.to(device)
+    q = None if q is None else q.to(device)
+    uniforms = torch.rand(g, generator=on_device(generator, device), device=device)
+    accept = uniforms < acceptance_probability(p[:g], q, tokens)
+    # The first rejected draft's index, or g when every one was accepted (the sentinel).
+    accepted = torch.cat([~accept, accept.new_ones(1)]).to(torch.uint8).argmax()
+    row = accepted.clamp(max=g - 1).view(1)
+    p_row = p.index_select(0, row)[0]
+    if q is None:
+        q_row = torch.zeros_like(p_row).index_fill_(0, tokens.index_select(0, row), 1.0)
+    else:
+        q_row = q.index_select(0, row)[0]
+    next_distribution = torch.where(accepted < g, residual(p_row, q_row), p[g])
+    count, token = torch.cat([accepted.view(1), draw(next_distribution, generator)]).tolist()
+    return ChainVerdict(count, token)
 
 
 @dataclass(frozen=True)
@@ -158,7 +175,11 @@ def verify_tree(tree: Tree, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tens
     node's children were drawn from without replacement (leaves' rows are unused), or None when
     children were chosen deterministically -> the accepted path and the recovered or bonus token.
     """
-    uniforms = torch.rand(tree.size, generator=generator).tolist()  # fresh; one per child tested
+    if q is not None:
+        q = q.to(p.device)
+    # Fresh, one per child tested. The walk reads a few numbers per child tested from the device
+    # (a handful of short waits); every distribution stays there.
+    uniforms = torch.rand(tree.size, generator=on_device(generator, p.device), device=p.device).tolist()
     token_ids = tokens.tolist()
     path, node = [], 0
     while True:

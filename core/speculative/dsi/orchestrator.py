@@ -34,10 +34,10 @@ class Task:
     tokens: torch.Tensor  # [end] what it ran: each row's prefix, for the repetition penalties
 
 
-def resolve(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
+def resolve(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
             generator: torch.Generator | None) -> tuple[int, int | None]:
     """The target's P at m consecutive positions (p [m, vocab]) against the draft tokens at the
-    first g <= m of them (drafts [g], drawn from q [g, vocab]).
+    first g <= m of them (drafts [g], drawn from q [g, vocab]; None: deterministic drafts).
 
     Returns (accepted drafts, next token): the recovered token at the first rejection, or the
     bonus token from p[g] when all are accepted and g < m; None when all g = m are accepted (the
@@ -52,7 +52,8 @@ def resolve(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
     if rejected.numel() == 0:
         return g, None
     first = int(rejected[0])
-    return first, sample(residual(p[first], q[first]), generator)
+    q_first = torch.nn.functional.one_hot(drafts[first], p.shape[-1]).to(p.dtype) if q is None else q[first].to(p.device)
+    return first, sample(residual(p[first], q_first), generator)
 
 
 _drafting: weakref.WeakSet[DsiDecoder] = weakref.WeakSet()  # decoders whose drafting thread started
@@ -244,7 +245,8 @@ class DsiDecoder:
         draft = self.drafts[0]
         if greedy:
             return float(draft == token)
-        return min(1.0, float(p[draft] / self.q[0][draft]))
+        q = self.q[0]
+        return min(1.0, float(p[draft]) / (1.0 if q is None else float(q[draft])))
 
     def _submit(self, state: DecodeState) -> None:
         tokens = torch.cat([state.ids, torch.tensor(self.drafts, dtype=torch.long)])
@@ -277,7 +279,7 @@ class DsiDecoder:
         says of the drafts there, and drop what that invalidates."""
         g = min(len(self.drafts), p.shape[0])
         drafts = torch.tensor(self.drafts[:g], dtype=torch.long)
-        q = torch.stack(self.q[:g]) if g else p[:0]
+        q = torch.stack(self.q[:g]) if g and self.q[0] is not None else None
         accepted, next_token = resolve(p, drafts, q, state.generator)
         if g:  # the drafts after the first rejection were never judged
             self.policy.observe_verdict(min(g, accepted + 1), accepted)
@@ -357,7 +359,7 @@ class DsiDecoder:
         if start < 0 or start >= len(proposal) or not torch.equal(extended[:current.shape[0]], current):
             return
         self.drafts += proposal.tokens[start:].tolist()
-        self.q += list(proposal.q[start:])
+        self.q += [None] * (len(proposal) - start) if proposal.q is None else list(proposal.q[start:])
 
     def _unsent(self, state: DecodeState) -> int:
         """Drafts no live task holds yet."""

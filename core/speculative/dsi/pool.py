@@ -131,7 +131,7 @@ def _serve(make_model: Callable[[str], CausalLM], device: str, threads: int, pre
             cancel.clear()  # set only for this instance's task, and never once its result is read
             started = time.perf_counter()
             try:  # numpy arrays cross the process boundary as plain bytes (no shared-memory handles)
-                result = instance.logits(torch.from_numpy(tokens), count).numpy()
+                result = instance.logits(torch.from_numpy(tokens), count).cpu().numpy()
             except Cancelled:
                 result = None
             except Exception as error:

@@ -59,7 +59,7 @@ class DsiRuntime:
                 self._devices = devices
             sinks, window = self.draft_cache
             drafter = (ModelDrafter(self.draft, sinks, window, False, "pair", self.prefill_chunk) if self.draft is not None
-                       else PromptLookupDrafter(self.target.vocab_size, min_ngram=1))
+                       else PromptLookupDrafter(min_ngram=1))
             self._answering = DsiDecoder(drafter, self.pool, start=self.lookahead, plain_steps=plain_steps)
             return self._answering
 
