@@ -39,10 +39,12 @@ def tree_growth(acceptance: list[float], sizes: list[int], max_depth: int,
 
 
 def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
-                  runs: dict[str, tuple], repeats: int = 1, seed: int = 0) -> dict[str, dict]:
-    """Greedy answers to one prompt per run {label: (mode, tree_draft[, triforce settings])}.
-    Each row: tok/s, tokens per target forward, forwards, per-stage counts, and whether its
-    tokens equal plain's (the first run: speculation must not change a single token).
+                  runs: dict[str, tuple], repeats: int = 1, seed: int = 0,
+                  sampling: SamplingParams = SamplingParams()) -> dict[str, dict]:
+    """Answers to one prompt per run {label: (mode, tree_draft[, triforce settings])}, greedy
+    unless `sampling` says otherwise. Each row: tok/s, tokens per target forward, forwards,
+    per-stage counts, and whether its tokens equal plain's (the first run: greedy speculation
+    must not change a single token; sampled answers differ by their draws, so None).
 
     With `repeats` > 1, every run is measured that many times, in rounds whose order is shuffled
     (seeded), so that drift in the machine (heat, memory, background load) does not favour a
@@ -56,7 +58,7 @@ def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
     baseline = None
     for round_index in range(repeats):  # the first round in the given order: plain first, as the baseline
         for label in (labels if round_index == 0 else order.sample(labels, len(labels))):
-            result = timed_answer(engine, prompt_ids, max_new_tokens, runs[label])
+            result = timed_answer(engine, prompt_ids, max_new_tokens, runs[label], sampling)
             baseline = baseline or result.token_ids
             speeds[label].append(result.stats.tokens_per_second)
             stats = result.stats
@@ -68,18 +70,20 @@ def decode_speeds(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
                 "target_forwards": stats.target_forwards, "tree_size": stats.tree_size,
                 "tree_depth": stats.tree_depth, "decode_seconds": stats.decode_seconds,
                 "stages": stats.stages,
-                "identical_to_plain": result.token_ids == baseline and rows.get(label, {}).get("identical_to_plain", True),
+                "identical_to_plain": None if not sampling.greedy else
+                result.token_ids == baseline and rows.get(label, {}).get("identical_to_plain", True),
             }
             if repeats > 1:
                 rows[label]["tokens_per_second_runs"] = list(speeds[label])
     return {label: rows[label] for label in labels}
 
 
-def timed_answer(engine: Engine, prompt_ids: list[int], max_new_tokens: int, run: tuple):
+def timed_answer(engine: Engine, prompt_ids: list[int], max_new_tokens: int, run: tuple,
+                 sampling: SamplingParams = SamplingParams()):
     mode, tree_draft, *triforce = run
     engine.answers.clear()  # the same prompt answered again: the history would hand back the last answer
     options = TreeDraft(*tree_draft) if tree_draft else triforce[0] if triforce else None
-    events = engine.generate(prompt_ids, Request(max_new_tokens, SamplingParams(), mode, options))
+    events = engine.generate(prompt_ids, Request(max_new_tokens, sampling, mode, options))
     return next(e.result for e in events if isinstance(e, Finished))
 
 

@@ -5,6 +5,8 @@ First as the plan loads it on this machine (its weights, KV and auto mode, calib
 each mode's speed, and whether it wrote plain's tokens (in bf16, batched and single forwards may
 round near-ties apart). Then in fp32, where speculation must write exactly plain's tokens, with the
 KV on the device, in 8 bits, and offloaded to host memory; DSI runs two instances on one card.
+As planned, each mode also samples (the document presets' temperature, top-p and repetition
+penalty, seeded): warping, sampling and verification on the device, timed beside greedy.
 The dry run does the same on the CPU with a short prompt, few tokens and no DSI (a spawned process
 would load a second model). Each variant says whether its steps were replayed as CUDA graphs (the
 dry run replays the KV-on-the-device variant's through their static path, run eagerly)."""
@@ -13,21 +15,24 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from ..decode import decode_speeds
 from ...app.documents import user_turn
+from ...app.presets import DOCUMENT_SAMPLING
 from ...core import embedded
 from ...core.engine import Engine
 from ...core.loading import load_engine
 from ...core.model import TransformersLM
 from ...core.placement import LoadOptions
+from ...core.sampling import SamplingParams
 from ...core.speculative.dsi.pool import TargetLoader
 from .clock import free_memory
 from .rig import Rig
 
 QUESTION = "Summarize this document."
 LOOKUP_MODES = ("plain", "chain", "tree", "triforce", "auto")
+SAMPLED = SamplingParams(**DOCUMENT_SAMPLING, seed=0)
 OFFLOAD_CAPACITY = 8192  # the embedded model's whole context
 EXACT_VARIANTS = {  # label: (LoadOptions fields beyond dtype and device)
     "fp32, KV on the device": {},
@@ -53,6 +58,9 @@ def run(rig: Rig, report: dict) -> dict:
                   "plan": {"weights": plan.weights, "kv": plan.kv_label(), "mode": plan.mode} if plan else None,
                   "auto_mode": planned.auto_mode,
                   "runs": decode_speeds(planned, prompt, new_tokens, _runs(LOOKUP_MODES), repeats),
+                  "sampled": {"params": asdict(SAMPLED),
+                              "runs": decode_speeds(planned, prompt, new_tokens, _runs(LOOKUP_MODES), repeats,
+                                                    sampling=SAMPLED)},
                   "graphs": _graphs(planned.model)}]}
     path = embedded.ensure_converted(lambda line: None)
     settings, tokenizer = planned.settings, planned.tokenizer
