@@ -79,6 +79,7 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, params: Sampling
     do to it, and every seen one gets the same arithmetic as over the whole row."""
     if not params.penalized:
         return logits
+    counts = counts.to(logits.device)  # a draft's logits may be on another GPU than the target's counts
     columns = (counts > 0).reshape(-1, counts.shape[-1]).any(0).nonzero().squeeze(1)  # [seen]
     if columns.numel() == 0:
         return logits
@@ -131,7 +132,7 @@ def warp(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | No
     if params.penalized:
         if counts is None:
             raise ValueError("repetition penalties need each row's counts of the tokens seen before it")
-        logits = apply_penalties(logits, counts.to(logits.device), params)
+        logits = apply_penalties(logits, counts, params)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     # Shifted so the largest logit is 0 before dividing (softmax is shift-invariant, so the same

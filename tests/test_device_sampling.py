@@ -1,9 +1,9 @@
 """Warping, sampling and verification run where the logits are (issue 39, item 4).
 
-On a GPU the logits never cross to the host whole: each step reads back a few numbers. The CPU
-rehearses it: the model's logits come as `OnDevice` tensors, which stay `OnDevice` through every
-operation and record each read on the host (and each operation that waits for the device), so a
-step that pulls a vocabulary row or a distribution to the host fails here, not first on a GPU.
+On a GPU the logits never cross to the host whole: each step reads back a few numbers, and no
+operation mixes them with a tensor on the host (CUDA would raise). The CPU rehearses it with a
+model whose logits stand for a GPU's (device_rehearsal.py), so that a step that pulls a vocabulary
+row to the host, or meets host-made counts or draft distributions, fails here, not first on a GPU.
 The chi-square and enumeration tests of test_verify.py and test_tree_verify.py run on a GPU too.
 """
 
@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from conftest import needs_cuda, tiny_llama
+from device_rehearsal import LogitsOnDevice, OnDevice, rehearsed
+from specchat.core.acceptance import calibration_sequences, measure_acceptance
 from specchat.core.decoding import (ChainDecoder, PlainDecoder, TreeDecoder, TriforceSettings, decode, prefill_all,
                                     triforce_decoder)
 from specchat.core.sampling import SamplingParams, make_generator, on_device, sample
@@ -23,40 +25,6 @@ from specchat.core.speculative.types import DecodeState
 from specchat.core.speculative.verify import verify_chain
 
 VOCAB = 97
-# Reads of a device tensor on the host, and operations whose output size needs one (a GPU waits).
-HOST_READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu", "nonzero"}
-
-
-class OnDevice(torch.Tensor):
-    """A CPU tensor standing for one on a GPU; `reads` logs (operation, elements) of each read."""
-    reads: list[tuple[str, int]] = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in HOST_READS and isinstance(args[0], OnDevice):
-            cls.reads.append((name, args[0].numel()))
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
-class LogitsOnDevice:
-    """A model whose logits are `OnDevice` (drafts made from it too)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def forward(self, *args, **kwargs):
-        return self.model.forward(*args, **kwargs).as_subclass(OnDevice)
-
-    def forward_with_queries(self, *args, **kwargs):
-        logits, queries = self.model.forward_with_queries(*args, **kwargs)
-        return logits.as_subclass(OnDevice), queries
-
-    def truncated(self, num_layers):
-        return LogitsOnDevice(self.model.truncated(num_layers))
 
 
 SMALL = dict(budget=24, chunk_size=4, recent=8, stride=8, sinks=2, window=16)
@@ -70,35 +38,38 @@ DECODERS = {
 }
 SAMPLINGS = {
     "greedy": SamplingParams(),
+    "greedy penalized": SamplingParams(repetition_penalty=1.3),
     "sampled": SamplingParams(temperature=0.8, top_p=0.9, seed=3),
     "penalized": SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.3, presence_penalty=0.5, seed=4),
 }
 
 
-def steps_reads(mode: str, params: SamplingParams) -> list[tuple[int, list[tuple[str, int]]]]:
-    """(tokens verified, the reads on the host) per target step of a 24-token answer."""
+def steps_reads(mode: str, params: SamplingParams) -> tuple[list[tuple[int, list[tuple[str, int]]]], list[str]]:
+    """(tokens verified, the reads on the host) per target step of a 24-token answer, and every
+    operation that mixed the device's tensors with the host's."""
     target = LogitsOnDevice(tiny_llama(3, VOCAB, weight_scale=8.0))
     phrase = list(range(10, 22))
     prompt = torch.tensor(phrase + list(range(40, 60)) + phrase + phrase[:5])
-    state = DecodeState(target, target.new_cache(), prompt, params, make_generator(params.seed))
-    decoder = DECODERS[mode](target)
-    first = prefill_all(target, state.cache, prompt, 16, decoder)
-    assert isinstance(first, OnDevice)
-    steps = decode(state, decoder, first, 24)
-    out = []
-    while True:
-        OnDevice.reads = []
-        try:
-            step = next(steps)
-        except StopIteration:
-            return out
-        out.append((step.verified, OnDevice.reads))
+    with rehearsed():
+        state = DecodeState(target, target.new_cache(), prompt, params, make_generator(params.seed))
+        decoder = DECODERS[mode](target)
+        first = prefill_all(target, state.cache, prompt, 16, decoder)
+        assert isinstance(first, OnDevice)
+        steps, out, mixed = decode(state, decoder, first, 24), [], []
+        while True:
+            OnDevice.reads = []
+            try:
+                step = next(steps)
+            except StopIteration:
+                return out, mixed + OnDevice.mixed
+            out.append((step.verified, OnDevice.reads))
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 @pytest.mark.parametrize("mode", DECODERS)
 def test_a_step_reads_a_few_numbers_never_a_distribution(mode, sampling):
-    steps = steps_reads(mode, SAMPLINGS[sampling])
+    steps, mixed = steps_reads(mode, SAMPLINGS[sampling])
+    assert not mixed, sorted(set(mixed))
     for verified, reads in steps:
         # Tree verification reads its uniforms (one per node) and a few numbers per child tested.
         assert all(elements < VOCAB and elements <= max(verified, 2) for _, elements in reads), reads
@@ -108,6 +79,18 @@ def test_a_step_reads_a_few_numbers_never_a_distribution(mode, sampling):
         assert max(len(reads) for _, reads in steps) <= most, steps
     if mode == "chain (lookup)":
         assert max(verified for verified, _ in steps) > 1  # drafts were verified, not only plain steps
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_calibration_s_acceptance_runs_where_the_logits_are(sampling):
+    """The pair's first load measures acceptance on the GPU: its counts, draws and verdicts there."""
+    params = SAMPLINGS[sampling]
+    target, draft = LogitsOnDevice(tiny_llama(3, VOCAB, weight_scale=8.0)), LogitsOnDevice(tiny_llama(4, VOCAB))
+    with rehearsed():
+        sequences = calibration_sequences(target, [torch.arange(5, 20)], params, make_generator(0), 12)
+        vector = measure_acceptance(target, draft, sequences, [15], params, 3, make_generator(1))
+        mixed = list(OnDevice.mixed)
+    assert vector.positions == 12 and not mixed, sorted(set(mixed))
 
 
 def test_a_deterministic_draft_without_q_verifies_as_its_one_hot():
