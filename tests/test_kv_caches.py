@@ -192,6 +192,34 @@ def test_retrieval_cache_attends_its_selection_and_rolls_back_to_its_build():
         retrieval.trim(len(ids) - 1)
 
 
+def test_a_rebuilt_retrieval_cache_refills_its_own_buffers_and_attends_as_a_new_one():
+    """TriForce rebuilds its retrieval cache every few verifications: into the same buffers, so
+    that the step graphs captured over them (keyed by cache and buffers) keep replaying. The
+    refilled cache attends exactly as one built afresh; one that does not fit is made anew."""
+    model = tiny_llama(2)
+    ids = torch.arange(3, 90) % 97
+    full = model.new_cache()
+    _, recorded = model.forward_with_queries(ids[:60], torch.arange(60), full)
+    first = RetrievalCache.build(model.hf.config, full.layers(), {k: q[0, :, -1] for k, q in recorded.items()},
+                                 budget=24, chunk_size=4, recent=8)
+    model.forward(torch.tensor([5, 6]), torch.arange(60, 62), first)  # drafted and verified since the build
+    buffers = [t.data_ptr() for layer in first.transformers_cache.layers for t in layer.buffers]
+    _, recorded = model.forward_with_queries(ids[60:], torch.arange(60, len(ids)), full)
+    queries = {k: q[0, :, -1] for k, q in recorded.items()}
+    rebuilt = RetrievalCache.build(model.hf.config, full.layers(), queries, budget=24, chunk_size=4, recent=8,
+                                   reuse=first)
+    fresh = RetrievalCache.build(model.hf.config, full.layers(), queries, budget=24, chunk_size=4, recent=8)
+    assert rebuilt is first and [t.data_ptr() for layer in first.transformers_cache.layers for t in layer.buffers] == buffers
+    assert (rebuilt.length, rebuilt.base_length, rebuilt.base_slots) == (fresh.length, fresh.base_length, fresh.base_slots)
+    assert all(torch.equal(a, b) for got, want in zip(rebuilt.layers(), fresh.layers()) for a, b in zip(got, want))
+    new, positions = torch.tensor([1, 2, 3]), torch.arange(len(ids), len(ids) + 3)
+    assert torch.equal(model.forward(new, positions, rebuilt), model.forward(new, positions, fresh))
+    layer = rebuilt.transformers_cache.layers[0]
+    capacity, held = layer.buffers[0].shape[2], layer.keys.clone()
+    too_long = torch.zeros(1, held.shape[1], capacity + 1, held.shape[3], dtype=held.dtype)
+    assert not layer.refill(too_long, too_long) and torch.equal(layer.keys, held)  # unchanged: made anew
+
+
 def test_a_retrieval_cache_after_keep_attends_like_a_full_cache_after_keep():
     """A tree's accepted path kept in a retrieval cache (holding everything, so it must equal
     the full cache): the following forwards see the kept slots, not stale ones."""

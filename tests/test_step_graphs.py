@@ -236,6 +236,34 @@ def test_greedy_decoding_through_replayable_steps_equals_plain(mode):
     assert 0 < accepted < drafted  # both verification branches ran through the replayed steps
 
 
+@pytest.mark.parametrize("tree", [None, TREE])
+def test_triforce_s_rebuilt_retrieval_cache_keeps_its_graphs(fake_cuda_graphs, monkeypatch, tree):
+    """The retrieval cache is rebuilt every `stride` committed tokens: refilled in its buffers,
+    the middle stage's graphs keep replaying instead of being captured again for every build
+    (each capture costs two forwards of host time: a build lasts a few)."""
+    from specchat.core.kv.retrieval import RetrievalCache
+
+    prompt = prompts(0)["n-gram hits"]
+    plain, _ = run(tiny_llama(0, weight_scale=8.0), prompt, "plain", SamplingParams(), 40)
+
+    def graphs_made_and_replayed() -> tuple[int, int]:
+        fake_cuda_graphs.clear()
+        target = tiny_llama(0, weight_scale=8.0)
+        graphs = target.set_step_graphs(capture=True)
+        decoder = triforce_decoder(target, TriforceSettings(draft="lookup", tree=tree, **SMALL), prefill_chunk=16)
+        speculative, _ = run(target, prompt, "triforce", SamplingParams(), 40, decoder)
+        assert speculative == plain and graphs.off is None
+        assert decoder.stage_counts()["retrieval"]["builds"] >= 4
+        return len(fake_cuda_graphs), graphs.replays
+
+    refilled = graphs_made_and_replayed()
+    held = RetrievalCache.held.__func__
+    monkeypatch.setattr(RetrievalCache, "held", classmethod(lambda cls, config, layers, base, reuse:
+                                                             held(cls, config, layers, base, None)))
+    rebuilt = graphs_made_and_replayed()  # as before: a new cache, new buffers, every build
+    assert refilled[1] > rebuilt[1], (refilled, rebuilt)  # (graphs captured, steps replayed)
+
+
 @needs_cuda
 def test_a_captured_graph_replays_the_static_path_bit_for_bit():
     """fp32 on a GPU: the graph's logits equal the same static path run eagerly, bit for bit,

@@ -66,6 +66,20 @@ class GrowingLayer(DynamicLayer):
             values[..., :length, :] = self.values
         self._key_buffer, self._value_buffer = keys, values
 
+    def refill(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Hold exactly `keys`, `values` [1, kv_heads, n, head_dim] in the buffers it has (a step
+        graph captured over them stays valid); False, unchanged, where they do not fit there."""
+        if self._key_buffer is None or any(
+                buffer.shape[:2] != new.shape[:2] or buffer.shape[3] != new.shape[3] or buffer.shape[2] < new.shape[2]
+                or buffer.dtype != new.dtype or buffer.device != new.device
+                for buffer, new in ((self._key_buffer, keys), (self._value_buffer, values))):
+            return False
+        end = keys.shape[2]
+        self._key_buffer[..., :end, :] = keys
+        self._value_buffer[..., :end, :] = values
+        self.written(end)
+        return True
+
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
         super().reset()

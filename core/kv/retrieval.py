@@ -14,7 +14,7 @@ import math
 import torch
 
 from .cache import KVCache
-from .full import held_bytes, hf_cache, keep_slots
+from .full import GrowingLayer, held_bytes, hf_cache, keep_slots
 from .offload import OffloadedCache
 
 
@@ -102,13 +102,28 @@ class RetrievalCache:
         self.base_slots = layers[0][0].shape[2]
 
     @classmethod
+    def held(cls, hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]], base_length: int,
+             reuse: RetrievalCache | None) -> RetrievalCache:
+        """A cache holding `layers` as built at `base_length`: `reuse`, refilled in its own
+        buffers where they fit, so that the step graphs captured over them keep replaying (a
+        retrieval cache is rebuilt every few verifications) and no second cache is allocated
+        beside it; else a new one."""
+        if reuse is not None and len(reuse.transformers_cache.layers) == len(layers) and all(
+                isinstance(layer, GrowingLayer) and layer.refill(keys, values)
+                for layer, (keys, values) in zip(reuse.transformers_cache.layers, layers)):
+            reuse.base_length, reuse.base_slots = base_length, layers[0][0].shape[2]
+            return reuse
+        return cls(hf_config, layers, base_length)
+
+    @classmethod
     @torch.inference_mode()
     def build(cls, hf_config, full_layers: list[tuple[torch.Tensor, torch.Tensor]],
               queries: dict[int, torch.Tensor], budget: int, chunk_size: int, recent: int,
-              device: torch.device | None = None) -> RetrievalCache:
+              device: torch.device | None = None, reuse: RetrievalCache | None = None) -> RetrievalCache:
         """From the full cache's per-layer (keys, values) [1, kv_heads, length, head_dim] and each
-        layer's latest queries [heads, head_dim], on `device` (where the draft runs). An
-        offloaded layer moves there one at a time, to be scored and gathered."""
+        layer's latest queries [heads, head_dim], on `device` (where the draft runs), in `reuse`'s
+        buffers where they fit (`held`). An offloaded layer moves there one at a time, to be
+        scored and gathered."""
         layers = []
         for index, (keys, values) in enumerate(full_layers):
             if device is not None:
@@ -116,27 +131,27 @@ class RetrievalCache:
             kept = select_positions(queries[index].to(keys.device), keys[0], budget, chunk_size, recent)
             gather = kept.to(keys.device)[..., None].expand(-1, -1, keys.shape[-1])
             layers.append((keys[0].gather(1, gather)[None], values[0].gather(1, gather)[None]))
-        return cls(hf_config, layers, full_layers[0][0].shape[2])
+        return cls.held(hf_config, layers, full_layers[0][0].shape[2], reuse)
 
     @classmethod
     def from_full(cls, full: KVCache, queries: dict[int, torch.Tensor], budget: int, chunk_size: int, recent: int,
-                  device: torch.device) -> RetrievalCache:
+                  device: torch.device, reuse: RetrievalCache | None = None) -> RetrievalCache:
         """`build` over a `FullCache` (every key scored); over an `OffloadedCache`, `from_offloaded`."""
         if isinstance(full, OffloadedCache):
-            return cls.from_offloaded(full, queries, budget, chunk_size, recent, device)
-        return cls.build(full.config, full.layers(), queries, budget, chunk_size, recent, device)
+            return cls.from_offloaded(full, queries, budget, chunk_size, recent, device, reuse)
+        return cls.build(full.config, full.layers(), queries, budget, chunk_size, recent, device, reuse)
 
     @classmethod
     @torch.inference_mode()
     def from_offloaded(cls, full: OffloadedCache, queries: dict[int, torch.Tensor], budget: int, chunk_size: int,
-                       recent: int, device: torch.device) -> RetrievalCache:
+                       recent: int, device: torch.device, reuse: RetrievalCache | None = None) -> RetrievalCache:
         """Chunks chosen on `device` by their mean keys (`select_by_chunk_means`, kept there by the
         cache), the positions of every layer brought to the host at once (one wait), and only
         those gathered from host memory and sent to `device`."""
         means = full.chunk_means(chunk_size, device)
         kept = torch.stack([select_by_chunk_means(queries[index], layer_means, full.length, budget, chunk_size,
                                                   recent) for index, layer_means in enumerate(means)])
-        return cls(full.config, full.gather(kept.cpu(), device), full.length)
+        return cls.held(full.config, full.gather(kept.cpu(), device), full.length, reuse)
 
     @property
     def length(self) -> int:

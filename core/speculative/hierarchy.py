@@ -207,7 +207,7 @@ class RetrievalStage(VerifiedStage):
                 or self._survival < self.min_acceptance):
             full = state.cache
             self.follower.cache = RetrievalCache.from_full(full, self._queries, self.budget, self.chunk_size,
-                                                           self.recent, self.follower.model.device)
+                                                           self.recent, self.follower.model.device, cache)
             self.follower.ids = seq[:full.length]
             self.builds += 1
             self._survival = 1.0

@@ -170,7 +170,7 @@ class RetrievalTreeDrafter(ModelTreeDrafter):
             return
         full = state.cache
         self.cache = RetrievalCache.from_full(full, self._queries, self.budget, self.chunk_size, self.recent,
-                                              self.model.device)
+                                              self.model.device, self.cache)
         self._cached_ids, self._slots = state.ids[:full.length].tolist(), {}
         self.builds += 1
 
