@@ -114,6 +114,39 @@ def test_greedy_dsi_equals_greedy_plain(drafter, workers, jitter):
     assert cancelled > 0 or workers == 1  # rejections cancelled tasks built on the rejected drafts
 
 
+class StuckDrafter(PromptLookupDrafter):
+    """A drafter whose turn does not end until `release` is set (a wake-up that never comes)."""
+
+    def __init__(self):
+        super().__init__(min_ngram=1)
+        self.release = threading.Event()
+
+    def draft(self, state, seq, max_tokens):
+        self.release.wait()
+        return None
+
+
+def test_a_step_with_nothing_in_flight_never_waits_for_a_wake_up_forever():
+    """Clean-clone CI hung in a DSI answer: the caller waited for a result with no task in flight,
+    for a wake-up from a drafting thread that had nothing to draft. With nothing in flight the
+    caller waits DRAFTER_WAIT_S at most, then takes a plain step (the old code hangs here)."""
+    target = tiny_llama(0, weight_scale=8.0)
+    prompt = prompts(0)["no n-gram hits"]
+    plain, _ = run(target, prompt, "plain", SamplingParams(), 6)
+    drafter, pool = StuckDrafter(), instances(target, 2)
+    decoder = DsiDecoder(drafter, pool, plain_steps=False)
+    decoder.policy.plain_task = lambda: False  # the frontier waits for a block of drafts
+    result = {}
+    answering = threading.Thread(target=lambda: result.update(tokens=run_dsi(target, prompt, SamplingParams(), 6,
+                                                                               decoder)[0]), daemon=True)
+    answering.start()
+    answering.join(timeout=60)
+    drafter.release.set()
+    answering.join(timeout=10)
+    pool.close()
+    assert result.get("tokens") == plain
+
+
 def test_greedy_dsi_equals_greedy_plain_through_plain_steps_and_back():
     """Plain steps on the engine's own target every other three positions: the drafts kept past
     a plain step whose token equals the next draft are verified by the instances after it."""

@@ -20,6 +20,10 @@ from ..types import Step
 from ..verify import acceptance_probability, residual, verify_chain
 from .policy import DsiPolicy
 
+# With no task in flight only the drafting thread's wake-up can end a wait for results: so long
+# at most, then a plain step (a wait for a wake-up that never came hung an answer in CI).
+DRAFTER_WAIT_S = 0.2
+
 if TYPE_CHECKING:
     from ..types import DecodeState, Drafter
     from .pool import TargetPool
@@ -180,7 +184,8 @@ class DsiDecoder:
                         self.policy.observe_handoff(self._returned - sent - seconds)
                     return step
             started = time.perf_counter()
-            finished = self.pool.results(None)
+            idle = not self.live  # read without the lock: only this thread sends tasks
+            finished = self.pool.results(DRAFTER_WAIT_S if idle else None)
             received = time.perf_counter()
             with self._changed:
                 self._waited += received - started
@@ -189,6 +194,8 @@ class DsiDecoder:
                     self.policy.observe_task(seconds)
                     if task is not None:
                         self.done[task_id] = (logits, seconds)
+            if idle and not finished and received - started >= DRAFTER_WAIT_S:
+                break  # no wake-up came: nothing would
         return self._plain_step(state, budget)
 
     def _plain_step(self, state: DecodeState, budget: int) -> Step:
