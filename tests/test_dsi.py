@@ -129,7 +129,7 @@ class StuckDrafter(PromptLookupDrafter):
 def test_a_step_with_nothing_in_flight_never_waits_for_a_wake_up_forever():
     """Clean-clone CI hung in a DSI answer: the caller waited for a result with no task in flight,
     for a wake-up from a drafting thread that had nothing to draft. With nothing in flight the
-    caller waits DRAFTER_WAIT_S at most, then takes a plain step (the old code hangs here)."""
+    caller waits DRAFTER_WAIT_S at most, then sends the frontier a task (the old code hangs here)."""
     target = tiny_llama(0, weight_scale=8.0)
     prompt = prompts(0)["no n-gram hits"]
     plain, _ = run(target, prompt, "plain", SamplingParams(), 6)

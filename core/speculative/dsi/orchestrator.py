@@ -21,7 +21,7 @@ from ..verify import acceptance_probability, residual, verify_chain
 from .policy import DsiPolicy
 
 # With no task in flight only the drafting thread's wake-up can end a wait for results: so long
-# at most, then a plain step (a wait for a wake-up that never came hung an answer in CI).
+# at most, then a task for the frontier (a wait for a wake-up that never came hung an answer in CI).
 DRAFTER_WAIT_S = 0.2
 
 if TYPE_CHECKING:
@@ -194,8 +194,8 @@ class DsiDecoder:
                     self.policy.observe_task(seconds)
                     if task is not None:
                         self.done[task_id] = (logits, seconds)
-            if idle and not finished and received - started >= DRAFTER_WAIT_S:
-                break  # no wake-up came: nothing would
+                if idle and not finished and received - started >= DRAFTER_WAIT_S and self.pool.idle():
+                    self._submit(state)  # no wake-up came: the frontier's task, not a wait forever
         return self._plain_step(state, budget)
 
     def _plain_step(self, state: DecodeState, budget: int) -> Step:
