@@ -89,8 +89,8 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
         with gr.Tab("Models & hardware"):
             build_models_tab(handle, registry_file, downloads)
         handlers = _ChatHandlers(page, logic)
-        answering = _wire_answers(page, logic, handlers)
-        _wire_conversations(demo, page, logic, handlers, answering)
+        cancelled_by_leaving = _wire_answers(page, logic, handlers)
+        _wire_conversations(demo, page, logic, handlers, cancelled_by_leaving)
         _wire_model_line(page, model_status, downloads)
         page.dark.click(None, js=DARK_MODE_JS)
         demo.load(None, js=RESTORE_DARK_MODE_JS)
@@ -213,7 +213,7 @@ class _ChatHandlers:
 
 def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     """Asking, the over-limit choices, Stop, and what recounts the meter; returns the events that
-    answer, which leaving the conversation cancels."""
+    leaving the conversation cancels: those that answer, and reading a file put in the box."""
     outputs, settings_inputs = page.outputs, page.settings_inputs
     send_inputs, meter_inputs = page.send_inputs, page.meter_inputs
     answering = [trigger(on.send_message, send_inputs, outputs, **QUIET)
@@ -240,8 +240,9 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     for box in (page.pasted, page.max_new_tokens, page.system):
         box.change(on.update_meter, meter_inputs, page.meter, trigger_mode="always_last", **METERING)
     # Typing recounts the meter; a file put in the box is attached first, then counted.
-    page.message.change(on.once(on.attach_dropped), page.message, outputs, trigger_mode="always_last", **READING).then(
-        on.update_meter, meter_inputs, page.meter, **METERING)
+    reading = page.message.change(on.once(on.attach_dropped), page.message, outputs, trigger_mode="always_last",
+                                  **READING)
+    reading.then(on.update_meter, meter_inputs, page.meter, **METERING)
     page.pasted.change(on.pasted_chip, [page.attachment, page.pasted], page.attachment_line,
                        trigger_mode="always_last", **LIGHT)
     page.detach.click(lambda: (None, "", ""), None, [page.attachment, page.attachment_line, page.pasted]).then(
@@ -251,11 +252,12 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     page.color.change(lambda colored: gr.update(visible=colored), page.color, page.tokens)
     page.preset.change(_preset_chosen, [page.preset, page.message, page.conversation],
                        [page.system, page.message, page.temperature, page.top_p, page.repetition_penalty])
-    return answering
+    # A file still being read when another conversation opens would land there when read.
+    return [*answering, reading]
 
 
 def _wire_conversations(demo: gr.Blocks, page: ChatPage, logic: ChatLogic, on: _ChatHandlers,
-                        answering: list) -> None:
+                        cancelled_by_leaving: list) -> None:
     """New, open, rename, delete and undo, export, and the newest conversation at each page load."""
     outputs, meter_inputs = page.outputs, page.meter_inputs
     # Moving to another conversation keeps the draft of the one left (`_ChatHandlers.moving`).
@@ -264,14 +266,14 @@ def _wire_conversations(demo: gr.Blocks, page: ChatPage, logic: ChatLogic, on: _
     # The chat's own Clear starts afresh too; nothing is deleted.
     for clear in (page.new.click, page.chatbot.clear):
         clear(on.moving(lambda: View(clear_conversation=True, conversations_changed=True, status="", stats="",
-                                     stages="", tokens="", over_limit="")), leaving, moved, cancels=answering,
+                                     stages="", tokens="", over_limit="")), leaving, moved, cancels=cancelled_by_leaving,
               **LIGHT).then(on.update_meter, meter_inputs, page.meter, **METERING)
-    page.conversations.input(on.moving(logic.open), [*leaving, page.conversations], moved, cancels=answering,
+    page.conversations.input(on.moving(logic.open), [*leaving, page.conversations], moved, cancels=cancelled_by_leaving,
                              **LIGHT).then(on.update_meter, meter_inputs, page.meter, **METERING)
     page.search.change(lambda query: gr.update(choices=logic.conversation_choices(query)), page.search,
                       page.conversations, trigger_mode="always_last", **LIGHT)
     page.rename.click(on.once(logic.rename), [page.conversation, page.title], outputs, **LIGHT)
-    page.delete.click(on.moving(logic.delete), [*leaving, page.conversation], moved, cancels=answering,
+    page.delete.click(on.moving(logic.delete), [*leaving, page.conversation], moved, cancels=cancelled_by_leaving,
                       **LIGHT).then(on.update_meter, meter_inputs, page.meter, **METERING)
     page.undo.click(on.moving(logic.undelete), [*leaving, page.deleted], moved, **LIGHT).then(
         on.update_meter, meter_inputs, page.meter, **METERING)

@@ -343,3 +343,21 @@ def test_the_meter_counts_a_document_once_while_its_parts_are_summarized(logic):
     answered.messages[-1].update(content="A fox.", partial=False)
     after = logic.meter(answered, attachment, "", "", SETTINGS)  # the same text attached again: counted again
     assert after.history > 0 and after.document == attachment["tokens"]
+
+
+def test_leaving_a_conversation_cancels_a_file_still_being_read(tmp_path):
+    """A file put in the box is read in its own line: opened elsewhere before the reading ends, it
+    would land, with the box's question, in the conversation opened (seen in CI's browser run)."""
+    from specchat.app.ui import build_ui
+
+    demo = build_ui(EngineHandle(lambda _model, _progress: threading.Event().wait(), "never loads"),
+                    HistoryStore(tmp_path))
+    config = demo.config
+    box = next(block["id"] for block in config["components"] if block["props"].get("elem_id") == "message")
+    reading = {event["id"] for event in config["dependencies"] if (box, "change") in map(tuple, event["targets"])}
+    listing = next(block["id"] for block in config["components"] if block["props"].get("elem_id") == "conversations")
+    new = next(block["id"] for block in config["components"] if block["props"].get("elem_id") == "new-conversation")
+    for target in ((listing, "input"), (new, "click")):
+        moving = [event for event in config["dependencies"]
+                  if target in map(tuple, event["targets"]) and event["cancels"]]
+        assert moving and all(reading <= set(event["cancels"]) for event in moving), target
