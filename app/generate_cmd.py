@@ -67,6 +67,8 @@ def run(args) -> int:
         if plan is not None:
             output["tree_plan"] = {**asdict(plan.choice), "draft_cost": plan.draft_cost,
                                    "acceptance": list(plan.acceptance.p)}
+        if args.mode in ("auto", "triforce") and triforce.tree is not None:  # measured t(n) may choose a small one
+            output["triforce_tree"] = {"size": triforce.tree.size, "depth": triforce.tree.depth}
         print(json.dumps(output, ensure_ascii=False))
     else:
         stats = result.stats

@@ -191,7 +191,9 @@ def test_calibrate_and_bench_on_a_tiny_model(tiny_model_dir, tmp_path, monkeypat
         assert completed.returncode == 0, completed.stderr
         answers[mode] = json.loads(completed.stdout)
     assert answers["triforce"]["token_ids"] == answers["plain"]["token_ids"]
-    assert answers["triforce"]["stats"]["tree_size"] > 2  # a tree, not a chain, was verified
+    # The tree the optimizer chose from this machine's step times (a busy machine's may be two nodes) was verified.
+    tree, stats = answers["triforce"]["triforce_tree"], answers["triforce"]["stats"]
+    assert (stats["tree_size"], stats["tree_depth"]) == (tree["size"], tree["depth"]) and tree["size"] >= 2
 
     completed = specchat("bench", "--suite", "prefill", "--model", tiny_model_dir, "--document", document,
                          "--max-new-tokens", "8", "--out", tmp_path / "prefill")
