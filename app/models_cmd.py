@@ -122,10 +122,8 @@ def _fit_verdict(plan: Plan, pair: ModelPair) -> str:
     notes = [{"int8": "8-bit", "nf4": "4-bit"}.get(plan.weights)]
     if plan.weights in ("int8", "nf4") and plan.head_weights == plan.weights:
         notes.append("output head too")
-    if plan.kv_dtype == "int8":
-        notes.append("KV in 8 bits")
-    if plan.kv_device == "cpu-pinned":
-        notes.append("KV offloaded to RAM")
+    offloaded = " offloaded to RAM" if plan.kv_device == "cpu-pinned" else ""
+    notes.append(f"KV in 8 bits{offloaded}" if plan.kv_dtype == "int8" else f"KV{offloaded}" if offloaded else None)
     if pair.draft is not None and plan.draft_device is None and plan.mode != "plain":
         notes.append("no draft model")
     if plan.target_devices == ("cpu",):

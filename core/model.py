@@ -104,8 +104,6 @@ class TransformersLM:
         # None: the KV in the compute dtype; "int8": 8-bit codes with a scale per token and KV head.
         if kv_dtype not in (None, "int8"):
             raise ValueError(f"kv_dtype must be None or 'int8', got {kv_dtype!r}")
-        if kv_dtype is not None and offload_capacity is not None:
-            raise ValueError("an 8-bit KV cache cannot be offloaded (not built yet): ask for one or the other")
         self.kv_dtype = kv_dtype
         # The plan's context: the KV grows in steps of 25% and must not reserve room past it.
         self.cache_positions = cache_positions
@@ -202,10 +200,11 @@ class TransformersLM:
         return self
 
     def new_cache(self) -> FullCache | OffloadedCache:
-        if self.kv_dtype == "int8":
-            return Int8Cache(self.hf.config, self.hf.dtype, self.cache_positions)
+        int8 = self.kv_dtype == "int8"
         if self.offload_capacity is not None:
-            return OffloadedCache(self.hf.config, self.offload_capacity, self.device, self.hf.dtype)
+            return OffloadedCache(self.hf.config, self.offload_capacity, self.device, self.hf.dtype, int8=int8)
+        if int8:
+            return Int8Cache(self.hf.config, self.hf.dtype, self.cache_positions)
         return FullCache(self.hf.config, self.cache_positions)
 
     @torch.inference_mode()

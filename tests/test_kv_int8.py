@@ -23,6 +23,7 @@ from specchat.core.kv.cache import KVCache
 from specchat.core.kv.document_store import DocumentStore
 from specchat.core.kv.full import FullCache
 from specchat.core.kv.int8 import Int8Cache, dequantize, pack, quantize, unpack
+from specchat.core.kv.offload import OffloadedCache
 from specchat.core.kv.prefix_store import PrefixStore
 from specchat.core.model import TransformersLM
 from specchat.core.placement import LoadOptions
@@ -110,7 +111,7 @@ def test_a_token_is_stored_alike_alone_or_in_a_batch():
     batched, alone = filled(model, 30), model.new_cache()
     for position in range(30):
         model.forward(IDS[position:position + 1], torch.tensor([position]), alone)
-    for one, other in zip(batched.packed_layers(), alone.packed_layers(), strict=True):
+    for one, other in zip(batched.stored_layers(), alone.stored_layers(), strict=True):
         assert torch.equal(one[0], other[0]) and torch.equal(one[1], other[1])
 
 
@@ -199,11 +200,11 @@ def test_it_is_a_kv_cache_that_trims_and_keeps_codes_with_their_scales():
     layers = cache.layers()
     assert len(layers) == 2 and all(k.shape == v.shape == (1, 2, 44, 8) and k.dtype == torch.float64
                                     for k, v in layers)
-    before = [(k.clone(), v.clone()) for k, v in cache.packed_layers()]
+    before = [(k.clone(), v.clone()) for k, v in cache.stored_layers()]
     cache.trim(43)
     cache.keep(torch.tensor([*range(40), 41, 42]))  # drop position 40
     assert cache.length == 42
-    for (keys, values), (old_keys, old_values) in zip(cache.packed_layers(), before, strict=True):
+    for (keys, values), (old_keys, old_values) in zip(cache.stored_layers(), before, strict=True):
         for new, old in ((keys, old_keys), (values, old_values)):
             assert torch.equal(new[:, :, :40], old[:, :, :40]) and torch.equal(new[:, :, 40:], old[:, :, 41:43])
     assert cache.nbytes == 2 * 2 * (1 * 2 * 42 * (8 + 4))  # layers, keys and values, each [1, 2, 42, 8 + 4]
@@ -230,7 +231,7 @@ def test_a_prefix_copy_is_independent_and_the_prefix_store_hands_out_8bit_caches
     assert isinstance(copy, Int8Cache) and copy.length == 30 and copy.nbytes == cache.nbytes * 30 // 40
     cache.trim(30)
     model.forward(IDS[41:45], torch.arange(30, 34), cache)  # overwrites slots 30-33 of the original
-    for (keys, _), (original, _) in zip(copy.packed_layers(), cache.packed_layers(30), strict=True):
+    for (keys, _), (original, _) in zip(copy.stored_layers(), cache.stored_layers(30), strict=True):
         assert torch.equal(keys, original)
     store = PrefixStore(10**9)
     store.put(IDS[:30].tolist() + IDS[41:45].tolist(), cache)
@@ -245,7 +246,7 @@ def test_a_saved_document_reloads_bit_for_bit(tmp_path):
     store.save(ids, cache)
     loaded = store.load(ids + [7, 8], model.new_cache, at_least=0)
     assert loaded is not None and loaded.length == 40 and isinstance(loaded.cache, Int8Cache)
-    for one, other in zip(loaded.cache.packed_layers(), cache.packed_layers(), strict=True):
+    for one, other in zip(loaded.cache.stored_layers(), cache.stored_layers(), strict=True):
         assert torch.equal(one[0], other[0]) and torch.equal(one[1], other[1])
     new, positions = torch.tensor([7, 8]), torch.arange(40, 42)
     assert torch.equal(model.forward(new, positions, loaded.cache), model.forward(new, positions, cache))
@@ -278,8 +279,8 @@ def test_load_options_ask_for_it(tmp_path):
     assert isinstance(cache, Int8Cache) and cache.dtype == torch.float32
     assert type(TransformersLM.from_pretrained(tmp_path, LoadOptions("float32", "cpu", None, None)).new_cache()) \
         is FullCache
-    with pytest.raises(ValueError, match="offloaded"):
-        TransformersLM(model.hf, offload_capacity=64, kv_dtype="int8")
+    offloaded = TransformersLM(model.hf, offload_capacity=64, kv_dtype="int8").new_cache()
+    assert isinstance(offloaded, OffloadedCache) and offloaded.int8 and offloaded.capacity == 64
     with pytest.raises(ValueError, match="kv_dtype"):
         TransformersLM(model.hf, kv_dtype="int4")
     sliding = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

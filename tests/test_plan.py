@@ -73,8 +73,8 @@ def test_every_pair_on_every_machine(profile_name, pair_id, context, precision):
             with pytest.raises(PlanRefused):
                 make_plan(profile, pair, context, Overrides(quantization=quantization, precision="exact"))
         assert plan.kv_dtype != "int8"
-    else:  # LLM.int8 only when asked for; an 8-bit KV only on a GPU
-        assert plan.weights != "int8" and (plan.kv_dtype != "int8" or plan.kv_device.startswith("cuda"))
+    else:  # LLM.int8 only when asked for; an 8-bit KV only with a GPU (on it, or streamed to it)
+        assert plan.weights != "int8" and (plan.kv_dtype != "int8" or bool(profile.gpus))
     # The full KV: the registry's shapes, every token, wherever it lives (DSI: one per instance).
     dtype_bytes = 2 if profile.gpus else DTYPE_BYTES[pair.target.dtype]
     target = pair.target
@@ -428,8 +428,10 @@ def test_plan_command_shows_dsi_and_why(capsys):
 
 
 def test_plan_command_refusal_json_exits_2(capsys):
+    """The exact model's KV (the 8-bit one fits this laptop's RAM)."""
     profile = str(DATA / "profiles" / "laptop-rtx4060-8gb.json")
-    args = _parse(["plan", "--pair", "qwen3-8b", "--context", "128K", "--profile", profile, "--json"])
+    args = _parse(["plan", "--pair", "qwen3-8b", "--context", "128K", "--profile", profile, "--json",
+                   "--precision", "exact"])
     assert run_plan(args) == 2
     data = json.loads(capsys.readouterr().out)
     assert "does not fit" in data["refused"]

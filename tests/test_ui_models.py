@@ -248,7 +248,9 @@ def test_offline_the_download_says_what_is_missing(caches, models_file, tiny_mod
 # ---- switching pairs ------------------------------------------------------------------------
 
 
-def test_a_pair_that_does_not_fit_or_is_not_downloaded_is_not_loaded(caches, models_file, tiny_model_dir):
+def test_a_pair_that_does_not_fit_or_is_not_downloaded_is_not_loaded(caches, models_file, tiny_model_dir,
+                                                                      monkeypatch):
+    monkeypatch.setenv("SPECCHAT_PRECISION", "exact")  # the bf16 KV; the 8-bit one fits this laptop's RAM
     loads = []
     panel = panel_for(models_file, "embedded", loader=lambda model, progress: loads.append(model),
                       profiles=synthetic("laptop-rtx4060-8gb"))
@@ -286,7 +288,7 @@ def test_the_table_says_what_use_this_pair_does(caches, models_file, profile_nam
         assert verdicts == {"embedded": "fits (CPU only)", "qwen2.5-7b": "fits (CPU only, slow)"}
     else:
         assert verdicts == {"embedded": "fits",
-                            "qwen2.5-7b": "fits (4-bit, KV offloaded to RAM)"}
+                            "qwen2.5-7b": "fits (4-bit, KV in 8 bits offloaded to RAM)"}
 
 
 def test_use_this_pair_loads_a_downloaded_pair_and_shows_its_plan(hub, caches, models_file, tiny_model_dir):

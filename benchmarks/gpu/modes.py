@@ -38,6 +38,7 @@ EXACT_VARIANTS = {  # label: (LoadOptions fields beyond dtype and device)
     "fp32, KV on the device": {},
     "fp32, 8-bit KV": {"kv_dtype": "int8"},
     "fp32, KV offloaded": {"offload_capacity": OFFLOAD_CAPACITY},
+    "fp32, 8-bit KV offloaded": {"offload_capacity": OFFLOAD_CAPACITY, "kv_dtype": "int8"},
 }
 
 

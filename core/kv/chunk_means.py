@@ -9,6 +9,8 @@ once; later ones, the few chunks completed since.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -28,16 +30,18 @@ class ChunkMeans:
         self.valid = min(self.valid, position // self.chunk_size)
 
     @torch.inference_mode()
-    def update(self, layer_keys: list[torch.Tensor], length: int) -> list[torch.Tensor]:
+    def update(self, layer_keys: list[torch.Tensor], length: int,
+               exact: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float) -> list[torch.Tensor]:
         """The means of the complete chunks of `length` positions, per layer [kv_heads, chunks,
         head_dim], from each layer's keys [kv_heads, capacity, head_dim] (host memory, for an
-        offloaded cache: only the chunks not yet valid are read)."""
+        offloaded cache: only the chunks not yet valid are read); `exact` turns stored keys (8-bit
+        rows, say) into their float32 values."""
         size, complete = self.chunk_size, length // self.chunk_size
         if complete > self.valid:
             for means, keys in zip(self.means, layer_keys, strict=True):
-                block = keys[:, self.valid * size:complete * size].to(self.device, non_blocking=True)
+                block = exact(keys[:, self.valid * size:complete * size].to(self.device, non_blocking=True))
                 kv_heads, _, head_dim = block.shape
-                chunks = block.float().reshape(kv_heads, complete - self.valid, size, head_dim).mean(2)
+                chunks = block.reshape(kv_heads, complete - self.valid, size, head_dim).mean(2)
                 means[:, self.valid:complete] = chunks.to(means.dtype)
             self.valid = complete
         return [means[:, :complete] for means in self.means]

@@ -57,7 +57,10 @@ class SavableCache(KVCache, Protocol):
         """One layer's keys (or values) for `length` positions, as saved."""
         ...
 
-    def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+    def stored_layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) of the first `length` positions as stored (an 8-bit cache's
+        packed rows), as views: what a saved file holds, bit for bit."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ class DocumentStore:
     def save(self, ids: list[int], cache: SavableCache) -> Path | None:
         """Write the first `len(ids)` positions of `cache`; None when it alone exceeds the budget
         or would leave the disk under FREE_DISK_KEPT free."""
-        layers = cache.packed_layers(len(ids)) if isinstance(cache, Int8Cache) else cache.layers(len(ids))
+        layers = cache.stored_layers(len(ids))
         tensors = [("token_ids", torch.tensor(ids, dtype=torch.int64))]
         for index, (keys, values) in enumerate(layers):
             tensors += [(f"keys.{index}", keys), (f"values.{index}", values)]

@@ -154,6 +154,10 @@ class FullCache:
         length = self.length if length is None else length
         return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in self.transformers_cache.layers]
 
+    def stored_layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first `length` positions as stored, what a saved document holds: here `layers`."""
+        return FullCache.layers(self, length)
+
     def layer_shape(self, length: int) -> tuple[int, ...]:
         """The shape of one layer's keys (and values) for `length` positions, from the config."""
         config = self.config

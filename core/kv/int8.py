@@ -107,15 +107,15 @@ class Int8Cache(FullCache):
             layer.append_packed(keys, values)
         return cache
 
-    def packed_layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def stored_layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer packed (keys, values) [1, kv_heads, length, head_dim + 4] int8 of the first
         `length` positions (all by default), as views: what a saved document stores."""
-        return super().layers(length)
+        return FullCache.layers(self, length)
 
     def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) of the first `length` positions (all by default), dequantized
         into new tensors in the model's dtype: the values attention sees."""
-        return [(unpack(keys, self.dtype), unpack(values, self.dtype)) for keys, values in self.packed_layers(length)]
+        return [(unpack(keys, self.dtype), unpack(values, self.dtype)) for keys, values in self.stored_layers(length)]
 
     def layer_shape(self, length: int) -> tuple[int, ...]:
         """The shape of one layer's packed keys (and values) for `length` positions."""
@@ -124,4 +124,4 @@ class Int8Cache(FullCache):
 
     def clone_prefix(self, length: int) -> Int8Cache:
         """An independent copy of the first `length` positions, codes and scales as they are."""
-        return Int8Cache.from_packed(self.config, self.dtype, self.packed_layers(length), self.max_positions)
+        return Int8Cache.from_packed(self.config, self.dtype, self.stored_layers(length), self.max_positions)

@@ -9,37 +9,46 @@ The new entries of each forward are written back to host memory asynchronously. 
 verification then costs about `KV bytes / host-to-device bandwidth`, hidden behind nothing else.
 TriForce's reference copies without any overlap.
 
+With `int8` it holds 8-bit rows (kv/int8.py: codes, then the row's scale), which halves the
+pinned memory and what a verification streams; a forward's new entries are quantized before its
+attention, which sees every row dequantized, as `Int8Cache` does on a GPU.
+
 On the CPU the same class keeps the KV in place (nothing to stream), which is what the tests run.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .chunk_means import ChunkMeans
+from .int8 import SCALE_BYTES, pack, unpack
 
 
 class OffloadedCache:
     """A `KVCache` of fixed capacity whose slots are the positions 0 .. length-1, like `FullCache`."""
 
     def __init__(self, hf_config, capacity: int, device: torch.device | str, dtype: torch.dtype,
-                 overlap: bool = True):
+                 overlap: bool = True, int8: bool = False):
         self.config = hf_config
         self.device = torch.device(device)
+        self.dtype = dtype  # what attention sees
+        self.int8 = int8
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        shape = (hf_config.num_key_value_heads, capacity, head_dim)
+        shape = (hf_config.num_key_value_heads, capacity, head_dim + (SCALE_BYTES if int8 else 0))
+        stored_dtype = torch.int8 if int8 else dtype
         streamed = self.device.type == "cuda"
-        self._host = [(torch.empty(shape, dtype=dtype, pin_memory=streamed),
-                       torch.empty(shape, dtype=dtype, pin_memory=streamed))
+        self._host = [(torch.empty(shape, dtype=stored_dtype, pin_memory=streamed),
+                       torch.empty(shape, dtype=stored_dtype, pin_memory=streamed))
                       for _ in range(hf_config.num_hidden_layers)]
         self.capacity = capacity
         self._length = 0
         self.fetched_bytes = 0  # host-to-device traffic, so tests and benchmarks can account for it
         # overlap=False copies each layer when it is needed (TriForce's reference): a baseline.
-        self._streamer = _Streamer(self, shape, dtype, overlap) if streamed else None
+        self._streamer = _Streamer(self, shape, stored_dtype, overlap) if streamed else None
         self._chunk_means: ChunkMeans | None = None  # the retrieval stage's, once it asks (`chunk_means`)
         self.transformers_cache = _StreamedKV(self)
 
@@ -64,9 +73,9 @@ class OffloadedCache:
         return len(self._host)
 
     def layer_shape(self, length: int) -> tuple[int, ...]:
-        """The shape of one layer's keys (and values) for `length` positions, as `layers` gives them."""
-        kv_heads, _, head_dim = self._host[0][0].shape
-        return (1, kv_heads, length, head_dim)
+        """The shape of one layer's keys (and values) for `length` positions, as stored (`stored_layers`)."""
+        kv_heads, _, width = self._host[0][0].shape
+        return (1, kv_heads, length, width)
 
     @property
     def nbytes(self) -> int:
@@ -75,16 +84,27 @@ class OffloadedCache:
         staging buffers (one layer each)."""
         return sum(2 * keys[:, :self._length].numel() * keys.element_size() for keys, _ in self._host)
 
-    def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (keys, values) [1, kv_heads, length, head_dim], as views of host memory."""
+    def stored_layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values) [1, kv_heads, length, head_dim] as stored (packed rows of
+        head_dim + 4 bytes when 8-bit), as views of host memory: what a saved document holds."""
         self._settle()
         length = self._length if length is None else length
         return [(k[:, :length][None], v[:, :length][None]) for k, v in self._host]
 
+    def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values) [1, kv_heads, length, head_dim] as attention sees them: views of
+        host memory, or new dequantized tensors when 8-bit."""
+        return [(self._seen(keys), self._seen(values)) for keys, values in self.stored_layers(length)]
+
+    def _seen(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows as attention sees them, in the model's dtype."""
+        return unpack(rows, self.dtype) if self.int8 else rows
+
     @torch.inference_mode()
     def fill(self, layers: Iterable[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
-        """Replace the contents with per-layer (keys, values) [1, kv_heads, length, head_dim],
-        taken one layer at a time (a generator keeps only one layer in memory)."""
+        """Replace the contents with per-layer (keys, values) [1, kv_heads, length, head_dim] as
+        stored (`stored_layers`), taken one layer at a time (a generator keeps only one layer in
+        memory)."""
         self._check_room(length)
         self._settle()
         for (host_k, host_v), (keys, values) in zip(self._host, layers, strict=True):
@@ -144,10 +164,12 @@ class OffloadedCache:
         self._settle()
         means = self._chunk_means
         if means is None or means.chunk_size != chunk_size or means.device != torch.device(device):
-            kv_heads, _, head_dim = self._host[0][0].shape
+            kv_heads, _, stored_width = self._host[0][0].shape
+            head_dim = stored_width - (SCALE_BYTES if self.int8 else 0)
             means = self._chunk_means = ChunkMeans(self.num_layers, kv_heads, self.capacity, head_dim, chunk_size,
-                                                   self._host[0][0].dtype, device)
-        return means.update([keys for keys, _ in self._host], self._length)
+                                                   self.dtype, device)
+        exact = functools.partial(unpack, dtype=torch.float32) if self.int8 else torch.Tensor.float
+        return means.update([keys for keys, _ in self._host], self._length, exact)
 
     @torch.inference_mode()
     def gather(self, positions: torch.Tensor, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -157,15 +179,17 @@ class OffloadedCache:
         layers = []
         for (host_k, host_v), kept in zip(self._host, positions, strict=True):
             index = kept[..., None].expand(-1, -1, host_k.shape[-1])
-            layers.append((host_k.gather(1, index).to(device, non_blocking=True)[None],
-                           host_v.gather(1, index).to(device, non_blocking=True)[None]))
+            layers.append((self._seen(host_k.gather(1, index).to(device, non_blocking=True))[None],
+                           self._seen(host_v.gather(1, index).to(device, non_blocking=True))[None]))
         return layers
 
     def _attend(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a forward's new entries [1, kv_heads, n, head_dim] of `layer`; return all of the
-        layer's keys and values for attention."""
+        layer's keys and values for attention (dequantized when 8-bit, the new ones included)."""
         start, end = self._length, self._length + keys.shape[2]
         self._check_room(end)
+        if self.int8:
+            keys, values = pack(keys), pack(values)
         if self._streamer is not None:
             result = self._streamer.attend(layer, start, end, keys, values)
         else:
@@ -177,7 +201,7 @@ class OffloadedCache:
             self._chunk_means.changed(start)
         if layer == self.num_layers - 1:
             self._length = end
-        return result
+        return self._seen(result[0]), self._seen(result[1])
 
 
 def _write_back(host: torch.Tensor, new: torch.Tensor) -> None:

@@ -1,8 +1,7 @@
 """The automatic precision's candidates and its choice among them.
 
 A candidate is a placement of the target: its weights (unquantized, 4-bit nf4, nf4 with the output
-head too) x its full KV (on the GPUs in the compute dtype, on the GPUs in 8 bits, or offloaded to
-pinned RAM) x the draft (on the GPU, or left out) x the prefill chunk x the embedding (on the GPU,
+head too) x its full KV (on the GPUs or offloaded to pinned RAM, each in the compute dtype or in 8 bits) x the draft (on the GPU, or left out) x the prefill chunk x the embedding (on the GPU,
 or in RAM). Each that fits is finished as a plan, its mode and speculation chosen as for any
 layout (assemble.finish) in each mode the context allows (TriForce and chain/tree on a GPU past
 twice the retrieval budget; the faster kept), and the plan is the one with the least predicted time
@@ -28,7 +27,7 @@ from .reasons import auto_weights_reason
 from .types import Overrides, Plan
 
 AUTO_TIERS = (("none", False), ("nf4", False), ("nf4", True))  # (quantization, output head too), most precise first
-KV_PLACES = ((True, False), (True, True), (False, False))  # (on the GPUs, in 8 bits), most precise first
+KV_PLACES = ((True, False), (True, True), (False, False), (False, True))  # (on the GPUs, in 8 bits)
 # Quantizing changes the answers (the model a user chose is no longer the one that writes them),
 # which no one trades for a few percent: a coarser placement must answer this much sooner.
 PRECISION_MARGIN = 1.15

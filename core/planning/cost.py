@@ -84,10 +84,13 @@ def _forward_seconds(layout: Layout, verify: bool) -> float | None:
     if rate is None or (not layout.kv_on_chip and h2d is None):
         return None
     weights = weights_seconds(layout, rate, verify)
-    if not layout.kv_on_chip:
-        return max(layout.full_kv / h2d, weights)
     kv = kv_efficiency(layout.kv_dtype)
-    return weights + layout.full_kv / (rate * (kv.verify if verify else kv.step))
+    attention = layout.full_kv / (rate * (kv.verify if verify else kv.step))
+    if not layout.kv_on_chip:
+        # The link streams the next layers while the GPU computes; attending to a staged layer in
+        # the compute dtype is a small share of its transfer, an 8-bit one's dequantizing is not.
+        return max(layout.full_kv / h2d, weights + (attention if layout.kv_int8 else 0.0))
+    return weights + attention
 
 
 def weights_seconds(layout: Layout, rate: float, verify: bool) -> float:
@@ -128,12 +131,10 @@ def prefill_seconds(layout: Layout) -> float | None:
     linear = 2 * body_params(target)  # FLOPs per token through the decoder layers' matmuls
     attention = 4 * target.layers * target.attention_heads * target.head_dim  # per token, per position attended
     weight_pass = weights_seconds(layout, rate, verify=True)
-    if not layout.kv_on_chip:
-        past = layout.kv_per_token / h2d  # seconds per token of KV before the chunk
-    elif layout.kv_int8:
-        past = layout.full_kv_per_token / (rate * kv_efficiency("int8").verify)
-    else:
-        past = 0.0  # attended at the FLOPs' pace
+    dequantizing = layout.full_kv_per_token / (rate * kv_efficiency("int8").verify) if layout.kv_int8 else 0.0
+    # Seconds per token of KV before the chunk: streamed (offloaded) and dequantized (8-bit); a
+    # compute-dtype KV on the GPUs is attended at the FLOPs' pace.
+    past = dequantizing + (0.0 if layout.kv_on_chip else layout.full_kv_per_token / h2d)
     prompt, chunk, seconds = prompt_tokens(layout.context), layout.prefill_chunk, 0.0
     for start in range(0, prompt, chunk):
         tokens = min(chunk, prompt - start)

@@ -117,11 +117,10 @@ def _dsi_cards(layout: Layout) -> tuple[tuple[Layout, ...], tuple[MemoryItem, ..
 
 
 def _card(layout: Layout, gpu, kv_on_chip: bool, with_draft: bool, prefill_chunk: int) -> Layout:
-    """`layout`'s target alone on `gpu`: one DSI instance (its KV in 8 bits where `layout`'s is,
-    when on the GPU)."""
+    """`layout`'s target alone on `gpu`: one DSI instance (its KV in 8 bits where `layout`'s is)."""
     return Layout(replace(layout.profile, gpus=(gpu,)), layout.pair, layout.context, "dsi", None, layout.overrides,
                    layout.quantization, kv_on_chip, with_draft, prefill_chunk, layout.head_quantized,
-                   layout.embedding_on_cpu, layout.kv_int8 and kv_on_chip)
+                   layout.embedding_on_cpu, layout.kv_int8)
 
 
 def dsi_plan(layout: Layout, dsi: _Dsi, tree: tuple[int, int], reasons: dict) -> Plan:

@@ -105,8 +105,9 @@ class Layout:
     """Where every byte of one candidate (quantization, KV place and storage, draft place, prefill
     chunk) goes, and whether it fits. Built once per candidate, read by assemble.finish.
 
-    `kv_int8`: the full KV in 8 bits, on the GPUs only (the engine's offloaded cache streams the
-    compute dtype). The retrieval cache and chunk keys stay in the compute dtype."""
+    `kv_int8`: the full KV in 8 bits, on the GPUs or offloaded (streamed as stored, so half the
+    bytes cross the link), dequantized a layer at a time for attention. The retrieval cache and
+    chunk keys stay in the compute dtype."""
 
     def __init__(self, profile, pair, context, mode, budget, overrides, quantization, kv_on_chip, with_draft,
                  prefill_chunk, head_quantized=False, embedding_on_cpu=False, kv_int8=False):
@@ -163,6 +164,10 @@ class Layout:
         return (min(budget, self.context) * self.kv_per_token
                 + chunk_key_bytes(self.pair.target, self.context, chunk, self.dtype_bytes))
 
+    def _dequantized_bytes(self) -> int:
+        """An 8-bit layer is attended through a copy of its keys and values in the compute dtype."""
+        return math.ceil(self.context * self.kv_per_token / self.pair.target.layers) if self.kv_int8 else 0
+
     def draft_device(self) -> str | None:
         if self.draft is None:
             return None
@@ -194,7 +199,7 @@ class Layout:
         embedding, head, _ = self.weights()
         per_layer = self._layer_bytes()
         staging = 0 if self.kv_on_chip else 2 * math.ceil(self.full_kv / target.layers)
-        running = activation_bytes(target, self.prefill_chunk, self.dtype_bytes) + staging
+        running = activation_bytes(target, self.prefill_chunk, self.dtype_bytes) + staging + self._dequantized_bytes()
         fixed = {name: [] for name in names}
         if self.embedding_on_cpu:
             self.items.append(MemoryItem("target embedding (on the CPU)", "cpu", embedding))
@@ -236,7 +241,11 @@ class Layout:
             items.append(MemoryItem(f"{span}: retrieval cache ({min(budget, self.context):,} tokens) and "
                                     f"chunk keys ({chunk}-token chunks)", name, int(self._retrieval_bytes() * share)))
         if staging:
-            items.append(MemoryItem(f"{span}: KV staging buffers (2 layers, double buffering)", name, staging))
+            bits = ", 8-bit" if self.kv_int8 else ""
+            items.append(MemoryItem(f"{span}: KV staging buffers (2 layers{bits}, double buffering)", name, staging))
+        if self.kv_int8:
+            items.append(MemoryItem(f"{span}: one layer's KV dequantized for attention ({self.dtype})", name,
+                                    self._dequantized_bytes()))
         items.append(MemoryItem(f"{span}: activations (prefill chunk {self.prefill_chunk:,}, MLP or attention)",
                                 name, activation_bytes(target, self.prefill_chunk, self.dtype_bytes)))
         return items

@@ -33,7 +33,7 @@ def placement_words(plan: Plan) -> str:
     weights = f"{plan.weights} weights" + (" (the output head too)" if plan.head_weights == plan.weights
                                            and plan.weights in ("nf4", "int8") else "")
     if plan.kv_device == "cpu-pinned":
-        return f"{weights} with the KV streamed from RAM"
+        return f"{weights} with the{' 8-bit' if plan.kv_dtype == 'int8' else ''} KV streamed from RAM"
     if plan.kv_dtype == "int8":
         return f"{weights} and an 8-bit KV on the GPU"
     return f"{weights} with the KV on the {'CPU' if plan.kv_device == 'cpu' else 'GPU'}"

@@ -62,15 +62,16 @@ def kv_reason(layout: Layout) -> str:
     size = human_size(layout.full_kv)
     if not layout.profile.gpus:
         return f"full KV ({size}) in RAM with the model"
-    if layout.kv_int8:
-        return (f"full KV ({size}) in 8 bits on {layout.kv_device()} with its layers: int8 codes and a scale per token "
-                f"and KV head, {layout.full_kv_per_token / layout.kv_per_token:.2f}x the bytes of {layout.dtype}")
+    bits = (f"int8 codes and a scale per token and KV head, {layout.full_kv_per_token / layout.kv_per_token:.2f}x "
+            f"the bytes of {layout.dtype}")
     if layout.kv_on_chip:
-        return f"full KV ({size}) on {layout.kv_device()} with its layers"
+        return f"full KV ({size}) in 8 bits on {layout.kv_device()} with its layers: {bits}" if layout.kv_int8 else \
+            f"full KV ({size}) on {layout.kv_device()} with its layers"
     h2d = slowest(layout, "host_to_device_bytes_per_s")
     cost = f", about {layout.full_kv / h2d:.2f} s per full verification at the measured {human_size(h2d)}/s" \
         if h2d else ""
-    return (f"full KV ({size}) offloaded to pinned CPU memory and streamed layer by layer: it does not fit "
+    stored = f" in 8 bits ({bits})" if layout.kv_int8 else ""
+    return (f"full KV ({size}){stored} offloaded to pinned CPU memory and streamed layer by layer: it does not fit "
             f"next to the weights{cost}")
 
 
@@ -79,7 +80,8 @@ def kv_attention_reason(layout: Layout, reasons: dict) -> None:
     end, and attention on the CPU where the KV lies was not one of them (bench/2026-11-22-h100-offload.json).
     An 8-bit KV is dequantized before attention, priced as measured (efficiency.py)."""
     if layout.kv_int8:
-        reasons["kv_attention"] = (f"8-bit KV dequantized to a {layout.dtype} copy per layer, then attended: priced "
+        streamed = "" if layout.kv_on_chip else "streamed to the GPU as stored, "
+        reasons["kv_attention"] = (f"8-bit KV {streamed}dequantized to a {layout.dtype} copy per layer, then attended: priced "
                                    f"as measured, about 9x the attention time of a {layout.dtype} KV (H100, 32-128K); "
                                    f"a fused kernel would read about 1 byte per value")
     elif layout.profile.gpus and not layout.kv_on_chip:

@@ -172,7 +172,8 @@ def _gamma2(layout: Layout) -> tuple[int, str, tuple[float, float] | None]:
         bits = " 8-bit" if layout.kv_int8 else ""
         full = f"reads weights and {human_size(layout.full_kv)} of{bits} KV at {human_size(memory_rate)}/s"
     else:
-        full = f"streams {human_size(layout.full_kv)} of KV at {human_size(h2d)}/s"
+        bits = " 8-bit" if layout.kv_int8 else ""
+        full = f"streams {human_size(layout.full_kv)} of{bits} KV at {human_size(h2d)}/s"
     a2 = _retrieval_acceptance(layout)
     best = max(range(1, MAX_GAMMA2 + 1), key=lambda g: _expected_tokens(g, a2) / (g * t_mid + t_full))
     speedup = _expected_tokens(best, a2) * step_seconds(layout) / (best * t_mid + t_full)
