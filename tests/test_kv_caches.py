@@ -29,16 +29,16 @@ def masked_logits(model, ids, visible: torch.Tensor, new: torch.Tensor):
     return model.forward(new, torch.arange(len(ids), len(ids) + len(new)), cache, mask=mask[None, None])
 
 
-def full_layers(model, ids):
+def full_cache(model, ids):
     cache = model.new_cache()
     model.forward(ids, torch.arange(len(ids)), cache)
-    return cache.layers()
+    return cache
 
 
 def test_streaming_cache_attends_sinks_and_window_only():
     model = tiny_llama(0)
     ids, new = torch.arange(40) % 97, torch.tensor([5, 6, 7])
-    cache = StreamingCache.from_layers(model.hf.config, full_layers(model, ids), sinks=3, window=10)
+    cache = StreamingCache.from_cache(model.hf.config, full_cache(model, ids), sinks=3, window=10)
     assert cache.length == 40 and cache.slots == 13
     got = model.forward(new, torch.arange(40, 43), cache)
     torch.testing.assert_close(got, masked_logits(model, ids, streaming_positions(40, 3, 10), new))
@@ -83,7 +83,7 @@ def test_a_compacted_streaming_cache_attends_what_a_fresh_one_holds():
     compacted = StreamingCache(model.hf.config, sinks=2, window=6)
     model.forward(ids[:20], torch.arange(20), compacted)
     compacted.compact()
-    fresh = StreamingCache.from_layers(model.hf.config, full_layers(model, ids[:20]), sinks=2, window=6)
+    fresh = StreamingCache.from_cache(model.hf.config, full_cache(model, ids[:20]), sinks=2, window=6)
     for start, end in ((20, 23), (23, 27)):  # after the compaction, then after a further update
         new, positions = ids[start:end], torch.arange(start, end)
         torch.testing.assert_close(model.forward(new, positions, compacted), model.forward(new, positions, fresh))

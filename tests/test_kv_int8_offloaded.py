@@ -18,9 +18,12 @@ from specchat.core.decoding import ChainDecoder, TreeDecoder, TriforceSettings, 
 from specchat.core.exact_outcomes import chi_square_p_value
 from specchat.core.interrupt import Cancelled, stop_between_layers
 from specchat.core.kv.document_store import DocumentStore
+from specchat.core.kv import int8 as int8_module, offload as offload_module
+from specchat.core.kv.full import FullCache
 from specchat.core.kv.int8 import Int8Cache, unpack
 from specchat.core.kv.offload import OffloadedCache
 from specchat.core.kv.retrieval import RetrievalCache
+from specchat.core.kv.streaming import StreamingCache
 from specchat.core.model import TransformersLM
 from specchat.core.sampling import SamplingParams
 from specchat.core.speculative.drafters import PromptLookupDrafter
@@ -195,3 +198,22 @@ def test_on_cuda_it_streams_the_on_chip_rows_from_pinned_memory():
     assert streamed._host[0][0].is_pinned() and streamed.fetched_bytes > 0
     for (keys, _), (chip_keys, _) in zip(streamed.stored_layers(), chip.stored_layers(), strict=True):
         assert torch.equal(keys, chip_keys.cpu())
+
+
+@pytest.mark.parametrize("where", ["on-chip", "offloaded"])
+def test_a_layer_skip_drafts_view_dequantizes_only_the_rows_it_keeps(where, monkeypatch):
+    """A layer-skip draft's StreamingLLM view of the target's first layers reads the sinks and
+    the window alone (at 128K, dequantizing every layer first would take the whole bf16 KV's
+    memory), and attends as one built from the dequantized layers."""
+    plain = tiny_llama(2)
+    cache = filled(offloaded(plain) if where == "offloaded" else on_chip(plain), 40)
+    copied = FullCache.from_layers(plain.config, cache.layers())
+    rows = []
+    for module in (int8_module, offload_module):
+        monkeypatch.setattr(module, "unpack", lambda packed, dtype, inner=unpack: rows.append(packed.shape[-2]) or
+                            inner(packed, dtype))
+    view = StreamingCache.from_cache(plain.config, cache, sinks=2, window=6, count=1)
+    assert rows == [8, 8]  # one layer's keys and values, 2 sinks + 6 recent positions each
+    expected = StreamingCache.from_cache(plain.config, copied, sinks=2, window=6, count=1)
+    for (keys, values), (want_keys, want_values) in zip(view.layers()[:1], expected.layers()[:1], strict=True):
+        assert torch.equal(keys, want_keys) and torch.equal(values, want_values)

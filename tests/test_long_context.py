@@ -77,7 +77,7 @@ def test_triforce_and_the_retrieval_cache_on_a_7k_document_with_a_needle(embedde
         return RetrievalCache.build(config, cache.layers(length), last_queries, BUDGET, 8, 64)
 
     def streaming(length, _):
-        return StreamingCache.from_layers(config, cache.layers(length), sinks=4, window=BUDGET - 4)
+        return StreamingCache.from_cache(config, cache, sinks=4, window=BUDGET - 4, length=length)
 
     by_retrieval = next_token_predictions(model, full, ids, plain.token_ids, retrieval)
     by_streaming = next_token_predictions(model, full, ids, plain.token_ids, streaming)

@@ -158,6 +158,20 @@ class FullCache:
         """The first `length` positions as stored, what a saved document holds: here `layers`."""
         return FullCache.layers(self, length)
 
+    def layers_at(self, positions: torch.Tensor, count: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer of the first `count` (all by default), the (keys, values) [1, kv_heads,
+        len(positions), head_dim] at `positions` as attention sees them, new tensors: only those
+        rows are read (dequantized, for an 8-bit cache), whatever the cache's length."""
+        layers = []
+        for keys, values in self.stored_layers()[:count]:
+            at = positions.to(keys.device)
+            layers.append((self._seen(keys[:, :, at]), self._seen(values[:, :, at])))
+        return layers
+
+    def _seen(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows as attention sees them: here as they are."""
+        return rows
+
     def layer_shape(self, length: int) -> tuple[int, ...]:
         """The shape of one layer's keys (and values) for `length` positions, from the config."""
         config = self.config

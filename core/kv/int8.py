@@ -115,7 +115,11 @@ class Int8Cache(FullCache):
     def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) of the first `length` positions (all by default), dequantized
         into new tensors in the model's dtype: the values attention sees."""
-        return [(unpack(keys, self.dtype), unpack(values, self.dtype)) for keys, values in self.stored_layers(length)]
+        return [(self._seen(keys), self._seen(values)) for keys, values in self.stored_layers(length)]
+
+    def _seen(self, rows: torch.Tensor) -> torch.Tensor:
+        """Packed rows dequantized, in the model's dtype."""
+        return unpack(rows, self.dtype)
 
     def layer_shape(self, length: int) -> tuple[int, ...]:
         """The shape of one layer's packed keys (and values) for `length` positions."""

@@ -96,6 +96,13 @@ class OffloadedCache:
         host memory, or new dequantized tensors when 8-bit."""
         return [(self._seen(keys), self._seen(values)) for keys, values in self.stored_layers(length)]
 
+    def layers_at(self, positions: torch.Tensor, count: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer of the first `count` (all by default), the (keys, values) [1, kv_heads,
+        len(positions), head_dim] at `positions` as attention sees them, new tensors: only those
+        rows are read (dequantized, for an 8-bit cache), whatever the cache's length."""
+        return [(self._seen(keys[:, :, positions]), self._seen(values[:, :, positions]))
+                for keys, values in self.stored_layers()[:count]]
+
     def _seen(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows as attention sees them, in the model's dtype."""
         return unpack(rows, self.dtype) if self.int8 else rows

@@ -30,14 +30,13 @@ class StreamingCache:
 
     @classmethod
     @torch.inference_mode()
-    def from_layers(cls, hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]], sinks: int,
-                    window: int, device: torch.device | None = None) -> StreamingCache:
-        """The streaming view of a whole cache's (keys, values) [1, kv_heads, length, head_dim]
-        (a layer-skip draft shares the target's first layers, hence their KV), gathered where
-        they lie and then moved to `device`: only the kept positions travel."""
-        length = layers[0][0].shape[2] if layers else 0
-        kept = streaming_positions(length, sinks, window)
-        gathered = [(k[:, :, kept].to(device or k.device), v[:, :, kept].to(device or v.device)) for k, v in layers]
+    def from_cache(cls, hf_config, full, sinks: int, window: int, device: torch.device | None = None,
+                   count: int | None = None, length: int | None = None) -> StreamingCache:
+        """The streaming view of the first `length` positions (all by default) of a full cache's
+        first `count` layers (a layer-skip draft shares the target's first layers, hence their
+        KV): only the kept positions are read where they lie (`layers_at`) and moved to `device`."""
+        kept = streaming_positions(full.length if length is None else length, sinks, window)
+        gathered = [(k.to(device or k.device), v.to(device or v.device)) for k, v in full.layers_at(kept, count)]
         return cls(hf_config, sinks, window, gathered, kept)
 
     @property

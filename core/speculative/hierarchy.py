@@ -110,8 +110,8 @@ class ModelDrafter(QueryBlind):
         if not self.shares_target_kv:
             self.read_prompt(state.ids, state.ids.shape[0])  # the rest of what the prefill did not read
             return
-        cache = StreamingCache.from_layers(self.model.config, state.cache.layers()[:self.model.num_layers],
-                                           self.sinks, self.window, self.model.device)
+        cache = StreamingCache.from_cache(self.model.config, state.cache, self.sinks, self.window, self.model.device,
+                                          count=self.model.num_layers)
         self.follower = TokenCache(self.model, cache, state.ids[:state.cache.length])
         self._prompt_read = True
 
