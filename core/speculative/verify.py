@@ -35,9 +35,20 @@ class ChainVerdict:
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
     """min(1, P(x) / Q(x)) for each draft token, on p's device; p [g, vocab], tokens [g], q [g,
     vocab] or None for a deterministic draft (Q(x) = 1) -> [g]."""
-    rows = torch.arange(tokens.shape[0], device=p.device)
-    target = p[rows, tokens.to(p.device)]
-    return (target if q is None else target / q.to(p.device)[rows, tokens.to(p.device)]).clamp(max=1.0)
+    rows, tokens = torch.arange(tokens.shape[0], device=p.device), tokens.to(p.device)
+    target = p[rows, tokens]
+    return (target if q is None else target / q.to(p.device)[rows, tokens]).clamp(max=1.0)
+
+
+def point_mass(token: torch.Tensor | int, like: torch.Tensor) -> torch.Tensor:
+    """[vocab] all on `token` (an int, or a one-element tensor: no host read), in `like`'s dtype
+    and on its device: the Q of a deterministic draft token."""
+    mass = torch.zeros_like(like)
+    if isinstance(token, int):
+        mass[token] = 1.0
+    else:
+        mass.index_fill_(0, token.to(like.device).view(1), 1.0)
+    return mass
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -71,10 +82,7 @@ def verify_chain(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Te
     accepted = torch.cat([~accept, accept.new_ones(1)]).to(torch.uint8).argmax()
     row = accepted.clamp(max=g - 1).view(1)
     p_row = p.index_select(0, row)[0]
-    if q is None:
-        q_row = torch.zeros_like(p_row).index_fill_(0, tokens.index_select(0, row), 1.0)
-    else:
-        q_row = q.index_select(0, row)[0]
+    q_row = point_mass(tokens.index_select(0, row), p_row) if q is None else q.index_select(0, row)[0]
     next_distribution = torch.where(accepted < g, residual(p_row, q_row), p[g])
     count, token = torch.cat([accepted.view(1), draw(next_distribution, generator)]).tolist()
     return ChainVerdict(count, token)
@@ -111,9 +119,7 @@ def child_proposal(q: torch.Tensor | None, state: NodeState, token: int) -> torc
     so a rejection just removes that token from R.
     """
     if q is None:
-        point_mass = torch.zeros_like(state.residual)  # [vocab]
-        point_mass[token] = 1.0
-        return point_mass
+        return point_mass(token, state.residual)
     draft = q.masked_fill(state.rejected, 0.0)  # [vocab]
     total = draft.sum()
     if total == 0:

@@ -17,7 +17,7 @@ import torch
 from ...sampling import make_generator, sample, warp
 from ..lookahead import MAX_DRAFT
 from ..types import Step
-from ..verify import acceptance_probability, residual, verify_chain
+from ..verify import acceptance_probability, point_mass, residual, verify_chain
 from .policy import DsiPolicy
 
 # With no task in flight only the drafting thread's wake-up can end a wait for results: so long
@@ -56,7 +56,7 @@ def resolve(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
     if rejected.numel() == 0:
         return g, None
     first = int(rejected[0])
-    q_first = torch.nn.functional.one_hot(drafts[first], p.shape[-1]).to(p.dtype) if q is None else q[first].to(p.device)
+    q_first = point_mass(drafts[first], p[first]) if q is None else q[first].to(p.device)
     return first, sample(residual(p[first], q_first), generator)
 
 
