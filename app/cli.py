@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         from .uploads import use_own_upload_folder
 
         use_own_upload_folder(cache_root())  # before gradio is imported
-        from .ui import launch
+        from .server import launch
         host, port = getattr(args, "host", "127.0.0.1"), getattr(args, "port", 7860)
 
         def load_for_app(model, progress):

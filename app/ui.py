@@ -1,6 +1,5 @@
 """The Gradio app: the chat tab (conversations, documents, context meter, live speculation view,
-settings) and the models & hardware tab, served with the OpenAI-compatible API on one server,
-behind one guard (security.py: known hosts, no cross-site writes, the key, bounded bodies).
+settings) and the models & hardware tab (served with the API by server.py).
 
 Wiring only: the chat tab's layout is `ui_chat_page`, its behaviour `ui_chat.ChatLogic` (the
 models tab's, `ui_models`); handlers return `View`s that `ui_chat_page.render` draws onto the page's
@@ -9,41 +8,31 @@ components by name. Errors become a line in the page.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
-import logging
 import os
-import signal
-import sys
-import threading
-import webbrowser
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
-from ..core import limits  # noqa: E402
 from . import chat_over_limit as over_limit  # noqa: E402
 from .chat_drafts import kept as kept_draft  # noqa: E402
 from .chat_drafts import restored as restored_draft  # noqa: E402
 from .chat_view import Settings, View, problem_text  # noqa: E402
 from .engine_handle import EngineHandle  # noqa: E402
-from .slow_clients import HeadDeadlineProtocol  # noqa: E402
-from .history import HistoryStore, default_folder  # noqa: E402
+from .history import HistoryStore  # noqa: E402
 from .model_notice import ModelNotice  # noqa: E402
 from .presets import PRESETS  # noqa: E402
-from .security import Guard, uploaded_file  # noqa: E402
+from .security import uploaded_file  # noqa: E402
 from .ui_chat import ChatLogic  # noqa: E402
 from .ui_chat_page import ChatPage, chat_page, render  # noqa: E402
 
 if TYPE_CHECKING:
     from .ui_models import PairDownload
 
-DEFAULT_HOST = "127.0.0.1"
-SHUTDOWN_GRACE_SECONDS = 1
 MODEL_LINE_SECONDS = 2.0  # how often the Chat tab's model line is read again (loading, switching)
 QUIET = {"show_progress": "hidden"}  # the status line and the streaming text show progress
 LIGHT = {"show_progress": "hidden", "concurrency_id": "light", "concurrency_limit": 4}  # never behind an answer
@@ -331,77 +320,3 @@ def _exporter(logic: ChatLogic):
         except Exception as error:
             return gr.update(visible=False), problem_text(error)
     return export
-
-
-def build_app(handle: EngineHandle, store: HistoryStore, registry_file: str | None = None,
-              api_key: str | None = None, host: str = DEFAULT_HOST, allowed_hosts: Iterable[str] = ()):
-    """The whole server as one ASGI app: the page at /, the OpenAI-compatible API at /v1, and
-    Gradio's routes, all behind the `Guard` (known hosts, no cross-site writes, the key, sizes)."""
-    from fastapi import FastAPI
-
-    from .api import add_api
-
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-    add_api(app, handle)  # the key is the Guard's, for every route alike
-    demo = build_ui(handle, store, registry_file).queue(default_concurrency_limit=1)
-    app = gr.mount_gradio_app(app, demo, path="/", ssr_mode=False, footer_links=[], css=APP_CSS,
-                              max_file_size=limits.UPLOAD.bytes)
-    # Gradio checks that a file an event receives was uploaded (processing_utils._check_allowed)
-    # only once `launch()` has marked the app launched, which a mounted app never is: mark it.
-    demo.has_launched = True
-    return Guard(app, api_key, host, allowed_hosts)
-
-
-def _quiet_forced_shutdown(record: logging.LogRecord) -> bool:
-    """On Ctrl-C uvicorn cuts the streams still open after the grace period (an open tab's event
-    stream always is one) and logs each cut as an error with a traceback: expected, so not shown."""
-    cut = record.exc_info is not None and isinstance(record.exc_info[1], asyncio.CancelledError)
-    return not (cut or "timeout graceful shutdown exceeded" in record.getMessage())
-
-
-def _stop_as_ctrl_c(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "embedded", registry_file: str | None = None,
-           host: str = DEFAULT_HOST, port: int = 7860, open_browser: bool = True, api_key: str | None = None,
-           allowed_hosts: Iterable[str] = ()) -> None:
-    """Serve the chat at / and the OpenAI-compatible API at /v1 on one server; `load(model,
-    progress)` loads an engine (in the background, so the page is up at once)."""
-    import uvicorn
-
-    if host not in (DEFAULT_HOST, "localhost", "::1"):
-        print(f"specchat: warning: listening on {host}: other computers on the network can use this chat and "
-              + ("its API with the key" if api_key else "its API without a key (set --api-key)")
-              + "; they reach it by this computer's address, or by a name given with --allow-host",
-              file=sys.stderr)
-    # The engine's modules (transformers, torch) are imported here, before any thread starts: a
-    # thread importing transformers while another does can fail with "cannot import name
-    # 'DynamicCache'" (its lazy module is then half set up). The loading thread starts next.
-    from ..core import engine  # noqa: F401
-
-    handle = EngineHandle(load, model)
-    store = HistoryStore(default_folder())
-    app = build_app(handle, store, registry_file, api_key, host, allowed_hosts)
-    url = f"http://{host}:{port}"
-    print(f"specchat: the chat is at {url}/ and the OpenAI-compatible API at {url}/v1; "
-          f"conversations are saved in {store.folder}"
-          + ("; both need the key (the page asks for it once per browser)" if api_key else ""), file=sys.stderr)
-    if open_browser:
-        threading.Timer(1.5, webbrowser.open, args=(f"{url}/",)).start()
-    # Open streams (an answer, a tab's event stream) get SHUTDOWN_GRACE_SECONDS to end on Ctrl-C,
-    # then are cut: waiting for all of them kept the server up for minutes with a tab open.
-    # HeadDeadlineProtocol: a client that dribbles its request head is cut off (slow_clients.py).
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", ws_max_size=limits.REQUEST_BODY.bytes,
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,  # configures uvicorn's logging
-                            http=HeadDeadlineProtocol)
-    logging.getLogger("uvicorn.error").addFilter(_quiet_forced_shutdown)
-    # uvicorn shuts down gracefully on SIGTERM, then raises it again with the handler found at
-    # start: Python's default would end the process there, exit handlers (the export folder) unrun.
-    signal.signal(signal.SIGTERM, _stop_as_ctrl_c)
-    try:
-        uvicorn.Server(config).run()
-    except KeyboardInterrupt:
-        pass  # Ctrl-C is how the app is stopped: a normal end, as with uvicorn.run
-    finally:
-        handle.close(timeout=5)  # the running answer is cancelled, the waiting ones told why

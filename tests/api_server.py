@@ -71,7 +71,7 @@ def serve_forever(model: str, port: int) -> None:
     import tempfile
 
     from specchat.app.history import HistoryStore
-    from specchat.app.ui import SHUTDOWN_GRACE_SECONDS, build_app
+    from specchat.app.server import SHUTDOWN_GRACE_SECONDS, build_app
     from specchat.core.loading import load_engine
 
     handle = EngineHandle(load_engine, model)

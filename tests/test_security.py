@@ -40,7 +40,7 @@ def server(tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
 
     from specchat.app.engine_handle import EngineHandle
     from specchat.app.history import HistoryStore
-    from specchat.app.ui import build_app
+    from specchat.app.server import build_app
     from specchat.core.loading import load_engine
 
     with pytest.MonkeyPatch.context() as env:
@@ -438,14 +438,14 @@ def test_only_uploaded_files_are_attached(tmp_path, monkeypatch):
 
 
 def test_allow_host_and_its_variable_reach_the_server(monkeypatch, tmp_path):
-    import specchat.app.ui as ui
+    import specchat.app.server as server
     from specchat.app.cli import main
 
     # The serve path points GRADIO_TEMP_DIR at an upload folder of its own unless one is set: set
     # one here, so this process's environment is restored after the test (and the user's cache untouched).
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
     launched = {}
-    monkeypatch.setattr(ui, "launch", lambda *args, **kwargs: launched.update(kwargs))
+    monkeypatch.setattr(server, "launch", lambda *args, **kwargs: launched.update(kwargs))
     monkeypatch.setenv("SPECCHAT_ALLOWED_HOSTS", "a.example, b.example")
     assert main(["--no-browser", "--allow-host", "chat.example", "--allow-host", "[::1]"]) == 0
     assert launched["allowed_hosts"] == ["chat.example", "::1", "a.example", "b.example"]
