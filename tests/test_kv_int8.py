@@ -77,6 +77,19 @@ def tree_mask(past: int) -> torch.Tensor:
     return bias[None, None]
 
 
+def each_forward(step, caches) -> None:
+    """`step(ids, positions, mask=None)` at a prefill, a verification, a rollback, a tree and its
+    accepted path, and a decode step, the caches trimmed and kept alike between them."""
+    step(IDS[:30], torch.arange(30))
+    step(IDS[30:36], torch.arange(30, 36))
+    for cache in caches:
+        cache.trim(33)
+    step(IDS[40:44], torch.tensor([33, 34, 34, 35]), tree_mask(33))
+    for cache in caches:
+        cache.keep(torch.tensor([*range(35), 36]))  # the path root, first child, its child
+    step(IDS[45:46], torch.tensor([36]))
+
+
 def test_the_model_attends_exactly_to_the_dequantized_values():
     """Prefill, a verification, a rollback, a tree and its accepted path, a decode step: at each,
     the logits with the 8-bit cache are those of attention over float64 values rounded to the
@@ -90,24 +103,18 @@ def test_the_model_attends_exactly_to_the_dequantized_values():
         torch.testing.assert_close(logits["int8"], logits["reference"], rtol=0, atol=1e-12)
         assert (logits["int8"] - logits["unquantized"]).abs().max() > 1e-5  # quantization shows
 
-    step(IDS[:30], torch.arange(30))
-    step(IDS[30:36], torch.arange(30, 36))
-    for cache in caches.values():
-        cache.trim(33)
-    step(IDS[40:44], torch.tensor([33, 34, 34, 35]), tree_mask(33))
-    for cache in caches.values():
-        cache.keep(torch.tensor([*range(35), 36]))  # the path root, first child, its child
-    step(IDS[45:46], torch.tensor([36]))
+    each_forward(step, caches.values())
     # Between forwards the cache keeps int8 only: no dequantized copy survives a forward.
     held = [t for layer in caches["int8"].transformers_cache.layers for t in vars(layer).values()
             if isinstance(t, torch.Tensor)]
     assert held and all(t.dtype == torch.int8 for t in held)
 
 
-def test_a_token_is_stored_alike_alone_or_in_a_batch():
+@pytest.mark.parametrize("offload_capacity", [None, 64], ids=["on-chip", "offloaded"])
+def test_a_token_is_stored_alike_alone_or_in_a_batch(offload_capacity):
     """Plain decoding (one token a forward) and a verification (many) store the same codes and
     scales: a row depends only on its own keys and values."""
-    model = int8(tiny_llama(4))
+    model = TransformersLM(tiny_llama(4).hf, offload_capacity=offload_capacity, kv_dtype="int8")
     batched, alone = filled(model, 30), model.new_cache()
     for position in range(30):
         model.forward(IDS[position:position + 1], torch.tensor([position]), alone)
@@ -168,10 +175,13 @@ def test_greedy_triforce_with_an_8bit_kv_equals_greedy_plain(settings):
 
 
 @pytest.mark.slow
-def test_sampled_chain_speculation_samples_from_the_8bit_target():
+@pytest.mark.parametrize("offload_capacity", [None, 64], ids=["on-chip", "offloaded"])
+def test_sampled_chain_speculation_samples_from_the_8bit_target(offload_capacity):
     """The first three tokens of sampled chain decoding (prompt lookup drafts, accepted and
-    rejected) follow the exact sequence distribution of the model with the 8-bit cache."""
-    model = int8(tiny_llama(7, vocab_size=5, weight_scale=20.0))
+    rejected) follow the exact sequence distribution of the model with the 8-bit cache, on the
+    device or offloaded (kv/offload.py)."""
+    model = TransformersLM(tiny_llama(7, vocab_size=5, weight_scale=20.0).hf, offload_capacity=offload_capacity,
+                           kv_dtype="int8")
     prompt, params = [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1], SamplingParams(temperature=1.0)
     exact = exact_sequence_probs(model, prompt, params, 3)
     counts = torch.zeros_like(exact)
@@ -255,8 +265,9 @@ def test_a_saved_document_reloads_bit_for_bit(tmp_path):
     assert "shapes do not match" in store.take_problems()[0]
 
 
-def test_a_forward_stopped_between_layers_is_rolled_back():
-    model = int8(tiny_llama(1))
+@pytest.mark.parametrize("offload_capacity", [None, 64], ids=["on-chip", "offloaded"])
+def test_a_forward_stopped_between_layers_is_rolled_back(offload_capacity):
+    model = TransformersLM(tiny_llama(1).hf, offload_capacity=offload_capacity, kv_dtype="int8")
     cache, flag = filled(model, 20), threading.Event()
     hook = model.hf.base_model.layers[0].register_forward_hook(lambda *_: flag.set())
     try:
@@ -264,7 +275,7 @@ def test_a_forward_stopped_between_layers_is_rolled_back():
             model.forward(IDS[20:30], torch.arange(20, 30), cache)
     finally:
         hook.remove()
-    assert [layer.get_seq_length() for layer in cache.transformers_cache.layers] == [20, 20]
+    assert cache.length == 20 and [layer.get_seq_length() for layer in cache.transformers_cache.layers] == [20, 20]
     torch.testing.assert_close(model.forward(IDS[20:30], torch.arange(20, 30), cache),
                                model.forward(IDS[:30], torch.arange(30), model.new_cache())[20:], rtol=0, atol=1e-12)
 

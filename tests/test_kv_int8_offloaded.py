@@ -2,21 +2,18 @@
 fp64 models, on the CPU: it holds exactly the rows the on-chip 8-bit cache holds, the model attends
 exactly to their dequantized values, the retrieval stage scores and gathers them dequantized, a
 saved document moves between the two bit for bit, and every decoder stays lossless against the
-model with that KV."""
-
-import threading
+model with that KV (its sampled chain's chi-square, a stopped forward's rollback and a token
+stored alike alone or in a batch: tests/test_kv_int8.py)."""
 
 import pytest
 import torch
 
 import test_kv_protocol
 from conftest import needs_cuda, tiny_llama
-from test_decoding import assert_greedy_identity, exact_sequence_probs, run
-from test_kv_int8 import IDS, SMALL, reference_cache, tree_mask
+from test_decoding import assert_greedy_identity, run
+from test_kv_int8 import IDS, SMALL, each_forward, reference_cache
 from test_kv_caches import PREFILL_CHUNK, prompts
-from specchat.core.decoding import ChainDecoder, TreeDecoder, TriforceSettings, make_decoder, triforce_decoder
-from specchat.core.exact_outcomes import chi_square_p_value
-from specchat.core.interrupt import Cancelled, stop_between_layers
+from specchat.core.decoding import TreeDecoder, TriforceSettings, make_decoder, triforce_decoder
 from specchat.core.kv.document_store import DocumentStore
 from specchat.core.kv import int8 as int8_module, offload as offload_module
 from specchat.core.kv.full import FullCache
@@ -26,8 +23,6 @@ from specchat.core.kv.retrieval import RetrievalCache
 from specchat.core.kv.streaming import StreamingCache
 from specchat.core.model import TransformersLM
 from specchat.core.sampling import SamplingParams
-from specchat.core.speculative.drafters import PromptLookupDrafter
-from specchat.core.speculative.lookahead import FixedLookahead
 from specchat.core.speculative.suffix_drafter import SuffixDrafter
 from specchat.core.speculative.tree import Tree
 
@@ -66,14 +61,7 @@ def test_the_model_attends_exactly_to_the_dequantized_values_and_holds_the_on_ch
                                                             caches["on-chip"].stored_layers(), strict=True):
             assert torch.equal(keys, chip_keys) and torch.equal(values, chip_values)
 
-    step(IDS[:30], torch.arange(30))
-    step(IDS[30:36], torch.arange(30, 36))
-    for cache in caches.values():
-        cache.trim(33)
-    step(IDS[40:44], torch.tensor([33, 34, 34, 35]), tree_mask(33))
-    for cache in caches.values():
-        cache.keep(torch.tensor([*range(35), 36]))
-    step(IDS[45:46], torch.tensor([36]))
+    each_forward(step, caches.values())
     cache = caches["offloaded"]
     assert all(keys.dtype == values.dtype == torch.int8 for keys, values in cache._host)
     assert cache.nbytes == caches["on-chip"].nbytes == 2 * 2 * (2 * 37 * (8 + 4))
@@ -95,15 +83,6 @@ def test_the_retrieval_stage_scores_and_gathers_dequantized_keys():
     whole = RetrievalCache.from_full(cache, queries, budget=64, chunk_size=4, recent=8, device=torch.device("cpu"))
     for (kept, _), (keys, _) in zip(whole.layers(), cache.layers(), strict=True):
         assert kept.dtype == torch.float64 and torch.equal(kept[:, :, :len(ids)], keys)
-
-
-def test_a_token_is_stored_alike_alone_or_in_a_batch():
-    model = offloaded(tiny_llama(4))
-    batched, alone = filled(model, 30), model.new_cache()
-    for position in range(30):
-        model.forward(IDS[position:position + 1], torch.tensor([position]), alone)
-    for one, other in zip(batched.stored_layers(), alone.stored_layers(), strict=True):
-        assert torch.equal(one[0], other[0]) and torch.equal(one[1], other[1])
 
 
 def test_greedy_chain_and_trees_equal_greedy_plain():
@@ -128,25 +107,6 @@ def test_greedy_triforce_equals_greedy_plain_with_chunk_means(settings, monkeypa
     assert speculative == plain and asked
 
 
-@pytest.mark.slow
-def test_sampled_chain_speculation_samples_from_the_8bit_target():
-    """The first three tokens of sampled chain decoding follow the exact sequence distribution of
-    the model with the offloaded 8-bit KV (accepted and rejected drafts both occur)."""
-    model = offloaded(tiny_llama(7, vocab_size=5, weight_scale=20.0))
-    prompt = [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
-    exact = exact_sequence_probs(model, prompt, SamplingParams(temperature=1.0), 3)
-    counts = torch.zeros_like(exact)
-    drafted = accepted = 0
-    for sample in range(1000):
-        decoder = ChainDecoder(PromptLookupDrafter(max_ngram=2, min_ngram=1), FixedLookahead(3))
-        tokens, steps = run(model, prompt, "chain", SamplingParams(1.0, seed=sample), 3, decoder)
-        counts[tuple(tokens)] += 1
-        drafted += sum(s.drafted for s in steps)
-        accepted += sum(s.accepted for s in steps)
-    assert 0.1 * drafted < accepted < 0.9 * drafted
-    assert chi_square_p_value(counts, exact) > 1e-3
-
-
 def test_a_saved_document_moves_between_offloaded_and_on_chip_bit_for_bit(tmp_path):
     """Both keep the same rows (codes, then scale) under the same key: a document saved from one
     loads into the other, and the next forward's logits are those of the cache it was saved from."""
@@ -162,20 +122,6 @@ def test_a_saved_document_moves_between_offloaded_and_on_chip_bit_for_bit(tmp_pa
         for one, other in zip(loaded.cache.stored_layers(), cache.stored_layers(), strict=True):
             assert torch.equal(one[0], other[0]) and torch.equal(one[1], other[1])
         assert torch.equal(plain.forward(new, positions, loaded.cache), plain.forward(new, positions, cache))
-
-
-def test_a_forward_stopped_between_layers_is_rolled_back():
-    model = offloaded(tiny_llama(1))
-    cache, flag = filled(model, 20), threading.Event()
-    hook = model.hf.base_model.layers[0].register_forward_hook(lambda *_: flag.set())
-    try:
-        with pytest.raises(Cancelled), stop_between_layers(model, cache, flag):
-            model.forward(IDS[20:30], torch.arange(20, 30), cache)
-    finally:
-        hook.remove()
-    assert cache.length == 20
-    torch.testing.assert_close(model.forward(IDS[20:30], torch.arange(20, 30), cache),
-                               model.forward(IDS[:30], torch.arange(30), model.new_cache())[20:], rtol=0, atol=1e-12)
 
 
 def test_it_has_every_protocol_member_as_declared(monkeypatch):
