@@ -22,6 +22,7 @@ from dataclasses import asdict
 import torch
 
 from ..core.errors import InputError
+from ..core.kv.full import FullCache
 from ..core.kv.offload import OffloadedCache
 from ..core.kv.retrieval import RetrievalCache
 from ..core.kv.streaming import StreamingCache
@@ -134,13 +135,13 @@ def run_offload_bench(capacity: int = 131072, sizes: tuple[int, ...] = (1, 7, 16
     retrieval = RetrievalCache(config, list(random_layers(config, budget, device, dtype, generator)), context)
     drafting = {f"retrieval n={n}": _timed_forward(target, retrieval, n, repeats) for n in (1, 3)}
     draft = random_model(LLAMA_32_1B, capacity, device, dtype)
-    streaming = StreamingCache.from_layers(
-        draft.config, list(random_layers(draft.config, draft_window + 4, device, dtype, generator)),
-        sinks=4, window=draft_window)
+    full = FullCache.from_layers(draft.config, list(random_layers(draft.config, draft_window + 4, device, dtype,
+                                                                  generator)))
+    streaming = StreamingCache.from_cache(draft.config, full, sinks=4, window=draft_window)
     drafting["draft 1B streaming n=1"] = _timed_forward(draft, streaming, 1, repeats)
     fetched_while_drafting = cache.fetched_bytes - fetched_before_drafting
     kv_bytes = cache.nbytes
-    del cache, retrieval, streaming, draft
+    del cache, retrieval, full, streaming, draft
     torch.cuda.empty_cache()
     forward_curves = _curves(target) if curves else None
 

@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..offload import random_layers, pinned_bandwidth
+from ...core.kv.full import FullCache
 from ...core.kv.offload import OffloadedCache
 from ...core.kv.retrieval import RetrievalCache
 from ...core.kv.streaming import StreamingCache
@@ -97,9 +98,9 @@ def _drafting(rig: Rig, target, draft, cache, generator) -> dict:
     retrieval_step_s = _timed_forward(rig, target, retrieval, 1)
     del retrieval
     window = rig.draft_window
-    streaming = StreamingCache.from_layers(
-        draft.config, list(random_layers(draft.config, window + DRAFT_SINKS, rig.device, rig.dtype, generator)),
-        sinks=DRAFT_SINKS, window=window)
+    full = FullCache.from_layers(draft.config, list(random_layers(draft.config, window + DRAFT_SINKS, rig.device,
+                                                                  rig.dtype, generator)))
+    streaming = StreamingCache.from_cache(draft.config, full, sinks=DRAFT_SINKS, window=window)
     draft_step_s = _timed_forward(rig, draft, streaming, 1)
     return {"retrieval_rebuild_s": rebuild_s, "retrieval_step_s": retrieval_step_s, "draft_step_s": draft_step_s,
             "retrieval_budget": rig.retrieval_budget}
