@@ -1,8 +1,9 @@
 """The automatic precision's candidates and its choice among them.
 
 A candidate is a placement of the target: its weights (unquantized, 4-bit nf4, nf4 with the output
-head too) x its full KV (on the GPUs or offloaded to pinned RAM, each in the compute dtype or in 8 bits) x the draft (on the GPU, or left out) x the prefill chunk x the embedding (on the GPU,
-or in RAM). Each that fits is finished as a plan, its mode and speculation chosen as for any
+head too) x its full KV (on the GPUs or offloaded to pinned RAM, each in the compute dtype or in 8
+bits) x the draft (on the GPU, or left out) x the prefill chunk x the embedding (on the GPU, or in
+RAM). Each that fits is finished as a plan, its mode and speculation chosen as for any
 layout (assemble.finish) in each mode the context allows (TriForce and chain/tree on a GPU past
 twice the retrieval budget; the faster kept), and the plan is the one with the least predicted time
 to a document's answers (cost.document_job_seconds), the most precise among equals, a coarser precision only where it

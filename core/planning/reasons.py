@@ -81,8 +81,9 @@ def kv_attention_reason(layout: Layout, reasons: dict) -> None:
     An 8-bit KV is dequantized before attention, priced as measured (efficiency.py)."""
     if layout.kv_int8:
         streamed = "" if layout.kv_on_chip else "streamed to the GPU as stored, "
-        reasons["kv_attention"] = (f"8-bit KV {streamed}dequantized to a {layout.dtype} copy per layer, then attended: priced "
-                                   f"as measured, about 9x the attention time of a {layout.dtype} KV (H100, 32-128K); "
+        reasons["kv_attention"] = (f"8-bit KV {streamed}dequantized to a {layout.dtype} copy per layer, then "
+                                   f"attended: priced as measured, about 9x the attention time of a {layout.dtype} "
+                                   f"KV (H100, 32-128K); "
                                    f"a fused kernel would read about 1 byte per value")
     elif layout.profile.gpus and not layout.kv_on_chip:
         reasons["kv_attention"] = ("offloaded KV streamed to the GPU for attention: attending on the CPU where it lies "
