@@ -32,6 +32,7 @@ from ...model import CausalLM
 from ..token_cache import TokenCache
 
 WAKE = -1  # the task id of `InstancePool.wake`'s message
+CLOSE_WAIT_S = 10.0  # for the instances to stop, before processes are terminated
 
 
 class TargetPool(Protocol):
@@ -220,14 +221,26 @@ class InstancePool:
 
     def close(self) -> None:
         """Stop every instance and wait for it: a thread still inside torch when the
-        interpreter exits aborts it."""
+        interpreter exits aborts it. Meanwhile results still on their way are read and dropped:
+        a process ends only once its queue's pipe took what it sent, and at exit this process
+        would wait to send its own messages (a `wake`) into a pipe nobody reads any more (a CLI
+        answer, printed, then hung at exit in CI)."""
         for inbox, cancel in zip(self._inboxes, self._cancels):
             inbox.put(None)
             cancel.set()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while any(worker.is_alive() for worker in self._workers) and time.monotonic() < deadline:
+            try:
+                self._outbox.get(timeout=0.1)
+            except queue.Empty:
+                pass
         for worker in self._workers:
-            worker.join(timeout=10)
             if worker.is_alive() and hasattr(worker, "terminate"):
                 worker.terminate()
+                worker.join(timeout=1)
+        for messages in (self._outbox, *self._inboxes):
+            if hasattr(messages, "cancel_join_thread"):  # a process's queue: what is unsent is moot now
+                messages.cancel_join_thread()
         _open_pools.discard(self)
 
 
