@@ -355,7 +355,9 @@ class ChatLogic:
                              finish_reason=result.finish_reason, context_full=result.context_full,
                              new_tokens=earlier + result.new_tokens, mode=result.mode)
                 self.store.save(conversation)
-                yield View(conversation=conversation, status="", **versions.figures(reply))
+                # The list again as the answer ends (its time moved): the one drawn as it began can
+                # be overdrawn by a slower event's (CI once kept a list without the conversation).
+                yield View(conversation=conversation, status="", conversations_changed=True, **versions.figures(reply))
 
     # --- conversations: `chat_list` -------------------------------------------------------------
 

@@ -31,6 +31,8 @@ def test_a_question_is_saved_before_its_answer_and_the_answer_when_it_ends(logic
     assert reply["role"] == "assistant" and not reply["partial"] and reply["content"] == rest[-1].conversation.messages[-1]["content"]
     assert reply["finish_reason"] in ("stop", "length") and reply["stats"]["target_forwards"] >= 1
     assert "".join(text for text, _ in reply["origins"]) == reply["content"]
+    # The list is drawn as the question is saved and again as the answer ends (its time moved).
+    assert first.conversations_changed and rest[-1].conversations_changed
 
 
 def test_stop_keeps_the_answer_so_far(logic):
