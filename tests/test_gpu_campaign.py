@@ -62,6 +62,8 @@ def test_the_dry_run_writes_every_section(tmp_path):
     offload = sections["offload"]
     assert [row["capacity"] for row in offload["contexts"]] == [1024, 2048]
     assert all(row["verify_s"]["16"] > 0 and row["retrieval_rebuild_s"] > 0 for row in offload["contexts"])
+    assert all(0 < row["int8"]["kv_bytes"] < row["kv_bytes"] / 2 and row["int8"]["verify_s"] > 0
+               for row in offload["contexts"])  # fp32 rows here: 8-bit ones are about a quarter
     assert offload["prefill"]["tokens_per_s"] > 0
     variants = {row["label"]: row for row in sections["modes"]["variants"]}
     exact = ("fp32, KV on the device", "fp32, 8-bit KV", "fp32, KV offloaded", "fp32, 8-bit KV offloaded")

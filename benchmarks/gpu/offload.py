@@ -3,7 +3,8 @@ as TriForce's last stage and the plan's offloaded placements use it.
 
 At each offloaded context: one full verification (1 and 16 tokens) against its link floor (KV bytes
 / measured host-to-device bandwidth; goal <= 1.3 at the longest), a retrieval cache's rebuild from
-the offloaded KV, the retrieval stage's step and the draft's step over its StreamingLLM cache. At the
+the offloaded KV, the retrieval stage's step and the draft's step over its StreamingLLM cache, and
+the full verification again over the KV in 8 bits (`int8`: half the bytes streamed). At the
 first context also a prefill into the offloaded cache in the plan's chunks: its time, the bytes it
 streamed, and the GPU memory it needed beyond the weights against the plan's activation budget."""
 
@@ -15,6 +16,7 @@ import torch
 
 from ..offload import random_layers, pinned_bandwidth
 from ...core.kv.full import FullCache
+from ...core.kv.int8 import pack
 from ...core.kv.offload import OffloadedCache
 from ...core.kv.retrieval import RetrievalCache
 from ...core.kv.streaming import StreamingCache
@@ -63,9 +65,10 @@ def run(rig: Rig, report: dict) -> dict:
         if floor:
             row["full_verification_over_floor"] = row["verify_s"][str(VERIFY_TOKENS)] / floor
         row.update(_drafting(rig, target, draft, cache, generator))
-        result["contexts"].append(row)
         del cache
         free_memory(rig.device)
+        row["int8"] = _int8_verification(rig, target, capacity, context, bandwidth, generator)
+        result["contexts"].append(row)
     ran = [row for row in result["contexts"] if "floor_s" in row]
     if ran and ran[-1]["floor_s"]:
         result["goals"] = [goal("full_verification_over_floor", ran[-1]["full_verification_over_floor"],
@@ -82,6 +85,26 @@ def _timed_forward(rig: Rig, model, cache, n: int) -> float:
         cache.trim(start)
 
     return wall_seconds(forward, rig.device, rig.repeats)
+
+
+def _int8_verification(rig: Rig, target, capacity: int, context: int, bandwidth: float | None,
+                       generator: torch.Generator) -> dict:
+    """The same full verification over an 8-bit offloaded KV (packed rows streamed, dequantized a
+    layer at a time on the device): half the link's bytes, against that floor. The plan prices it
+    max(KV8 bytes / link, weights + dequantizing) (planning/cost.py)."""
+    cache = OffloadedCache(target.config, capacity, rig.device, rig.dtype, int8=True)
+    cache.fill(((pack(keys), pack(values)) for keys, values in
+                random_layers(target.config, context, rig.device, rig.dtype, generator)), context)
+    floor = cache.nbytes / bandwidth if bandwidth else None
+    before = cache.fetched_bytes
+    row = {"kv_bytes": cache.nbytes, "floor_s": floor,
+           "verify_s": _timed_forward(rig, target, cache, VERIFY_TOKENS)}
+    row["fetched_bytes_per_forward"] = (cache.fetched_bytes - before) / (rig.repeats + 1)
+    if floor:
+        row["full_verification_over_floor"] = row["verify_s"] / floor
+    del cache
+    free_memory(rig.device)
+    return row
 
 
 def _drafting(rig: Rig, target, draft, cache, generator) -> dict:
