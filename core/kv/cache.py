@@ -42,3 +42,16 @@ class KVCache(Protocol):
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys, values) [1, kv_heads, slots, head_dim] of every slot held, as views."""
         ...
+
+
+def rows_at(stored_layers: list[tuple[torch.Tensor, torch.Tensor]], seen, positions: torch.Tensor
+            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`layers_at` of a full or offloaded cache: per layer the (keys, values) [1, kv_heads,
+    len(positions), head_dim] at `positions` of its stored rows [1, kv_heads, length, width], new
+    tensors, each read where it lies and turned by `seen` into what attention sees."""
+    layers = []
+    for keys, values in stored_layers:
+        at = positions.to(keys.device)
+        layers.append((seen(keys[:, :, at]), seen(values[:, :, at])))
+    return layers
+

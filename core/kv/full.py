@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .cache import rows_at
 from .device_length import active_step
 
 GROWTH = 1.25  # spare capacity on growth: amortized O(1) per token, at most 25% unused memory
@@ -162,11 +163,7 @@ class FullCache:
         """Per layer of the first `count` (all by default), the (keys, values) [1, kv_heads,
         len(positions), head_dim] at `positions` as attention sees them, new tensors: only those
         rows are read (dequantized, for an 8-bit cache), whatever the cache's length."""
-        layers = []
-        for keys, values in self.stored_layers()[:count]:
-            at = positions.to(keys.device)
-            layers.append((self._seen(keys[:, :, at]), self._seen(values[:, :, at])))
-        return layers
+        return rows_at(self.stored_layers()[:count], self._seen, positions)
 
     def _seen(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows as attention sees them: here as they are."""

@@ -24,6 +24,7 @@ from typing import Iterable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .cache import rows_at
 from .chunk_means import ChunkMeans
 from .int8 import SCALE_BYTES, pack, unpack
 
@@ -100,8 +101,7 @@ class OffloadedCache:
         """Per layer of the first `count` (all by default), the (keys, values) [1, kv_heads,
         len(positions), head_dim] at `positions` as attention sees them, new tensors: only those
         rows are read (dequantized, for an 8-bit cache), whatever the cache's length."""
-        return [(self._seen(keys[:, :, positions]), self._seen(values[:, :, positions]))
-                for keys, values in self.stored_layers()[:count]]
+        return rows_at(self.stored_layers()[:count], self._seen, positions)
 
     def _seen(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows as attention sees them, in the model's dtype."""

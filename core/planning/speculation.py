@@ -168,11 +168,10 @@ def _gamma2(layout: Layout) -> tuple[int, str, tuple[float, float] | None]:
         t_mid = (t_mid + GAMMA1 * draft_step) / per_verification
         middle += (f" and {draft_step * 1e3:.1f} ms per draft step, over {per_verification:.2f} tokens each "
                    f"(draft acceptance {a1:.2f}): {t_mid * 1e3:.1f} ms per token")
+    bits = " 8-bit" if layout.kv_int8 else ""
     if layout.kv_on_chip:
-        bits = " 8-bit" if layout.kv_int8 else ""
         full = f"reads weights and {human_size(layout.full_kv)} of{bits} KV at {human_size(memory_rate)}/s"
     else:
-        bits = " 8-bit" if layout.kv_int8 else ""
         full = f"streams {human_size(layout.full_kv)} of{bits} KV at {human_size(h2d)}/s"
     a2 = _retrieval_acceptance(layout)
     best = max(range(1, MAX_GAMMA2 + 1), key=lambda g: _expected_tokens(g, a2) / (g * t_mid + t_full))
