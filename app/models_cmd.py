@@ -114,7 +114,8 @@ def _fit_plain(plan: Plan, slow: bool) -> str:
     if plan.weights in ("int8", "nf4") or plan.kv_dtype == "int8":
         words.append("stored compressed so that it fits")
     if plan.kv_device == "cpu-pinned":
-        words.append("with what it remembers of long documents kept in the computer's memory")
+        partly = "partly " if plan.kv_resident_layers else ""
+        words.append(f"with what it remembers of long documents {partly}kept in the computer's memory")
     return ", ".join(words) + "."
 
 
@@ -122,7 +123,8 @@ def _fit_verdict(plan: Plan, pair: ModelPair) -> str:
     notes = [{"int8": "8-bit", "nf4": "4-bit"}.get(plan.weights)]
     if plan.weights in ("int8", "nf4") and plan.head_weights == plan.weights:
         notes.append("output head too")
-    offloaded = " offloaded to RAM" if plan.kv_device == "cpu-pinned" else ""
+    offloaded = (" partly offloaded to RAM" if plan.kv_resident_layers else
+                 " offloaded to RAM" if plan.kv_device == "cpu-pinned" else "")
     notes.append(f"KV in 8 bits{offloaded}" if plan.kv_dtype == "int8" else f"KV{offloaded}" if offloaded else None)
     if pair.draft is not None and plan.draft_device is None and plan.mode != "plain":
         notes.append("no draft model")
@@ -140,6 +142,8 @@ def _fit_reason(plan: Plan) -> str:
                  SLOW_ON_CPU_BYTES else f"runs on the CPU ({weights} of weights)")
     else:
         kv = "in pinned RAM" if plan.kv_device == "cpu-pinned" else f"on {plan.kv_device}"
+        if plan.kv_resident_layers:
+            kv = f"on {plan.resident_words()}, the rest in pinned RAM"
         where = (f"{plan.weights} weights on {'+'.join(plan.target_devices)}, full KV {kv}"
                  + (f", draft on {plan.draft_device}" if plan.draft_device else ""))
     used = ", ".join(f"{human_size(device.used_bytes)} of the {human_size(device.capacity_bytes - device.margin_bytes)}"

@@ -193,6 +193,8 @@ def plan_headline(plan) -> str:
                    "plain": "no drafts"}[plan.mode]
     targets = f"each of {', '.join(plan.dsi_devices)}" if plan.dsi_devices else "+".join(plan.target_devices)
     kv = "each instance's GPU" if plan.dsi_devices and plan.kv_device != "cpu-pinned" else plan.kv_device
+    if plan.kv_resident_layers:
+        kv = f"{plan.resident_words()}, the rest on {plan.kv_device}"
     bits = " in 8 bits" if plan.kv_dtype == "int8" else ""
     return (f"{plan.pair_id} at {plan.context:,} tokens: {plan.mode} ({speculation}), {plan.weights} weights "
             f"on {targets}, draft {draft}, full KV on {kv}{bits}")

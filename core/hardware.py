@@ -167,10 +167,12 @@ def curve_key(repo: str, revision: str, weights: str, kv: str = "") -> str:
     return f"{repo}@{revision[:12] or 'local'}:{weights}{'+' + kv if kv else ''}#k{FORWARD_KERNELS}"
 
 
-def kv_label(int8: bool, offloaded: bool) -> str:
+def kv_label(int8: bool, offloaded: bool, resident_layers: int = 0) -> str:
     """The part of a curve key for a KV that changes t(n): 8-bit codes (dequantized per step)
-    and one streamed from CPU memory (a PCIe read per verification)."""
-    return "+".join(part for part, held in (("kv-int8", int8), ("kv-offloaded", offloaded)) if held)
+    and one streamed from CPU memory (a PCIe read per verification), but for the layers that
+    keep theirs on the GPU (a partial offload)."""
+    streamed = f"kv-offloaded-{resident_layers}-resident" if resident_layers else "kv-offloaded"
+    return "+".join(part for part, held in (("kv-int8", int8), (streamed, offloaded)) if held)
 
 
 # ---- probing -------------------------------------------------------------------------------

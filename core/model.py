@@ -83,7 +83,7 @@ class TransformersLM:
     """A transformers causal LM (batch of one) behind the `CausalLM` interface."""
 
     def __init__(self, hf_model, vocab_size: int | None = None, offload_capacity: int | None = None,
-                 kv_dtype: str | None = None, cache_positions: int | None = None):
+                 kv_dtype: str | None = None, cache_positions: int | None = None, resident_layers: int = 0):
         self.hf = hf_model.eval()
         # SDPA that can also record queries, which the retrieval cache scores with (kv/queries.py).
         self.hf.set_attn_implementation(ATTENTION)
@@ -101,6 +101,8 @@ class TransformersLM:
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         # Positions of full KV kept in (pinned) CPU memory and streamed per layer; None: on the device.
         self.offload_capacity = offload_capacity
+        # Of an offloaded KV, the layers whose KV stays on the GPU (kv/offload.py: a partial offload).
+        self.resident_layers = resident_layers
         # None: the KV in the compute dtype; "int8": 8-bit codes with a scale per token and KV head.
         if kv_dtype not in (None, "int8"):
             raise ValueError(f"kv_dtype must be None or 'int8', got {kv_dtype!r}")
@@ -142,7 +144,8 @@ class TransformersLM:
             embedding_on_cpu(hf_model)
         if options is None:
             return cls(hf_model, vocab_size)
-        return cls(hf_model, vocab_size, options.offload_capacity, options.kv_dtype, options.cache_positions)
+        return cls(hf_model, vocab_size, options.offload_capacity, options.kv_dtype, options.cache_positions,
+                   options.resident_layers)
 
     def truncated(self, num_layers: int) -> "TransformersLM":
         """A layer-skip self-draft: the first `num_layers` decoder layers, then the final norm and
@@ -202,7 +205,8 @@ class TransformersLM:
     def new_cache(self) -> FullCache | OffloadedCache:
         int8 = self.kv_dtype == "int8"
         if self.offload_capacity is not None:
-            return OffloadedCache(self.hf.config, self.offload_capacity, self.device, self.hf.dtype, int8=int8)
+            return OffloadedCache(self.hf.config, self.offload_capacity, self.device, self.hf.dtype, int8=int8,
+                                  resident_layers=self.resident_layers)
         if int8:
             return Int8Cache(self.hf.config, self.hf.dtype, self.cache_positions)
         return FullCache(self.hf.config, self.cache_positions)

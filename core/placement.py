@@ -19,6 +19,7 @@ class LoadOptions:
     quantization: str | None  # None, "int8" or "nf4" (bitsandbytes)
     rope_scaling: dict | None  # applied to the config to reach the plan's context
     offload_capacity: int | None = None  # positions of full KV kept in pinned CPU memory (None: on the device)
+    resident_layers: int = 0  # of an offloaded KV, the layers whose KV stays on the GPU (a partial offload)
     quantize_head: bool = False  # the output head quantized as the layers are (bitsandbytes skips it by default)
     embedding_on_cpu: bool = False  # the input embedding in CPU memory, the layers on the GPU(s)
     kv_dtype: str | None = None  # None: the KV in `dtype`; "int8": 8-bit with a scale per token (kv/int8.py)
@@ -33,7 +34,7 @@ def target_options(plan: Plan, spec: ModelSpec) -> LoadOptions:
                        quantize_head=quantization is not None and plan.head_weights == plan.weights,
                        embedding_on_cpu=plan.embedding_device == "cpu" and plan.target_devices[0] != "cpu",
                        kv_dtype="int8" if plan.kv_dtype == "int8" else None, cache_positions=plan.context,
-                       allocator_caps=allocator_caps(plan))
+                       allocator_caps=allocator_caps(plan), resident_layers=plan.kv_resident_layers)
 
 
 def draft_options(plan: Plan) -> LoadOptions | None:

@@ -64,9 +64,12 @@ def test_the_dry_run_writes_every_section(tmp_path):
     assert all(row["verify_s"]["16"] > 0 and row["retrieval_rebuild_s"] > 0 for row in offload["contexts"])
     assert all(0 < row["int8"]["kv_bytes"] < row["kv_bytes"] / 2 and row["int8"]["verify_s"] > 0
                for row in offload["contexts"])  # fp32 rows here: 8-bit ones are about a quarter
+    assert all(0 < row["partial"]["streamed_kv_bytes"] < row["partial"]["kv_bytes"] == row["kv_bytes"]
+               and row["partial"]["verify_s"] > 0 for row in offload["contexts"])
     assert offload["prefill"]["tokens_per_s"] > 0
     variants = {row["label"]: row for row in sections["modes"]["variants"]}
-    exact = ("fp32, KV on the device", "fp32, 8-bit KV", "fp32, KV offloaded", "fp32, 8-bit KV offloaded")
+    exact = ("fp32, KV on the device", "fp32, 8-bit KV", "fp32, KV offloaded", "fp32, 8-bit KV offloaded",
+             "fp32, KV partly offloaded")
     assert set(variants) == {"as planned", *exact}
     assert variants["fp32, 8-bit KV"]["kv_dtype"] == variants["fp32, 8-bit KV offloaded"]["kv_dtype"] == "int8"
     assert variants["fp32, KV on the device"]["graphs"]["replays"] > 0  # identical to plain through them

@@ -272,7 +272,7 @@ def test_offloaded_cache_matches_the_full_cache_on_cuda():
     model = tiny_llama(3, dtype=torch.float32)
     model.to("cuda")
     offloaded = offloaded_like_full(model, "cuda")
-    assert offloaded._host[0][0].is_pinned()
+    assert offloaded._rows[0][0].is_pinned()
     assert offloaded.fetched_bytes > 0
 
 

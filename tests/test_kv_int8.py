@@ -175,13 +175,14 @@ def test_greedy_triforce_with_an_8bit_kv_equals_greedy_plain(settings):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("offload_capacity", [None, 64], ids=["on-chip", "offloaded"])
-def test_sampled_chain_speculation_samples_from_the_8bit_target(offload_capacity):
+@pytest.mark.parametrize("offload_capacity, resident_layers", [(None, 0), (64, 0), (64, 1)],
+                         ids=["on-chip", "offloaded", "partly-offloaded"])
+def test_sampled_chain_speculation_samples_from_the_8bit_target(offload_capacity, resident_layers):
     """The first three tokens of sampled chain decoding (prompt lookup drafts, accepted and
     rejected) follow the exact sequence distribution of the model with the 8-bit cache, on the
-    device or offloaded (kv/offload.py)."""
+    device, offloaded or partly offloaded (kv/offload.py)."""
     model = TransformersLM(tiny_llama(7, vocab_size=5, weight_scale=20.0).hf, offload_capacity=offload_capacity,
-                           kv_dtype="int8")
+                           kv_dtype="int8", resident_layers=resident_layers)
     prompt, params = [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1], SamplingParams(temperature=1.0)
     exact = exact_sequence_probs(model, prompt, params, 3)
     counts = torch.zeros_like(exact)

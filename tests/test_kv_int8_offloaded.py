@@ -63,7 +63,7 @@ def test_the_model_attends_exactly_to_the_dequantized_values_and_holds_the_on_ch
 
     each_forward(step, caches.values())
     cache = caches["offloaded"]
-    assert all(keys.dtype == values.dtype == torch.int8 for keys, values in cache._host)
+    assert all(keys.dtype == values.dtype == torch.int8 for keys, values in cache._rows)
     assert cache.nbytes == caches["on-chip"].nbytes == 2 * 2 * (2 * 37 * (8 + 4))
     assert all(keys.dtype == torch.float64 and keys.shape == (1, 2, 37, 8) for keys, _ in cache.layers())
 
@@ -141,7 +141,7 @@ def test_on_cuda_it_streams_the_on_chip_rows_from_pinned_memory():
         positions = torch.as_tensor(positions)
         torch.testing.assert_close(plain.forward(ids, positions, streamed), plain.forward(ids, positions, chip),
                                    rtol=0, atol=0)
-    assert streamed._host[0][0].is_pinned() and streamed.fetched_bytes > 0
+    assert streamed._rows[0][0].is_pinned() and streamed.fetched_bytes > 0
     for (keys, _), (chip_keys, _) in zip(streamed.stored_layers(), chip.stored_layers(), strict=True):
         assert torch.equal(keys, chip_keys.cpu())
 

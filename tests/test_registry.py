@@ -114,7 +114,7 @@ def test_unknown_pairs_list_the_known_ones():
     ("2x-rtx4090", "qwen3-8b", "fits"),
     ("rtx4090-24gb", "llama3.1-8b", "fits (4-bit, output head too, no draft model)"),  # the automatic precision's fastest
     ("rtx4080-16gb", "qwen2.5-7b", "fits (4-bit)"),  # a chain needs no retrieval cache
-    ("rtx3060-12gb", "llama3.1-8b", "fits (4-bit, KV offloaded to RAM, no draft model)"),
+    ("rtx3060-12gb", "llama3.1-8b", "fits (4-bit, KV partly offloaded to RAM, no draft model)"),
     ("laptop-rtx4060-8gb", "qwen2.5-7b", "fits (4-bit, KV in 8 bits offloaded to RAM)"),
     ("rtx4060ti-8gb-32gb", "llama3.1-8b", "fits (4-bit, output head too, KV in 8 bits offloaded to RAM, no draft model)"),
     # 16 GB of RAM: the KV in 8 bits fits where the bf16 one (up to 87K tokens) does not

@@ -4,7 +4,8 @@ as a user runs it, every mode greedy over one licence document.
 First as the plan loads it on this machine (its weights, KV and auto mode, calibration included):
 each mode's speed, and whether it wrote plain's tokens (in bf16, batched and single forwards may
 round near-ties apart). Then in fp32, where speculation must write exactly plain's tokens, with the
-KV on the device, in 8 bits, and offloaded to host memory; DSI runs two instances on one card.
+KV on the device, in 8 bits, offloaded to host memory, and partly offloaded; DSI runs two instances
+on one card.
 As planned, each mode also samples (the document presets' temperature, top-p and repetition
 penalty, seeded): warping, sampling and verification on the device, timed beside greedy.
 The dry run does the same on the CPU with a short prompt, few tokens and no DSI (a spawned process
@@ -39,6 +40,8 @@ EXACT_VARIANTS = {  # label: (LoadOptions fields beyond dtype and device)
     "fp32, 8-bit KV": {"kv_dtype": "int8"},
     "fp32, KV offloaded": {"offload_capacity": OFFLOAD_CAPACITY},
     "fp32, 8-bit KV offloaded": {"offload_capacity": OFFLOAD_CAPACITY, "kv_dtype": "int8"},
+    # Half the embedded model's 30 layers keep their KV on the device, the others' streams.
+    "fp32, KV partly offloaded": {"offload_capacity": OFFLOAD_CAPACITY, "resident_layers": 15},
 }
 
 

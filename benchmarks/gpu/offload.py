@@ -4,7 +4,8 @@ as TriForce's last stage and the plan's offloaded placements use it.
 At each offloaded context: one full verification (1 and 16 tokens) against its link floor (KV bytes
 / measured host-to-device bandwidth; goal <= 1.3 at the longest), a retrieval cache's rebuild from
 the offloaded KV, the retrieval stage's step and the draft's step over its StreamingLLM cache, and
-the full verification again over the KV in 8 bits (`int8`: half the bytes streamed). At the
+the full verification again over the KV in 8 bits (`int8`: half the bytes streamed) and over a
+partial offload (`partial`: half the layers' KV on the device, the others' streamed). At the
 first context also a prefill into the offloaded cache in the plan's chunks: its time, the bytes it
 streamed, and the GPU memory it needed beyond the weights against the plan's activation budget."""
 
@@ -67,7 +68,9 @@ def run(rig: Rig, report: dict) -> dict:
         row.update(_drafting(rig, target, draft, cache, generator))
         del cache
         free_memory(rig.device)
-        row["int8"] = _int8_verification(rig, target, capacity, context, bandwidth, generator)
+        row["int8"] = _verification(rig, target, capacity, context, bandwidth, generator, int8=True)
+        row["partial"] = _verification(rig, target, capacity, context, bandwidth, generator,
+                                       resident=config.num_hidden_layers // 2)
         result["contexts"].append(row)
     ran = [row for row in result["contexts"] if "floor_s" in row]
     if ran and ran[-1]["floor_s"]:
@@ -87,17 +90,20 @@ def _timed_forward(rig: Rig, model, cache, n: int) -> float:
     return wall_seconds(forward, rig.device, rig.repeats)
 
 
-def _int8_verification(rig: Rig, target, capacity: int, context: int, bandwidth: float | None,
-                       generator: torch.Generator) -> dict:
+def _verification(rig: Rig, target, capacity: int, context: int, bandwidth: float | None,
+                  generator: torch.Generator, int8: bool = False, resident: int = 0) -> dict:
     """The same full verification over an 8-bit offloaded KV (packed rows streamed, dequantized a
-    layer at a time on the device): half the link's bytes, against that floor. The plan prices it
-    max(KV8 bytes / link, weights + dequantizing) (planning/cost.py)."""
-    cache = OffloadedCache(target.config, capacity, rig.device, rig.dtype, int8=True)
-    cache.fill(((pack(keys), pack(values)) for keys, values in
-                random_layers(target.config, context, rig.device, rig.dtype, generator)), context)
-    floor = cache.nbytes / bandwidth if bandwidth else None
+    layer at a time on the device: half the link's bytes), or with `resident` layers' KV on the
+    device (only the others' streamed), against the floor of the bytes streamed. The plan prices
+    it max(streamed KV / link, weights + every layer's KV read, or dequantized) (planning/cost.py)."""
+    config = target.config
+    cache = OffloadedCache(config, capacity, rig.device, rig.dtype, int8=int8, resident_layers=resident)
+    layers = random_layers(config, context, rig.device, rig.dtype, generator)
+    cache.fill(((pack(keys), pack(values)) for keys, values in layers) if int8 else layers, context)
+    streamed = cache.nbytes * len(cache.streamed) // config.num_hidden_layers
+    floor = streamed / bandwidth if bandwidth else None
     before = cache.fetched_bytes
-    row = {"kv_bytes": cache.nbytes, "floor_s": floor,
+    row = {"kv_bytes": cache.nbytes, "streamed_kv_bytes": streamed, "resident_layers": resident, "floor_s": floor,
            "verify_s": _timed_forward(rig, target, cache, VERIFY_TOKENS)}
     row["fetched_bytes_per_forward"] = (cache.fetched_bytes - before) / (rig.repeats + 1)
     if floor:

@@ -4,7 +4,7 @@ algorithms.md section 5), for contexts whose KV does not fit next to the weights
 On a CUDA device the KV lives in pinned host memory, head-major ([kv_heads, capacity, head_dim]
 per layer: each head's prefix is one contiguous block, so streaming is one DMA per head). Two GPU
 buffers take turns: while layer i attends over one, layer i+1's KV is copied into the other on a
-side stream (double buffering), and the last layer's turn prefetches layer 0 for the next forward.
+side stream (double buffering), and the last layer's turn prefetches the first for the next forward.
 The new entries of each forward are written back to host memory asynchronously. A full
 verification then costs about `KV bytes / host-to-device bandwidth`, hidden behind nothing else.
 TriForce's reference copies without any overlap.
@@ -12,6 +12,11 @@ TriForce's reference copies without any overlap.
 With `int8` it holds 8-bit rows (kv/int8.py: codes, then the row's scale), which halves the
 pinned memory and what a verification streams; a forward's new entries are quantized before its
 attention, which sees every row dequantized, as `Int8Cache` does on a GPU.
+
+With `resident_layers` that many layers keep their KV on the GPU (a partial offload: what fits
+beside the weights), spread among the streamed ones (`streamed_layers`) so that each streamed
+layer's copy overlaps the compute of the resident layers before it; only the others are pinned
+and streamed.
 
 On the CPU the same class keeps the KV in place (nothing to stream), which is what the tests run.
 """
@@ -33,7 +38,7 @@ class OffloadedCache:
     """A `KVCache` of fixed capacity whose slots are the positions 0 .. length-1, like `FullCache`."""
 
     def __init__(self, hf_config, capacity: int, device: torch.device | str, dtype: torch.dtype,
-                 overlap: bool = True, int8: bool = False):
+                 overlap: bool = True, int8: bool = False, resident_layers: int = 0):
         self.config = hf_config
         self.device = torch.device(device)
         self.dtype = dtype  # what attention sees
@@ -41,15 +46,22 @@ class OffloadedCache:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         shape = (hf_config.num_key_value_heads, capacity, head_dim + (SCALE_BYTES if int8 else 0))
         stored_dtype = torch.int8 if int8 else dtype
-        streamed = self.device.type == "cuda"
-        self._host = [(torch.empty(shape, dtype=stored_dtype, pin_memory=streamed),
-                       torch.empty(shape, dtype=stored_dtype, pin_memory=streamed))
-                      for _ in range(hf_config.num_hidden_layers)]
+        on_gpu = self.device.type == "cuda"
+        self.streamed = streamed_layers(hf_config.num_hidden_layers, resident_layers)
+
+        def storage(layer: int) -> torch.Tensor:
+            if layer in self.streamed:
+                return torch.empty(shape, dtype=stored_dtype, pin_memory=on_gpu)
+            return torch.empty(shape, dtype=stored_dtype, device=self.device)
+
+        # Per layer (keys, values) [kv_heads, capacity, width]: in (pinned) host memory, or on the
+        # device for a resident layer.
+        self._rows = [(storage(layer), storage(layer)) for layer in range(hf_config.num_hidden_layers)]
         self.capacity = capacity
         self._length = 0
         self.fetched_bytes = 0  # host-to-device traffic, so tests and benchmarks can account for it
         # overlap=False copies each layer when it is needed (TriForce's reference): a baseline.
-        self._streamer = _Streamer(self, shape, stored_dtype, overlap) if streamed else None
+        self._streamer = _Streamer(self, shape, stored_dtype, overlap) if on_gpu and self.streamed else None
         self._chunk_means: ChunkMeans | None = None  # the retrieval stage's, once it asks (`chunk_means`)
         self.transformers_cache = _StreamedKV(self)
 
@@ -71,30 +83,31 @@ class OffloadedCache:
 
     @property
     def num_layers(self) -> int:
-        return len(self._host)
+        return len(self._rows)
 
     def layer_shape(self, length: int) -> tuple[int, ...]:
         """The shape of one layer's keys (and values) for `length` positions, as stored (`stored_layers`)."""
-        kv_heads, _, width = self._host[0][0].shape
+        kv_heads, _, width = self._rows[0][0].shape
         return (1, kv_heads, length, width)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the keys and values held, in host memory: what a full verification streams.
-        Reserved but not counted: host memory for `capacity` positions and, on a GPU, the two
-        staging buffers (one layer each)."""
-        return sum(2 * keys[:, :self._length].numel() * keys.element_size() for keys, _ in self._host)
+        """Bytes of the keys and values held, resident layers included (a full verification streams
+        the others'). Reserved but not counted: memory for `capacity` positions and, on a GPU, the
+        two staging buffers (one layer each)."""
+        return sum(2 * keys[:, :self._length].numel() * keys.element_size() for keys, _ in self._rows)
 
     def stored_layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) [1, kv_heads, length, head_dim] as stored (packed rows of
-        head_dim + 4 bytes when 8-bit), as views of host memory: what a saved document holds."""
+        head_dim + 4 bytes when 8-bit), as views of host memory (of the device's, for a resident
+        layer): what a saved document holds."""
         self._settle()
         length = self._length if length is None else length
-        return [(k[:, :length][None], v[:, :length][None]) for k, v in self._host]
+        return [(k[:, :length][None], v[:, :length][None]) for k, v in self._rows]
 
     def layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) [1, kv_heads, length, head_dim] as attention sees them: views of
-        host memory, or new dequantized tensors when 8-bit."""
+        where they are stored, or new dequantized tensors when 8-bit."""
         return [(self._seen(keys), self._seen(values)) for keys, values in self.stored_layers(length)]
 
     def layers_at(self, positions: torch.Tensor, count: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -114,9 +127,9 @@ class OffloadedCache:
         memory)."""
         self._check_room(length)
         self._settle()
-        for (host_k, host_v), (keys, values) in zip(self._host, layers, strict=True):
-            host_k[:, :length].copy_(keys[0])
-            host_v[:, :length].copy_(values[0])
+        for (stored_k, stored_v), (keys, values) in zip(self._rows, layers, strict=True):
+            stored_k[:, :length].copy_(keys[0])
+            stored_v[:, :length].copy_(values[0])
         self._length = length
         self._changed(0)
 
@@ -135,9 +148,10 @@ class OffloadedCache:
         unchanged = int((positions == torch.arange(positions.shape[0])).cumprod(0).sum())
         moved = positions[unchanged:]
         if moved.numel():
-            for keys, values in self._host:
-                keys[:, unchanged:unchanged + moved.shape[0]] = keys[:, moved]
-                values[:, unchanged:unchanged + moved.shape[0]] = values[:, moved]
+            for keys, values in self._rows:
+                at = moved.to(keys.device)
+                keys[:, unchanged:unchanged + moved.shape[0]] = keys[:, at]
+                values[:, unchanged:unchanged + moved.shape[0]] = values[:, at]
             self._changed(unchanged)
         self._length = positions.shape[0]
 
@@ -171,12 +185,12 @@ class OffloadedCache:
         self._settle()
         means = self._chunk_means
         if means is None or means.chunk_size != chunk_size or means.device != torch.device(device):
-            kv_heads, _, stored_width = self._host[0][0].shape
+            kv_heads, _, stored_width = self._rows[0][0].shape
             head_dim = stored_width - (SCALE_BYTES if self.int8 else 0)
             means = self._chunk_means = ChunkMeans(self.num_layers, kv_heads, self.capacity, head_dim, chunk_size,
                                                    self.dtype, device)
         exact = functools.partial(unpack, dtype=torch.float32) if self.int8 else torch.Tensor.float
-        return means.update([keys for keys, _ in self._host], self._length, exact)
+        return means.update([keys for keys, _ in self._rows], self._length, exact)
 
     @torch.inference_mode()
     def gather(self, positions: torch.Tensor, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -184,10 +198,10 @@ class OffloadedCache:
         [layers, kv_heads, kept] (CPU, ascending per head): only they cross to the device."""
         self._settle()
         layers = []
-        for (host_k, host_v), kept in zip(self._host, positions, strict=True):
-            index = kept[..., None].expand(-1, -1, host_k.shape[-1])
-            layers.append((self._seen(host_k.gather(1, index).to(device, non_blocking=True))[None],
-                           self._seen(host_v.gather(1, index).to(device, non_blocking=True))[None]))
+        for (stored_k, stored_v), kept in zip(self._rows, positions, strict=True):
+            index = kept.to(stored_k.device)[..., None].expand(-1, -1, stored_k.shape[-1])
+            layers.append((self._seen(stored_k.gather(1, index).to(device, non_blocking=True))[None],
+                           self._seen(stored_v.gather(1, index).to(device, non_blocking=True))[None]))
         return layers
 
     def _attend(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,18 +211,36 @@ class OffloadedCache:
         self._check_room(end)
         if self.int8:
             keys, values = pack(keys), pack(values)
-        if self._streamer is not None:
+        if self._streamer is not None and layer in self.streamed:
             result = self._streamer.attend(layer, start, end, keys, values)
-        else:
-            host_k, host_v = self._host[layer]
-            host_k[:, start:end] = keys[0]
-            host_v[:, start:end] = values[0]
-            result = host_k[:, :end][None], host_v[:, :end][None]
+        else:  # a resident layer, or the CPU's cache in place
+            stored_k, stored_v = self._rows[layer]
+            stored_k[:, start:end] = keys[0]
+            stored_v[:, start:end] = values[0]
+            result = stored_k[:, :end][None], stored_v[:, :end][None]
         if self._chunk_means is not None:
             self._chunk_means.changed(start)
         if layer == self.num_layers - 1:
             self._length = end
         return self._seen(result[0]), self._seen(result[1])
+
+
+def streamed_layers(layers: int, resident: int) -> tuple[int, ...]:
+    """The layers whose KV is streamed when `resident` of `layers` keep theirs on the GPU: spread
+    evenly, the last among them, so that every streamed layer follows resident ones whose compute
+    hides its copy."""
+    if not 0 <= resident <= layers:
+        raise ValueError(f"{resident} resident layers of {layers}")
+    streamed = layers - resident
+    return tuple(layer for layer in range(layers) if (layer + 1) * streamed // layers > layer * streamed // layers)
+
+
+def following_fetch(streamed: tuple[int, ...], layer: int, start: int, end: int) -> tuple[int, int]:
+    """(the layer to prefetch, positions to copy) once streamed `layer` has stored a forward's
+    positions `start`..`end`: the next streamed layer, which sees `start` positions in this forward;
+    past the last, the first, in the next forward, which sees `end`."""
+    following = streamed[(streamed.index(layer) + 1) % len(streamed)]
+    return following, start if following > layer else end
 
 
 def _write_back(host: torch.Tensor, new: torch.Tensor) -> None:
@@ -219,7 +251,7 @@ def _write_back(host: torch.Tensor, new: torch.Tensor) -> None:
 
 
 class _Streamer:
-    """The CUDA side: two staging buffers, a copy stream, events."""
+    """The CUDA side of the streamed layers: two staging buffers, a copy stream, events."""
 
     def __init__(self, cache: OffloadedCache, shape: tuple[int, ...], dtype: torch.dtype, overlap: bool):
         self.cache = cache
@@ -243,7 +275,7 @@ class _Streamer:
         buffer_k, buffer_v = self.buffers[self.turn]
         buffer_k[:, start:end] = keys[0]
         buffer_v[:, start:end] = values[0]
-        host_k, host_v = self.cache._host[layer]
+        host_k, host_v = self.cache._rows[layer]
         _write_back(host_k[:, start:end], buffer_k[:, start:end])
         _write_back(host_v[:, start:end], buffer_v[:, start:end])
         self.written.record(compute)
@@ -251,15 +283,13 @@ class _Streamer:
         if self.overlap:
             # The other buffer was last read by the previous layer, queued before this point.
             self.copy_stream.wait_stream(compute)
-            following = (layer + 1) % self.cache.num_layers
-            following_length = start if following else end  # the next forward's layer 0 sees this one's tokens
-            self._fetch(following, following_length, self.turn)
+            self._fetch(*following_fetch(self.cache.streamed, layer, start, end), self.turn)
         else:
             self.staged = None
         return buffer_k[:, :end][None], buffer_v[:, :end][None]
 
     def _fetch(self, layer: int, length: int, turn: int) -> None:
-        host_k, host_v = self.cache._host[layer]
+        host_k, host_v = self.cache._rows[layer]
         buffer_k, buffer_v = self.buffers[turn]
         with torch.cuda.stream(self.copy_stream):
             for head in range(host_k.shape[0]):  # one contiguous block per head

@@ -71,4 +71,4 @@ def finish(layout: Layout, reasons: dict, weights_why: str) -> Plan:
         prefill_chunk=layout.prefill_chunk, memory=tuple(layout.items), devices=layout.devices, reasons=reasons,
         triforce_verify=verify, head_weights=layout.head_label(),
         embedding_device=layout.embedding_device(), kv_dtype=layout.kv_dtype,
-        precision=layout.overrides.precision, **predictions(layout, seconds))
+        kv_resident_layers=layout.kv_resident_layers, precision=layout.overrides.precision, **predictions(layout, seconds))

@@ -1,8 +1,8 @@
 """The automatic precision's candidates and its choice among them.
 
 A candidate is a placement of the target: its weights (unquantized, 4-bit nf4, nf4 with the output
-head too) x its full KV (on the GPUs or offloaded to pinned RAM, each in the compute dtype or in 8
-bits) x the draft (on the GPU, or left out) x the prefill chunk x the embedding (on the GPU, or in
+head too) x its full KV (on the GPUs, partly on the GPU and the rest offloaded to pinned RAM, or
+all offloaded; each in the compute dtype or in 8 bits) x the draft (on the GPU, or left out) x the prefill chunk x the embedding (on the GPU, or in
 RAM). Each that fits is finished as a plan, its mode and speculation chosen as for any
 layout (assemble.finish) in each mode the context allows (TriForce and chain/tree on a GPU past
 twice the retrieval budget; the faster kept), and the plan is the one with the least predicted time
@@ -28,7 +28,10 @@ from .reasons import auto_weights_reason
 from .types import Overrides, Plan
 
 AUTO_TIERS = (("none", False), ("nf4", False), ("nf4", True))  # (quantization, output head too), most precise first
-KV_PLACES = ((True, False), (True, True), (False, False), (False, True))  # (on the GPUs, in 8 bits)
+# (on the GPUs, in 8 bits, partly on the GPU): on chip, the layers that fit on chip and the rest
+# streamed, all streamed; each in the compute dtype and in 8 bits.
+KV_PLACES = ((True, False, False), (True, True, False), (False, False, True), (False, True, True),
+             (False, False, False), (False, True, False))
 # Quantizing changes the answers (the model a user chose is no longer the one that writes them),
 # which no one trades for a few percent: a coarser placement must answer this much sooner.
 PRECISION_MARGIN = 1.15
@@ -44,9 +47,9 @@ def candidate_layouts(profile: HardwareProfile, pair: ModelPair, context: int, b
     modes = candidate_modes(profile, context, budget, overrides)
     drafts = (True, False) if any(uses_draft(pair, mode) for mode in modes) else (True,)
     return [tuple(Layout(profile, pair, context, mode, budget, overrides, quantization, kv_on_chip, with_draft, chunk,
-                         head_quantized, embedding_on_cpu, kv_int8) for mode in modes)
+                         head_quantized, embedding_on_cpu, kv_int8, kv_partial) for mode in modes)
             for quantization, head_quantized in tiers
-            for kv_on_chip, kv_int8 in KV_PLACES
+            for kv_on_chip, kv_int8, kv_partial in KV_PLACES
             for with_draft in drafts
             for chunk in prefill_chunks(profile, kv_on_chip)
             for embedding_on_cpu in (False, True)]

@@ -73,8 +73,9 @@ def step_seconds(layout: Layout) -> float | None:
 
 def verification_seconds(layout: Layout) -> float | None:
     """A target forward of a few tokens at the full context (a verification): it reads the weights
-    and the whole KV on the GPUs, or streams the KV over the link while the weights are read
-    (offloaded; double buffering overlaps the two)."""
+    and the whole KV on the GPUs, or streams the KV over the link while the weights (and the
+    resident layers' KV, in a partial offload) are read (offloaded; double buffering overlaps the
+    two)."""
     return _forward_seconds(layout, verify=True)
 
 
@@ -85,12 +86,10 @@ def _forward_seconds(layout: Layout, verify: bool) -> float | None:
         return None
     weights = weights_seconds(layout, rate, verify)
     kv = kv_efficiency(layout.kv_dtype)
-    attention = layout.full_kv / (rate * (kv.verify if verify else kv.step))
-    if not layout.kv_on_chip:
-        # The link streams the next layers while the GPU computes; attending to a staged layer in
-        # the compute dtype is a small share of its transfer, an 8-bit one's dequantizing is not.
-        return max(layout.full_kv / h2d, weights + (attention if layout.kv_int8 else 0.0))
-    return weights + attention
+    # Attention reads every layer's KV from GPU memory, where it lives or where it was staged.
+    reading = weights + layout.full_kv / (rate * (kv.verify if verify else kv.step))
+    # Offloaded: the link streams the next layers while the GPU computes (double buffering).
+    return reading if layout.kv_on_chip else max(layout.streamed_kv / h2d, reading)
 
 
 def weights_seconds(layout: Layout, rate: float, verify: bool) -> float:
@@ -134,7 +133,8 @@ def prefill_seconds(layout: Layout) -> float | None:
     dequantizing = layout.full_kv_per_token / (rate * kv_efficiency("int8").verify) if layout.kv_int8 else 0.0
     # Seconds per token of KV before the chunk: streamed (offloaded) and dequantized (8-bit); a
     # compute-dtype KV on the GPUs is attended at the FLOPs' pace.
-    past = dequantizing + (0.0 if layout.kv_on_chip else layout.full_kv_per_token / h2d)
+    streamed = layout.full_kv_per_token * layout.streamed_kv / layout.full_kv
+    past = dequantizing + (0.0 if layout.kv_on_chip else streamed / h2d)
     prompt, chunk, seconds = prompt_tokens(layout.context), layout.prefill_chunk, 0.0
     for start in range(0, prompt, chunk):
         tokens = min(chunk, prompt - start)

@@ -107,10 +107,14 @@ class Layout:
 
     `kv_int8`: the full KV in 8 bits, on the GPUs or offloaded (streamed as stored, so half the
     bytes cross the link), dequantized a layer at a time for attention. The retrieval cache and
-    chunk keys stay in the compute dtype."""
+    chunk keys stay in the compute dtype.
+
+    `kv_partial` (with the KV offloaded, on one GPU): the layers whose KV fits in what the GPU has
+    left keep it there (`kv_resident_layers`, at least one and not all: else the layout is another
+    candidate's), and only the others' is pinned and streamed (kv/offload.py)."""
 
     def __init__(self, profile, pair, context, mode, budget, overrides, quantization, kv_on_chip, with_draft,
-                 prefill_chunk, head_quantized=False, embedding_on_cpu=False, kv_int8=False):
+                 prefill_chunk, head_quantized=False, embedding_on_cpu=False, kv_int8=False, kv_partial=False):
         self.profile, self.pair, self.context, self.mode, self.overrides = profile, pair, context, mode, overrides
         self.quantization, self.kv_on_chip = quantization, kv_on_chip
         self.head_quantized, self.embedding_on_cpu = head_quantized, embedding_on_cpu
@@ -123,6 +127,8 @@ class Layout:
         self.kv_dtype = "int8" if self.kv_int8 else self.dtype
         self.full_kv_per_token = kv8_bytes_per_token(target) if self.kv_int8 else self.kv_per_token
         self.full_kv = context * self.full_kv_per_token
+        self.kv_partial = kv_partial and not kv_on_chip
+        self.kv_resident_layers = 0  # of an offloaded KV: set by `_place_gpus` for a partial offload
         self.retrieval = (budget, RETRIEVAL_CHUNK_ON_CHIP if kv_on_chip else RETRIEVAL_CHUNK_OFFLOADED) \
             if mode == "triforce" else None
         # With a GPU the draft goes on the (last) GPU or is left out: on the CPU it would draft
@@ -140,15 +146,29 @@ class Layout:
         self.devices = budgets(profile, self.items)
         # An offloaded KV is page-locked: past what the OS lets CUDA pin (half the RAM on Windows)
         # the allocation fails however much RAM is free.
-        self.pinned_bytes = self.full_kv if profile.gpus and not self.kv_on_chip else 0
+        self.pinned_bytes = self.streamed_kv if profile.gpus and not self.kv_on_chip else 0
         self.fits = (all(device.headroom_bytes >= 0 for device in self.devices)
-                     and self.pinned_bytes <= profile.pinnable_bytes)
+                     and self.pinned_bytes <= profile.pinnable_bytes
+                     and (not self.kv_partial or self.kv_resident_layers > 0))
 
     # -- what each part weighs
 
     def weights(self) -> tuple[int, int, int]:
         """The target's (embedding, output head, decoder layers) bytes."""
         return weight_parts(self.pair.target, self.quantization, self.dtype_bytes, self.head_quantized)
+
+    @property
+    def resident_kv(self) -> int:
+        """Bytes of the full KV on the GPUs: all of it on chip, the resident layers' of a partial
+        offload, none offloaded (or on a machine without a GPU)."""
+        if self.kv_on_chip:
+            return self.full_kv
+        return self.full_kv // self.pair.target.layers * self.kv_resident_layers
+
+    @property
+    def streamed_kv(self) -> int:
+        """Bytes of the full KV a verification streams over the link (on a GPU machine)."""
+        return self.full_kv - self.resident_kv
 
     def _layer_bytes(self) -> int:
         """One target layer's share on a GPU: weights, its full KV when on-chip, its retrieval
@@ -219,6 +239,9 @@ class Layout:
             if count:
                 layers_on.append((name, first, count))
                 first, remaining = first + count, remaining - count
+            if self.kv_partial and len(gpus) == 1:  # the streamer runs on one device
+                spare = room - per_layer * target.layers
+                self.kv_resident_layers = min(target.layers - 1, max(0, spare // (self.full_kv // target.layers)))
         for name, start, count in layers_on:
             self.items += self._layer_items(name, start, count, per_layer, staging)
         for name in names:
@@ -233,15 +256,17 @@ class Layout:
         label = self.dtype if self.quantization == "none" else self.quantization
         body = self.weights()[2]
         items = [MemoryItem(f"{span}: weights ({label})", name, int(body * share))]
+        bits = ", 8-bit" if self.kv_int8 else ""
         if self.kv_on_chip:
-            bits = ", 8-bit" if self.kv_int8 else ""
             items.append(MemoryItem(f"{span}: full KV ({self.context:,} tokens{bits})", name, int(self.full_kv * share)))
+        elif self.kv_resident_layers:
+            items.append(MemoryItem(f"{span}: full KV of {self.kv_resident_layers} of them ({self.context:,} "
+                                    f"tokens{bits}; the others' streamed)", name, self.resident_kv))
         if self.retrieval is not None:
             budget, chunk = self.retrieval
             items.append(MemoryItem(f"{span}: retrieval cache ({min(budget, self.context):,} tokens) and "
                                     f"chunk keys ({chunk}-token chunks)", name, int(self._retrieval_bytes() * share)))
         if staging:
-            bits = ", 8-bit" if self.kv_int8 else ""
             items.append(MemoryItem(f"{span}: KV staging buffers (2 layers{bits}, double buffering)", name, staging))
         if self.kv_int8:
             items.append(MemoryItem(f"{span}: one layer's KV dequantized for attention ({self.dtype})", name,
@@ -264,7 +289,9 @@ class Layout:
                                              "cpu", self._retrieval_bytes()))
             self.target_devices, self.target_layers = ("cpu",), (target.layers,)
         elif not self.kv_on_chip:
-            self.items.append(MemoryItem(f"full KV ({self.context:,} tokens, pinned)", "cpu", self.full_kv))
+            layers = target.layers
+            streamed = f"{layers - self.kv_resident_layers} of {layers} layers, " if self.kv_resident_layers else ""
+            self.items.append(MemoryItem(f"full KV ({streamed}{self.context:,} tokens, pinned)", "cpu", self.streamed_kv))
         if self.draft is not None and not self.profile.gpus:
             self.items += self._draft_items("cpu")
 
@@ -277,7 +304,7 @@ class Layout:
         """The name of the target's measured t(n) in this placement (the loader uses the same)."""
         target = self.pair.target
         return curve_key(target.repo, target.revision, self.weights_label(),
-                         kv_label(self.kv_int8, bool(self.profile.gpus) and not self.kv_on_chip))
+                         kv_label(self.kv_int8, bool(self.profile.gpus) and not self.kv_on_chip, self.kv_resident_layers))
 
     def head_label(self) -> str:
         return self.quantization if self.head_quantized else self.dtype

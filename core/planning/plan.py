@@ -15,9 +15,10 @@ Two precisions (Overrides.precision, precision.py):
   2. Weights: as precise as fits. Unquantized (bf16 on GPUs), else bitsandbytes 8-bit, else 4-bit
      nf4, else nf4 with the output head quantized too; "fits" always allows the full KV to be
      offloaded and the embedding table to stay in RAM, so precision is never traded for speed.
-  3. The full KV on the GPUs with its layers when it fits, else in pinned CPU memory, streamed
-     layer by layer (one full verification then costs its bytes over the measured host-to-device
-     bandwidth). The embedding table on the GPU when it fits, else in RAM (host_embedding.py):
+  3. The full KV on the GPUs with its layers when it fits; else, on one GPU, the layers' KV that
+     fits there and the rest in pinned CPU memory (a partial offload); else all in pinned CPU
+     memory. Offloaded KV is streamed layer by layer (one full verification then costs its bytes
+     over the measured host-to-device bandwidth). The embedding table on the GPU when it fits, else in RAM (host_embedding.py):
      given up first, as it costs a few KB over the link per token.
   4. The draft on the GPU when it fits, else on the CPU.
   5. Gammas, retrieval chunk size and prefill chunk from the measured bandwidths.
@@ -149,12 +150,14 @@ def _exact_layouts(profile: HardwareProfile, pair: ModelPair, context: int, budg
     modes = candidate_modes(profile, context, budget, overrides)
     drafts = (True, False) if profile.gpus and any(uses_draft(pair, mode) for mode in modes) else (True,)
     for quantization, head_quantized in tiers:
-        for kv_on_chip in (True, False) if profile.gpus else (False,):
+        for kv_on_chip, kv_partial in ((True, False), (False, True), (False, False)) if profile.gpus else \
+                ((False, False),):
             for with_draft in drafts:
                 for prefill_chunk in prefill_chunks(profile, kv_on_chip):
                     for embedding_on_cpu in (False, True) if profile.gpus else (False,):
                         yield tuple(Layout(profile, pair, context, mode, budget, overrides, quantization, kv_on_chip,
-                                           with_draft, prefill_chunk, head_quantized, embedding_on_cpu)
+                                           with_draft, prefill_chunk, head_quantized, embedding_on_cpu,
+                                           kv_partial=kv_partial)
                                     for mode in modes)
 
 

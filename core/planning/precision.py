@@ -29,11 +29,16 @@ def speed(tokens_per_second: float) -> str:
 
 
 def placement_words(plan: Plan) -> str:
-    """"nf4 weights and an 8-bit KV on the GPU", "bfloat16 weights with the KV streamed from RAM"."""
+    """"nf4 weights and an 8-bit KV on the GPU", "bfloat16 weights with the KV streamed from RAM",
+    "nf4 weights with 14 of 32 layers' KV on the GPU, the rest streamed from RAM"."""
     weights = f"{plan.weights} weights" + (" (the output head too)" if plan.head_weights == plan.weights
                                            and plan.weights in ("nf4", "int8") else "")
+    bits = " 8-bit" if plan.kv_dtype == "int8" else ""
+    if plan.kv_device == "cpu-pinned" and plan.kv_resident_layers:
+        return (f"{weights} with {plan.kv_resident_layers} of {sum(plan.target_layers)} layers'{bits} KV on the GPU, "
+                f"the rest streamed from RAM")
     if plan.kv_device == "cpu-pinned":
-        return f"{weights} with the{' 8-bit' if plan.kv_dtype == 'int8' else ''} KV streamed from RAM"
+        return f"{weights} with the{bits} KV streamed from RAM"
     if plan.kv_dtype == "int8":
         return f"{weights} and an 8-bit KV on the GPU"
     return f"{weights} with the KV on the {'CPU' if plan.kv_device == 'cpu' else 'GPU'}"
@@ -97,5 +102,5 @@ def _quantized(plan: Plan) -> bool:
 
 
 def _same_placement(one: Plan, other: Plan) -> bool:
-    return (one.weights, one.head_weights, one.kv_dtype, one.kv_device) == \
-        (other.weights, other.head_weights, other.kv_dtype, other.kv_device)
+    return (one.weights, one.head_weights, one.kv_dtype, one.kv_device, one.kv_resident_layers) == \
+        (other.weights, other.head_weights, other.kv_dtype, other.kv_device, other.kv_resident_layers)

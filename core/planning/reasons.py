@@ -68,9 +68,15 @@ def kv_reason(layout: Layout) -> str:
         return f"full KV ({size}) in 8 bits on {layout.kv_device()} with its layers: {bits}" if layout.kv_int8 else \
             f"full KV ({size}) on {layout.kv_device()} with its layers"
     h2d = slowest(layout, "host_to_device_bytes_per_s")
-    cost = f", about {layout.full_kv / h2d:.2f} s per full verification at the measured {human_size(h2d)}/s" \
+    cost = f", about {layout.streamed_kv / h2d:.2f} s per full verification at the measured {human_size(h2d)}/s" \
         if h2d else ""
     stored = f" in 8 bits ({bits})" if layout.kv_int8 else ""
+    if layout.kv_resident_layers:
+        layers = layout.pair.target.layers
+        return (f"full KV ({size}){stored} split: {layout.kv_resident_layers} of {layers} layers' "
+                f"({human_size(layout.resident_kv)}) on {layout.target_devices[0]} with their weights, what fits; "
+                f"the other {layers - layout.kv_resident_layers} layers' ({human_size(layout.streamed_kv)}) offloaded "
+                f"to pinned CPU memory and streamed layer by layer{cost}")
     return (f"full KV ({size}){stored} offloaded to pinned CPU memory and streamed layer by layer: it does not fit "
             f"next to the weights{cost}")
 
@@ -103,7 +109,7 @@ def prefill_reason(layout: Layout) -> str:
     if layout.kv_on_chip:
         return f"{chunk:,} tokens per forward keep the GPU busy; activations about {act}"
     # Chunk i streams the KV of the i chunks before it: C^2 / (2 P) tokens' KV in all.
-    moved = layout.context ** 2 / (2 * chunk) * layout.kv_per_token
+    moved = layout.context ** 2 / (2 * chunk) * layout.streamed_kv / layout.context
     h2d = slowest(layout, "host_to_device_bytes_per_s")
     time = f", about {moved / h2d:.1f} s at the measured bandwidth" if h2d else ""
     return (f"{chunk:,} tokens per forward, the largest that fits: every chunk re-streams the offloaded KV "

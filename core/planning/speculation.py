@@ -172,7 +172,8 @@ def _gamma2(layout: Layout) -> tuple[int, str, tuple[float, float] | None]:
     if layout.kv_on_chip:
         full = f"reads weights and {human_size(layout.full_kv)} of{bits} KV at {human_size(memory_rate)}/s"
     else:
-        full = f"streams {human_size(layout.full_kv)} of{bits} KV at {human_size(h2d)}/s"
+        resident = f", {layout.kv_resident_layers} layers' kept on the GPU" if layout.kv_resident_layers else ""
+        full = f"streams {human_size(layout.streamed_kv)} of{bits} KV at {human_size(h2d)}/s{resident}"
     a2 = _retrieval_acceptance(layout)
     best = max(range(1, MAX_GAMMA2 + 1), key=lambda g: _expected_tokens(g, a2) / (g * t_mid + t_full))
     speedup = _expected_tokens(best, a2) * step_seconds(layout) / (best * t_mid + t_full)

@@ -103,6 +103,9 @@ class Plan:
     # The full KV's storage: the compute dtype ("bfloat16", "float16", "float32"), or "int8" (codes
     # and a float32 scale per token and KV head, on the GPUs).
     kv_dtype: str = ""
+    # Of an offloaded KV (kv_device "cpu-pinned"), the layers whose KV stays on the GPU: a partial
+    # offload streams only the others' (kv/offload.py). 0: all streamed, or not offloaded.
+    kv_resident_layers: int = 0
     precision: str = "auto"  # the setting it was planned under (Overrides.precision)
     # Predictions (cost.py; None where the bandwidths are not measured, as on a CPU-only machine):
     # decode at the planned context with the chosen speculation, and plain decoding of these weights.
@@ -112,9 +115,15 @@ class Plan:
     # The exact placement's predicted decode, for comparison (None where it does not fit).
     exact_tokens_per_second: float | None = None
 
+    def resident_words(self) -> str:
+        """Where a partial offload keeps its resident layers' KV ("cuda:0 for 14 of 32 layers"); "" otherwise."""
+        if not self.kv_resident_layers:
+            return ""
+        return f"{self.target_devices[0]} for {self.kv_resident_layers} of {sum(self.target_layers)} layers"
+
     def kv_label(self) -> str:
         """How the KV is held where it changes t(n), for the target's curve key (hardware.kv_label)."""
-        return kv_label(self.kv_dtype == "int8", self.kv_device == "cpu-pinned")
+        return kv_label(self.kv_dtype == "int8", self.kv_device == "cpu-pinned", self.kv_resident_layers)
 
     def to_dict(self) -> dict:
         data = asdict(self)
