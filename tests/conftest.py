@@ -58,6 +58,16 @@ def tiny_llama(seed: int, vocab_size: int = 97, dtype=torch.float64, context: in
     return TransformersLM(model)
 
 
+@pytest.fixture
+def undisturbed(monkeypatch):
+    """Every curve taken as measured on a quiet machine, when measured and when read back: a busy
+    machine legitimately measures a context again or gives up (tests/test_busy_calibration.py)."""
+    from specchat.core import hardware, step_calibration
+
+    for module in (step_calibration, hardware):
+        monkeypatch.setattr(module, "disturbed", lambda curves: {})
+
+
 @pytest.fixture(scope="session")
 def embedded_dir() -> Path:
     from specchat.core import embedded

@@ -109,10 +109,8 @@ def test_the_profile_records_the_os_and_windows_pins_at_most_half_the_ram(tmp_pa
     assert load_or_probe(root=tmp_path).os == first.os is not None
 
 
-def test_measure_curves_caps_contexts_caches_and_joins_the_profile(tmp_path, monkeypatch):
-    # A tiny model's sub-millisecond timings, once each, on a machine running other tests: the
-    # busy-machine check (its own tests: test_busy_calibration.py) would give some up.
-    monkeypatch.setattr(step_calibration, "disturbed", lambda curves: {})
+def test_measure_curves_caps_contexts_caches_and_joins_the_profile(tmp_path, monkeypatch, undisturbed):
+    # A tiny model's sub-millisecond timings, once each, on a machine running other tests.
     model = tiny_llama(0)  # 512 positions
     key = curve_key("tiny/llama", "", "float64")
     curves = step_calibration.measure_curves(model, key, contexts=[64, 16, 1000], sizes=[4, 8], root=tmp_path, repeats=1)

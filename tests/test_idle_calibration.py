@@ -108,9 +108,8 @@ def test_failing_idle_work_stops_and_the_line_serves_on(capsys):
     assert "idle work stopped: disk full" in capsys.readouterr().err
 
 
-def test_the_app_answers_before_calibrating_and_calibrates_when_idle(tiny_model_dir, tmp_path, monkeypatch):
+def test_the_app_answers_before_calibrating_and_calibrates_when_idle(tiny_model_dir, tmp_path, monkeypatch, undisturbed):
     monkeypatch.setenv("SPECCHAT_CALIBRATE", "1")
-    monkeypatch.setattr(step_calibration, "disturbed", lambda curves: {})  # a busy machine: test_busy_calibration.py
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
     lines: list[str] = []
 
@@ -154,9 +153,8 @@ def test_the_app_answers_before_calibrating_and_calibrates_when_idle(tiny_model_
     assert again.idle_calibration is None and again.settings.step_times == engine.settings.step_times
 
 
-def test_a_question_mid_context_drops_that_context_and_it_is_measured_again(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_question_mid_context_drops_that_context_and_it_is_measured_again(tiny_model_dir, tmp_path, monkeypatch, undisturbed):
     monkeypatch.setenv("SPECCHAT_CALIBRATE", "1")
-    monkeypatch.setattr(step_calibration, "disturbed", lambda curves: {})  # a busy machine: test_busy_calibration.py
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
     engine = load_engine(str(tiny_model_dir), progress=lambda line: None, calibrate_when_idle=True)
     calibration = engine.idle_calibration

@@ -2,7 +2,6 @@
 the contexts that matter, later loads read it back, and answers carry the cost model's
 prediction next to the measured speed."""
 
-from specchat.core import step_calibration
 from specchat.core.engine import Finished
 from specchat.core.loading import load_engine
 from specchat.core.sampling import SamplingParams
@@ -10,12 +9,10 @@ from specchat.core.step_calibration import contexts_for
 from specchat.core.request import Request
 
 
-def test_first_use_calibrates_once_and_answers_carry_a_prediction(tiny_model_dir, tmp_path, monkeypatch):
+def test_first_use_calibrates_once_and_answers_carry_a_prediction(tiny_model_dir, tmp_path, monkeypatch,
+                                                                  undisturbed):
     monkeypatch.setenv("SPECCHAT_CALIBRATE", "1")
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
-    # A busy machine legitimately measures a context again (another line) or gives up: that has
-    # tests of its own (test_busy_calibration.py); here every curve is taken as measured.
-    monkeypatch.setattr(step_calibration, "disturbed", lambda curves: {})
     lines = []
     engine = load_engine(str(tiny_model_dir), progress=lines.append)
     assert sum("Calibrating on this machine" in line for line in lines) == 2  # one line per context
