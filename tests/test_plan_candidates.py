@@ -374,3 +374,18 @@ def test_a_windows_3090_never_plans_to_pin_more_than_half_its_ram():
     all_streamed = Layout(windows, LLAMA, 131072, "plain", 4096, EXACT, "none", False, False, 4096)
     assert not all_streamed.fits and all_streamed.shortfall() == (
         "its offloaded KV would pin 17.2 GB of RAM, and windows lets CUDA pin at most 14.7 GB (half the RAM)")
+
+
+def test_an_offloaded_kv_goes_with_a_target_on_one_gpu():
+    """The streamer stages layers on the GPU a forward starts on (kv/offload.py), so no plan splits
+    a target over GPUs with its KV offloaded: on two 12 GB cards at 128K, bf16 weights need both and
+    their KV fits on neither, so the exact plan takes 8-bit weights on one card and says why."""
+    one = PROFILES["rtx3060-12gb"]
+    two = dataclasses.replace(one, gpus=(one.gpus[0], dataclasses.replace(one.gpus[0], index=1)))
+    for precision in ("exact", "auto"):
+        plan = make_plan(two, LLAMA, 131072, Overrides(precision=precision))
+        assert plan.kv_device != "cpu-pinned" or len(plan.target_devices) == 1, precision
+    exact = make_plan(two, LLAMA, 131072, EXACT)
+    assert (exact.weights, exact.kv_device, len(exact.target_devices)) == ("int8", "cpu-pinned", 1)
+    assert ("bfloat16 weights need 2 GPUs, and an offloaded KV is streamed to one; its 17.2 GB do not fit beside "
+            "them on the GPUs") in exact.reasons["weights"]

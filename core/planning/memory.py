@@ -147,8 +147,11 @@ class Layout:
         # An offloaded KV is page-locked: past what the OS lets CUDA pin (half the RAM on Windows)
         # the allocation fails however much RAM is free.
         self.pinned_bytes = self.streamed_kv if profile.gpus and not self.kv_on_chip else 0
+        # The streamer stages layers on the device a forward starts on (kv/offload.py): an
+        # offloaded KV goes with a target on one GPU.
+        self.split_offload = bool(profile.gpus) and not kv_on_chip and len(self.target_devices) > 1
         self.fits = (all(device.headroom_bytes >= 0 for device in self.devices)
-                     and self.pinned_bytes <= profile.pinnable_bytes
+                     and self.pinned_bytes <= profile.pinnable_bytes and not self.split_offload
                      and (not self.kv_partial or self.kv_resident_layers > 0))
 
     # -- what each part weighs
@@ -324,6 +327,9 @@ class Layout:
             return (f"its offloaded KV would pin {human_size(self.pinned_bytes)} of RAM, and "
                     f"{self.profile.os or 'this OS'} lets CUDA pin at most {human_size(self.profile.pinnable_bytes)} "
                     f"(half the RAM)")
+        if self.split_offload and not over:
+            return (f"{self.weights_label()} weights need {len(self.target_devices)} GPUs, and an offloaded KV is "
+                    f"streamed to one; its {human_size(self.full_kv)} do not fit beside them on the GPUs")
         if self.profile.gpus and (not over or over[0].device != "cpu"):
             usable = sum(_usable(gpu) for gpu in self.profile.gpus)
             head = " (the output head too)" if self.head_quantized else ""
