@@ -22,7 +22,7 @@ import torch
 
 from ..report import write_report
 from ...core.errors import InputError, first_line
-from . import checks, kv8, modes, offload, steps, weights
+from . import checks, kv8, modes, offload, projection, steps, weights
 from .clock import free_memory
 from .rig import Rig, dry_rig, goal, gpu_rig
 
@@ -41,12 +41,6 @@ def memory(rig: Rig, report: dict) -> dict:
                                          row["placement"]) for row in rows]}
 
 
-def _not_built(what: str) -> Callable[[Rig, dict], dict]:
-    def section(rig: Rig, report: dict) -> dict:
-        return {"status": f"skipped: not built yet ({what})"}
-    return section
-
-
 SECTIONS: dict[str, Callable[[Rig, dict], dict]] = {
     "tests": checks.tests,
     "selftest": checks.selftest,
@@ -56,7 +50,7 @@ SECTIONS: dict[str, Callable[[Rig, dict], dict]] = {
     "offload": offload.run,
     "memory": memory,
     "modes": modes.run,
-    "projection": _not_built("the plan's predicted tok/s against a replayed-acceptance run"),
+    "projection": projection.run,
 }
 
 
