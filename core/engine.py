@@ -17,6 +17,7 @@ from .decoding import TriforceSettings, decode, make_decoder, prefill, triforce_
 from .errors import InputError, SpecchatError
 from .interrupt import Cancelled
 from .kv.conversation_slot import ConversationSlot
+from .memory_release import release_gpu_memory
 from .kv.document_store import DocumentStore
 from .kv.full import FullCache
 from .kv.prefix_store import PrefixStore
@@ -268,7 +269,7 @@ class Engine:
                 self.answers.add(state.ids[len(prompt_ids):].tolist())
         if not finished:  # out of memory: this answer's KV goes, never kept for reuse
             del state, cache
-            _free_accelerator_memory()
+            release_gpu_memory()  # a failed answer's memory, for the next request
             doing = "writing the answer" if answering else "reading the prompt"
             raise SpecchatError(f"the GPU ran out of memory while {doing}: try a shorter "
                                 f"{'answer' if answering else 'document'} or a smaller pair")
@@ -378,12 +379,6 @@ def _update_rates(stats: Stats, committed: int, new_tokens: int, decode_seconds:
     stats.decode_seconds = decode_seconds
     stats.mean_accepted_per_forward = committed / stats.target_forwards
     stats.tokens_per_second = new_tokens / decode_seconds if decode_seconds > 0 else 0.0
-
-
-def _free_accelerator_memory() -> None:
-    """Give the memory of a failed answer back to the GPU, so the next request has it."""
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _stop_ids(tokenizer, model: CausalLM) -> set[int]:

@@ -16,6 +16,7 @@ from .runtime import EngineSettings, settings_from_plan
 from .step_calibration import IdleCalibration, calibrated_step_times, saved_step_times
 from .errors import InputError, ModelUnavailable, first_line
 from .kv.document_store import DocumentStore
+from .memory_release import release_cached_memory
 from .model import TransformersLM
 from .placement import LoadOptions, draft_options, target_options
 from .registry import Registry, UnknownPair, load_registry
@@ -33,7 +34,9 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
     calibrates the target's step times (step_calibration.py) before it returns, or, with
     `calibrate_when_idle`, leaves that to `engine.idle_calibration`. A pair is planned, and then reads,
     at `context` tokens (default: its full context): a shorter one may fit where the full does not.
+    What a model dropped before held is given back first, so the plan sees it free.
     """
+    release_cached_memory()
     registry = registry or load_registry()
     if context is not None and model_id not in registry.pairs:
         raise InputError(f"--context applies to a pair of `specchat models list` (it sets the context its plan "

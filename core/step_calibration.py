@@ -220,13 +220,8 @@ def out_of_memory(error: BaseException) -> bool:
     if isinstance(error, MemoryError):
         return True
     if isinstance(error, RuntimeError) and "out of memory" in str(error):  # torch.cuda.OutOfMemoryError
-        _release_gpu_memory()
+        from .memory_release import release_gpu_memory  # torch: only once it ran out of memory
+
+        release_gpu_memory()
         return True
     return False
-
-
-def _release_gpu_memory() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

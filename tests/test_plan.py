@@ -13,6 +13,7 @@ from conftest import DATA
 from specchat.app.plan_cmd import add_parsers, parse_context, plan_markdown, run_plan
 from specchat.core.errors import InputError
 from specchat.core.hardware import HardwareProfile, ModelCurves, curve_key
+from specchat.core.kv.slabs import pinned_bytes
 from specchat.core.placement import target_options
 from specchat.core.planning import (
     DSI_MARGIN,
@@ -81,8 +82,13 @@ def test_every_pair_on_every_machine(profile_name, pair_id, context, precision):
     per_token = kv8_bytes_per_token(target) if plan.kv_dtype == "int8" else \
         2 * target.layers * target.kv_heads * target.head_dim * dtype_bytes
     copies = len(plan.dsi_devices) or 1
-    assert sum(item.bytes for item in plan.memory if "full KV" in item.what) == \
-        pytest.approx(copies * context * per_token, abs=64)
+    # Pinned, the streamed layers' keys and values are packed into power-of-two blocks (kv/slabs.py).
+    pinned = [item for item in plan.memory if "full KV" in item.what and "pinned" in item.what]
+    streamed = target.layers - plan.kv_resident_layers
+    per_tensor = context * per_token // target.layers // 2
+    assert all(item.bytes == pinned_bytes(per_tensor, 2 * streamed) for item in pinned)
+    held = sum(item.bytes for item in plan.memory if "full KV" in item.what and item not in pinned)
+    assert held + len(pinned) * 2 * streamed * per_tensor == pytest.approx(copies * context * per_token, abs=64)
     _check_weights(plan, pair, dtype_bytes, copies)
     # Predictions wherever the GPUs' bandwidths are measured (all synthetic GPUs are), none on a CPU;
     # beside them, the exact placement's.

@@ -7,7 +7,8 @@ buffers take turns: while layer i attends over one, layer i+1's KV is copied int
 side stream (double buffering), and the last layer's turn prefetches the first for the next forward.
 The new entries of each forward are written back to host memory asynchronously. A full
 verification then costs about `KV bytes / host-to-device bandwidth`, hidden behind nothing else.
-TriForce's reference copies without any overlap.
+TriForce's reference copies without any overlap. The host memory is packed into blocks whose sizes
+are powers of two, which PyTorch's pinned allocator does not round up (slabs.py).
 
 With `int8` it holds 8-bit rows (kv/int8.py: codes, then the row's scale), which halves the
 pinned memory and what a verification streams; a forward's new entries are quantized before its
@@ -24,6 +25,7 @@ On the CPU the same class keeps the KV in place (nothing to stream), which is wh
 from __future__ import annotations
 
 import functools
+import math
 from typing import Iterable
 
 import torch
@@ -32,6 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .cache import rows_at
 from .chunk_means import ChunkMeans
 from .int8 import SCALE_BYTES, pack, unpack
+from .slabs import slabs
 
 
 class OffloadedCache:
@@ -48,10 +51,11 @@ class OffloadedCache:
         stored_dtype = torch.int8 if int8 else dtype
         on_gpu = self.device.type == "cuda"
         self.streamed = streamed_layers(hf_config.num_hidden_layers, resident_layers)
+        host = iter(_host_tensors(shape, stored_dtype, 2 * len(self.streamed), pinned=on_gpu))
 
         def storage(layer: int) -> torch.Tensor:
             if layer in self.streamed:
-                return torch.empty(shape, dtype=stored_dtype, pin_memory=on_gpu)
+                return next(host)
             return torch.empty(shape, dtype=stored_dtype, device=self.device)
 
         # Per layer (keys, values) [kv_heads, capacity, width]: in (pinned) host memory, or on the
@@ -233,6 +237,17 @@ def streamed_layers(layers: int, resident: int) -> tuple[int, ...]:
         raise ValueError(f"{resident} resident layers of {layers}")
     streamed = layers - resident
     return tuple(layer for layer in range(layers) if (layer + 1) * streamed // layers > layer * streamed // layers)
+
+
+def _host_tensors(shape: tuple[int, ...], dtype: torch.dtype, count: int, pinned: bool) -> list[torch.Tensor]:
+    """`count` tensors of `shape` in host memory (page-locked when `pinned`), packed into blocks
+    whose sizes are powers of two, which the pinned allocator does not round up (slabs.py)."""
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    tensors = []
+    for block_bytes, held in slabs(size, count):
+        block = torch.empty(block_bytes, dtype=torch.uint8, pin_memory=pinned)
+        tensors += [block[index * size:(index + 1) * size].view(dtype).view(shape) for index in range(held)]
+    return tensors
 
 
 def following_fetch(streamed: tuple[int, ...], layer: int, start: int, end: int) -> tuple[int, int]:

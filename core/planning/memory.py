@@ -13,6 +13,7 @@ import math
 
 from ..files import human_size
 from ..hardware import HardwareProfile, curve_key, kv_label
+from ..kv.slabs import pinned_bytes
 from ..registry import DTYPE_BYTES, ModelPair, ModelSpec
 from .types import DeviceMemory, MemoryItem
 
@@ -146,7 +147,7 @@ class Layout:
         self.devices = budgets(profile, self.items)
         # An offloaded KV is page-locked: past what the OS lets CUDA pin (half the RAM on Windows)
         # the allocation fails however much RAM is free.
-        self.pinned_bytes = self.streamed_kv if profile.gpus and not self.kv_on_chip else 0
+        self.pinned_bytes = self.pinned_kv if profile.gpus and not self.kv_on_chip else 0
         # The streamer stages layers on the device a forward starts on (kv/offload.py): an
         # offloaded KV goes with a target on one GPU.
         self.split_offload = bool(profile.gpus) and not kv_on_chip and len(self.target_devices) > 1
@@ -172,6 +173,13 @@ class Layout:
     def streamed_kv(self) -> int:
         """Bytes of the full KV a verification streams over the link (on a GPU machine)."""
         return self.full_kv - self.resident_kv
+
+    @property
+    def pinned_kv(self) -> int:
+        """What the streamed layers' KV pins: each one's keys and values packed into blocks whose
+        sizes are powers of two (kv/slabs.py), at the context's capacity."""
+        layers = self.pair.target.layers
+        return pinned_bytes(self.full_kv // layers // 2, 2 * (layers - self.kv_resident_layers))
 
     def _layer_bytes(self) -> int:
         """One target layer's share on a GPU: weights, its full KV when on-chip, its retrieval
@@ -294,7 +302,7 @@ class Layout:
         elif not self.kv_on_chip:
             layers = target.layers
             streamed = f"{layers - self.kv_resident_layers} of {layers} layers, " if self.kv_resident_layers else ""
-            self.items.append(MemoryItem(f"full KV ({streamed}{self.context:,} tokens, pinned)", "cpu", self.streamed_kv))
+            self.items.append(MemoryItem(f"full KV ({streamed}{self.context:,} tokens, pinned)", "cpu", self.pinned_kv))
         if self.draft is not None and not self.profile.gpus:
             self.items += self._draft_items("cpu")
 
