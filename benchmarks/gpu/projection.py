@@ -38,7 +38,7 @@ from ...core.speculative.lookahead import MAX_DRAFT
 from .clock import free_memory, synchronize
 from .rig import Rig, goal
 from .shapes import model_spec, random_ids, random_model
-from .weights import Unavailable, _nf4, _quantize
+from .weights import Unavailable, nf4_linear, quantize_layers
 
 GPU_CARDS = ((24, 131072), (8, 32768))  # (GB of the emulated card, context): the issue's two cases
 HOST_RAM = 32 * 10**9  # both cases' machines
@@ -163,9 +163,9 @@ def _placed(rig: Rig, plan, pair: ModelPair, positions: int) -> TransformersLM:
     shape = _dry_shape(rig) if rig.dry_run else _shape(pair)
     model = random_model(shape, positions, rig.device, rig.dtype)
     if plan.weights in ("nf4", "int8"):
-        _quantize(model.hf, plan.weights, rig.dtype)
-        if plan.head_weights == plan.weights:
-            model.hf.lm_head = _nf4(model.hf.lm_head, rig.dtype)
+        quantize_layers(model.hf, plan.weights, rig.dtype)
+        if plan.head_weights == "nf4":  # the only tier whose head is quantized too
+            model.hf.lm_head = nf4_linear(model.hf.lm_head, rig.dtype)
     if plan.embedding_device == "cpu" and not rig.dry_run:
         embedding_on_cpu(model.hf)
     free_memory(rig.device)

@@ -51,7 +51,7 @@ def _measure(rig: Rig, kind: str) -> dict:
     spec = model_spec(model, rig.dtype)
     row = {"kind": kind, "status": "ran"}
     if kind != "bf16":
-        row.update(_quantize(model.hf, kind, rig.dtype))
+        row.update(quantize_layers(model.hf, kind, rig.dtype))
     free_memory(rig.device)
     if rig.device == "cuda":
         row["weight_bytes"] = allocated_bytes(rig.device)
@@ -70,10 +70,10 @@ def _measure(rig: Rig, kind: str) -> dict:
     return row
 
 
-def _quantize(hf_model, kind: str, compute_dtype: torch.dtype) -> dict:
+def quantize_layers(hf_model, kind: str, compute_dtype: torch.dtype) -> dict:
     """Replace every linear layer of the decoder layers (not the embedding or the head, as
     bitsandbytes' default leaves them) with `kind`'s; report the first layer's kernel error."""
-    convert = {"nf4": _nf4, "int8": _int8, "int4": _int4}[kind]
+    convert = {"nf4": nf4_linear, "int8": _int8, "int4": _int4}[kind]
     checks = {}
     for layer in hf_model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
@@ -97,7 +97,7 @@ def _bitsandbytes():
     return bitsandbytes
 
 
-def _nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+def nf4_linear(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
     bnb = _bitsandbytes()
     # core/model.py's BitsAndBytesConfig: nf4, no double quantization, compute in the model's dtype.
     new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=compute_dtype,
