@@ -23,6 +23,7 @@ from .kv.int8 import Int8Cache
 from .kv.offload import OffloadedCache
 from .kv.queries import ATTENTION, new_tokens_see_the_past, record_queries
 from .linear_choice import choose_cpu_linear
+from .nf4_linear import use_fused_nf4
 from .step_graphs import StepGraphs
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ class TransformersLM:
         # This CPU's faster path for few-token forwards, measured once per machine and model
         # (linear_choice.py); fixed for the model's life, so never changes in mid-answer.
         choose_cpu_linear(self.hf)
+        # A verification's few tokens through 4-bit layers in one kernel, where Triton runs (nf4_linear.py).
+        use_fused_nf4(self.hf)
         config = hf_model.config
         own_width = hf_model.get_output_embeddings().out_features  # a quantized head's weight is packed
         # A draft whose embeddings are padded less than its target's answers with the target's

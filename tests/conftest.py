@@ -14,6 +14,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the Hub
 # Tests check decoding, not this machine's speed: no first-use calibration (step_calibration.py),
 # in this process and the `specchat` processes the tests start.
 os.environ.setdefault("SPECCHAT_CALIBRATE", "0")
+# Without a GPU, the Triton kernels (core/kv/int8_kernel.py, core/nf4_kernel.py) run in Triton's
+# interpreter: it reads this when Triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Under pytest-xdist (packaging/test.sh) each worker gets its share of the cores, and so do the
 # processes its tests start: a second OpenMP thread per worker only spins on tiny models.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
@@ -153,3 +157,21 @@ def saved(logic):
     """The one conversation the logic has saved, read back."""
     (summary,) = logic.store.list()
     return logic.store.load(summary.id)
+
+
+def route_on_cpu(monkeypatch, route, kernel_module, function: str) -> list[list[tuple[int, ...]]]:
+    """A Triton kernel's route (core/triton_route.py) taken on the CPU, the kernel in Triton's
+    interpreter, with no failure recorded; returns a list to which each kernel call appends the
+    shapes of its tensor arguments."""
+    monkeypatch.setattr(route, "devices", {"cuda", "cpu"})
+    monkeypatch.setattr(route, "failed", {})
+    calls = []
+    kernel = getattr(kernel_module, function)
+
+    def counted(*args):
+        calls.append([tuple(arg.shape) for arg in args if isinstance(arg, torch.Tensor)])
+        return kernel(*args)
+
+    monkeypatch.setattr(kernel_module, function, counted)
+    return calls
+

@@ -22,7 +22,8 @@ from specchat.core.interrupt import Cancelled, stop_between_layers
 from specchat.core.kv.cache import KVCache
 from specchat.core.kv.document_store import DocumentStore
 from specchat.core.kv.full import FullCache
-from specchat.core.kv.int8 import Int8Cache, dequantize, pack, quantize, unpack
+from specchat.core.kv.int8 import Int8Cache
+from specchat.core.kv.int8_rows import dequantize, pack, quantize, unpack
 from specchat.core.kv.offload import OffloadedCache
 from specchat.core.kv.prefix_store import PrefixStore
 from specchat.core.model import TransformersLM

@@ -17,7 +17,8 @@ from specchat.core.decoding import TreeDecoder, TriforceSettings, make_decoder, 
 from specchat.core.kv.document_store import DocumentStore
 from specchat.core.kv import int8 as int8_module, offload as offload_module
 from specchat.core.kv.full import FullCache
-from specchat.core.kv.int8 import Int8Cache, unpack
+from specchat.core.kv.int8 import Int8Cache
+from specchat.core.kv.int8_rows import unpack
 from specchat.core.kv.offload import OffloadedCache
 from specchat.core.kv.retrieval import RetrievalCache
 from specchat.core.kv.streaming import StreamingCache

@@ -11,15 +11,21 @@ group stacked as rows, as kv/queries.py folds masked multi-token forwards on CUD
 gives that shape another engine, 7-8x slower at 32-128K (bench/ notes); each row names its kernels.
 
 Why measure the naive path: an 8-bit KV halves what must fit in VRAM, but dequantizing writes a
-bf16 copy and reads it again, so per step it moves more bytes than the bf16 KV it replaces; how
-much more decides whether a fused kernel is needed before the plan may choose it."""
+bf16 copy and reads it again, so per step it moves more bytes than the bf16 KV it replaces (8.3-9x
+the bf16 attention's time on an H100). Beside it, the fused kernel the engine now uses where Triton
+runs (core/kv/int8_kernel.py: the packed rows read once, dequantized in registers, the splits
+merged): `fused_over_bf16` is what planning/efficiency.py's KV["int8"] is to be derived from."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 
+from ...core.kv import int8_attention
 from ...core.kv.full import GROWTH
+from ...core.kv.int8_rows import pack
 from .clock import free_memory, kernel_profile, wall_seconds
 from .rig import Rig
 
@@ -35,6 +41,7 @@ def run(rig: Rig, report: dict) -> dict:
         keys, values = (torch.randn(1, kv_heads, capacity, head_dim, device=rig.device, dtype=rig.dtype,
                                     generator=generator)[:, :, :length] for _ in range(2))
         (key_codes, key_scale), (value_codes, value_scale) = _quantize(keys), _quantize(values)
+        key_rows, value_rows = (_packed(tensor, capacity) for tensor in (keys, values))
         for n in (1, max(rig.sizes)):
             # [1, heads, n, head_dim] with the strides q_proj(...).view(...).transpose(1, 2) leaves
             queries = torch.randn(1, n, kv_heads * group, head_dim, device=rig.device, dtype=rig.dtype,
@@ -51,14 +58,25 @@ def run(rig: Rig, report: dict) -> dict:
             def folded_heads():
                 return F.scaled_dot_product_attention(folded, keys, values)
 
+            def fused():
+                from ...core.kv import int8_kernel  # needs Triton: imported only where it runs
+                return int8_kernel.attend_packed(folded[0], key_rows, value_rows, head_dim ** -0.5)
+
             (bf16_s, bf16_kernel), (int8_s, int8_kernel), (folded_s, folded_kernel) = (
                 _seconds(run, rig, layers) for run in (plain, dequantized, folded_heads))
-            rows.append({"context": length, "tokens": n, "bf16_kv_s": bf16_s, "int8_kv_dequantized_s": int8_s,
-                         "int8_over_bf16": int8_s / bf16_s, "bf16_folded_heads_s": folded_s,
-                         "kernels": {"bf16": bf16_kernel, "int8": int8_kernel, "bf16_folded_heads": folded_kernel},
-                         "kv_bytes_bf16": 2 * layers * keys.numel() * keys.element_size(),
-                         "kv_bytes_int8": 2 * layers * (key_codes.numel() + key_scale.numel() * key_scale.element_size())})
-        del keys, values, key_codes, value_codes
+            row = {"context": length, "tokens": n, "bf16_kv_s": bf16_s, "int8_kv_dequantized_s": int8_s,
+                   "int8_over_bf16": int8_s / bf16_s, "bf16_folded_heads_s": folded_s,
+                   "kernels": {"bf16": bf16_kernel, "int8": int8_kernel, "bf16_folded_heads": folded_kernel},
+                   "kv_bytes_bf16": 2 * layers * keys.numel() * keys.element_size(),
+                   "kv_bytes_int8": 2 * layers * (key_codes.numel() + key_scale.numel() * key_scale.element_size()),
+                   "int8_attention": int8_attention.ROUTE.describe(torch.device(rig.device))}
+            # The dry run rehearses the kernel where Triton's interpreter is on (under the tests).
+            rehearsed = rig.dry_run and os.environ.get("TRITON_INTERPRET") == "1"
+            if (row["int8_attention"] == "fused kernel" or rehearsed) and group * n <= int8_attention.MAX_ROWS:
+                fused_s, row["kernels"]["int8_fused"] = _seconds(fused, rig, layers)
+                row.update(int8_kv_fused_s=fused_s, fused_over_bf16=fused_s / bf16_s)
+            rows.append(row)
+        del keys, values, key_codes, value_codes, key_rows, value_rows
         free_memory(rig.device)
     return {"clock": "GPU busy time" if rig.device == "cuda" else "wall time", "rows": rows}
 
@@ -68,6 +86,15 @@ def _seconds(run, rig: Rig, layers: int) -> tuple[float, str | None]:
     busy, kernel = kernel_profile(run, rig.device)
     seconds = busy if busy is not None else wall_seconds(run, rig.device, rig.repeats)
     return seconds * layers, kernel
+
+
+def _packed(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The engine's 8-bit rows of [1, kv_heads, length, d] as kv/int8.py keeps them: a view of
+    [kv_heads, capacity, d + 4] packed rows."""
+    length = tensor.shape[2]
+    rows = torch.zeros(tensor.shape[1], capacity, tensor.shape[3] + 4, dtype=torch.int8, device=tensor.device)
+    rows[:, :length] = pack(tensor[0])
+    return rows[:, :length]
 
 
 def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from ...app.documents import user_turn
 from ...app.presets import DOCUMENT_SAMPLING
 from ...core import embedded
 from ...core.engine import Engine
+from ...core.kv import int8_attention
 from ...core.loading import load_engine
 from ...core.model import TransformersLM
 from ...core.placement import LoadOptions
@@ -88,6 +89,8 @@ def run(rig: Rig, report: dict) -> dict:
         failures += [f"{label}: {mode}" for mode, row in runs.items() if not row["identical_to_plain"]]
         result["variants"].append({"label": label, "kv_dtype": engine.model.kv_dtype, "runs": runs,
                                    "graphs": _graphs(engine.model)})
+        if fields.get("kv_dtype") == "int8" and "offload_capacity" not in fields:
+            result["variants"][-1]["int8_attention"] = int8_attention.ROUTE.describe(engine.model.device)
         engine.dsi.close()
         del engine
         free_memory(rig.device)

@@ -17,7 +17,7 @@ import torch
 
 from ..offload import random_layers, pinned_bandwidth
 from ...core.kv.full import FullCache
-from ...core.kv.int8 import pack
+from ...core.kv.int8_rows import pack
 from ...core.kv.offload import OffloadedCache
 from ...core.kv.retrieval import RetrievalCache
 from ...core.kv.streaming import StreamingCache

@@ -26,7 +26,8 @@ from ..offload import random_layers
 from ...core.hardware import CpuInfo, GpuInfo, HardwareProfile, probe
 from ...core.host_embedding import embedding_on_cpu
 from ...core.kv.full import FullCache
-from ...core.kv.int8 import Int8Cache, pack
+from ...core.kv.int8 import Int8Cache
+from ...core.kv.int8_rows import pack
 from ...core.kv.offload import OffloadedCache
 from ...core.model import TransformersLM
 from ...core.placement import offload_capacity

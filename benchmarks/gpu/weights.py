@@ -11,14 +11,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...core.nf4_linear import ROUTE as NF4_ROUTE, use_fused_nf4
 from .clock import allocated_bytes, free_memory
 from .int4 import GROUP, Int4Linear, max_relative_error
 from .rig import Rig
 from .shapes import model_spec, predicted_weight_bytes, prefill, random_ids, random_model
 from .steps import time_steps
 
-KINDS = ("bf16", "nf4", "int8", "int4")
-PLAN_QUANTIZATION = {"bf16": "none", "nf4": "nf4", "int8": "int8"}  # int4 is not a plan tier yet
+# nf4 through bitsandbytes' own forward, then through the engine's route (core/nf4_linear.py: the
+# fused kernel for 2-64 tokens where Triton runs), as a loaded 4-bit model runs it.
+KINDS = ("bf16", "nf4", "nf4-fused", "int8", "int4")
+PLAN_QUANTIZATION = {"bf16": "none", "nf4": "nf4", "nf4-fused": "nf4", "int8": "int8"}  # int4 is not a plan tier yet
 
 
 class Unavailable(Exception):
@@ -51,7 +54,11 @@ def _measure(rig: Rig, kind: str) -> dict:
     spec = model_spec(model, rig.dtype)
     row = {"kind": kind, "status": "ran"}
     if kind != "bf16":
-        row.update(quantize_layers(model.hf, kind, rig.dtype))
+        row.update(quantize_layers(model.hf, kind.removesuffix("-fused"), rig.dtype))
+    if kind == "nf4-fused":
+        row["route"] = NF4_ROUTE.describe(torch.device(rig.device))
+        if row["route"] != "fused kernel" or not use_fused_nf4(model.hf):
+            raise Unavailable(row["route"])
     free_memory(rig.device)
     if rig.device == "cuda":
         row["weight_bytes"] = allocated_bytes(rig.device)

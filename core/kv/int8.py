@@ -1,17 +1,12 @@
 """The target's full KV cache in 8 bits: keys and values as int8 codes with a symmetric absmax
-scale per token and KV head, attended exactly at their dequantized values.
+scale per token and KV head (kv/int8_rows.py), attended exactly at their dequantized values.
 
 A token's codes and scale come from its own keys and values alone, so it is attended to with the
 same values whether it ran alone (plain decoding) or inside a verification (chain or tree): the
 speculative decoders stay lossless against "the model with an 8-bit KV". A forward's new tokens
 are quantized before its attention, so they too are seen only at their dequantized values.
-
-Layout: each row (one token of one KV head) holds head_dim codes followed by the 4 bytes of its
-float32 scale, one int8 tensor per layer for the keys and one for the values. A scale thus
-travels with its codes through everything that drops or moves slots (`crop`, `keep_slots`, the
-rollback of a stopped forward in interrupt.py), and `held_bytes` counts codes and scales.
-Scales are float32 rather than the model's dtype: a bf16 scale keeps 8 bits, adding up to 0.4%
-error to every value of its row, for 2 bytes saved per row against head_dim (often 128) of codes.
+Where the fused kernel runs (kv/int8_attention.py), attention gets the packed rows as stored and
+dequantizes them in registers; elsewhere it gets them dequantized in the model's dtype.
 """
 
 from __future__ import annotations
@@ -20,49 +15,20 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from . import int8_attention
 from .full import FullCache, GrowingLayer
-
-LEVELS = 127  # codes -127 .. 127: symmetric, so zero is exact and -128 goes unused
-SCALE_BYTES = 4  # a float32 scale, stored as int8 bytes after its row's codes
-
-
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] -> (codes int8 [..., d], scale float32 [..., 1]), per row: scale = absmax / 127
-    and codes = round(x / scale), so |x - codes * scale| <= scale / 2. An all-zero row gets
-    scale 0 and codes 0."""
-    wide = x.to(torch.promote_types(x.dtype, torch.float32))
-    scale = (wide.abs().amax(-1, keepdim=True) / LEVELS).to(torch.float32)
-    codes = torch.round(wide / torch.where(scale > 0, scale, 1.0))
-    # A subnormal scale is inexact enough for a code to overshoot 127 by one.
-    return codes.clamp_(-LEVELS, LEVELS).to(torch.int8), scale
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes * scale, computed in at least float32 and rounded once to `dtype`."""
-    precise = torch.promote_types(dtype, torch.float32)
-    return (codes.to(precise) * scale.to(precise)).to(dtype)
-
-
-def pack(x: torch.Tensor) -> torch.Tensor:
-    """x [..., d] -> int8 [..., d + 4]: each row's codes, then its scale's bytes."""
-    codes, scale = quantize(x)
-    return torch.cat([codes, scale.view(torch.int8)], -1)
-
-
-def unpack(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The dequantized values [..., d] of packed rows [..., d + 4], in `dtype`."""
-    codes, scale_bytes = packed.split((packed.shape[-1] - SCALE_BYTES, SCALE_BYTES), -1)
-    return dequantize(codes, scale_bytes.contiguous().view(torch.float32), dtype)
+from .int8_rows import SCALE_BYTES, pack, unpack
 
 
 class Int8Layer(GrowingLayer):
-    """A `GrowingLayer` whose buffers hold packed rows. `update` returns the dequantized keys and
-    values of every slot for this forward's attention; nothing but the packed rows is kept."""
+    """A `GrowingLayer` whose buffers hold packed rows. `update` returns every slot's keys and
+    values for this forward's attention: the packed rows themselves where attention reads them
+    (kv/int8_attention.py), else dequantized; nothing but the packed rows is kept."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = self.append_packed(pack(key_states), pack(value_states))
-        # Dequantize-then-attend is the CPU rehearsal: a fused int8 attention is the GPU fast path
-        # still to come (an H100 measurement found dequantize-then-attend 9x slower at 128K).
+        if int8_attention.reads_packed(key_states.device):
+            return keys, values
         return unpack(keys, key_states.dtype), unpack(values, value_states.dtype)
 
     def append_packed(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .cache import rows_at
 from .chunk_means import ChunkMeans
-from .int8 import SCALE_BYTES, pack, unpack
+from .int8_rows import SCALE_BYTES, pack, unpack
 from .slabs import slabs
 
 

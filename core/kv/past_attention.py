@@ -105,6 +105,18 @@ def past_and_new_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     old = fused_attention_with_lse(folded, past_keys, past_values, scale)
     if old is None:
         return None
+    return attend_new_and_merge(query, folded, old, new_keys, new_values, scale, mask)
+
+
+def attend_new_and_merge(query: torch.Tensor, folded: torch.Tensor, old: tuple[torch.Tensor, torch.Tensor],
+                         new_keys: torch.Tensor, new_values: torch.Tensor, scale: float,
+                         mask: NewTokenMask) -> torch.Tensor | None:
+    """The new tokens' part of `past_and_new_attention`, merged with the past's (out, lse) `old`:
+    query [1, heads, n, d], folded as [1, kv_heads, groups * n, d]; new_keys, new_values
+    [1, kv_heads, n, d]. [1, n, heads, d] in the query's dtype, or None where no fused kernel is
+    available."""
+    n, kv_heads = query.shape[2], new_keys.shape[1]
+    groups = query.shape[1] // kv_heads
     if mask.allowed is None and n >= CAUSAL_KERNEL_FROM:
         # Unfolded, the kernel's own causal mask fits: the new keys and values repeated per query head
         # (2n rows a head) instead of a [groups * n, n] bias (n = 8,192 on the 8B shape: 128 MiB, not 512).

@@ -18,7 +18,9 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
+from . import int8_attention
 from .device_length import active_step, attend
+from .int8_rows import unpack
 from .past_attention import NewTokenMask, fused_kernels_known_to_fail, past_and_new_attention
 
 ATTENTION = "specchat_sdpa"
@@ -73,9 +75,16 @@ def _sdpa_recording_queries(module, query, key, value, attention_mask, **kwargs)
     if recorded is not None:
         recorded[module.layer_idx] = query.detach()  # [1, heads, n, head_dim], after RoPE
     visible = _past_visible.get()
+    scale = kwargs.get("scaling")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    if key.dtype == torch.int8:  # an 8-bit cache's packed rows, as stored (kv/int8_attention.py)
+        if _plain_attention(module, kwargs):
+            out = int8_attention.attend(query, key, value, scale, visible, attention_mask)
+            if out is not None:
+                return out, None
+        key, value = unpack(key, query.dtype), unpack(value, query.dtype)
     if visible is not None and _splittable(module, query, key, kwargs):
-        scale = kwargs.get("scaling")
-        out = past_and_new_attention(query, key, value, query.shape[-1] ** -0.5 if scale is None else scale, visible)
+        out = past_and_new_attention(query, key, value, scale, visible)
         if out is not None:
             return out, None
     n, length = query.shape[2], key.shape[2]
@@ -105,12 +114,14 @@ def _foldable(module, query, attention_mask) -> bool:
 
 def _splittable(module, query, key, kwargs) -> bool:
     """A forward of several new tokens after some past, on a device where the split pays, in a
-    plain attention layer: no sliding window (its past is not all visible), no logit
-    soft-capping, no attention sinks."""
+    plain attention layer."""
     n = query.shape[2]
-    return (query.device.type in SPLIT_DEVICES and n > 1 and key.shape[2] > n
-            and getattr(module, "sliding_window", None) is None
-            and not kwargs.get("softcap") and kwargs.get("s_aux") is None)
+    return query.device.type in SPLIT_DEVICES and n > 1 and key.shape[2] > n and _plain_attention(module, kwargs)
+
+
+def _plain_attention(module, kwargs) -> bool:
+    """No sliding window (its past is not all visible), no logit soft-capping, no attention sinks."""
+    return getattr(module, "sliding_window", None) is None and not kwargs.get("softcap") and kwargs.get("s_aux") is None
 
 
 def _grouped_attention(module, query, key, value, attention_mask, scaling) -> torch.Tensor:

@@ -22,7 +22,9 @@ WEIGHTS = {
     # until calibration measures it).
     "none": Efficiency(1.0, 1.0),
     # bitsandbytes 0.50.2: a step's fused 4-bit kernel reads 0.36x as fast, a verification
-    # dequantizes every layer to bf16 first, 0.18x (campaign `quantized`, 1K and 32K).
+    # dequantizes every layer to bf16 first, 0.18x (campaign `quantized`, 1K and 32K). Where Triton
+    # runs, a verification now goes through a fused kernel (nf4_kernel.py) instead; the campaign's
+    # `nf4-fused` row is to replace the 0.18 there.
     "nf4": Efficiency(0.36, 0.18),
     # LLM.int8: 0.33x for a step, 0.29x for a verification (its int8 matmul) (campaign `quantized`).
     "int8": Efficiency(0.33, 0.29),
@@ -32,9 +34,10 @@ WEIGHTS = {
 KV = {
     # Flash attention reads a bf16/fp16/fp32 KV at the card's rate.
     "compute": Efficiency(1.0, 1.0),
-    # The engine dequantizes a layer's 8-bit KV to a bf16 copy, then attends to the copy: 8.3-9.0x
-    # the bf16 attention's time for 0.51x its bytes at 32-128K (campaign `kv8`). A fused kernel
-    # (dequantizing in registers, as llama.cpp's q8_0 attention) would read ~1 byte per element: ~1.0.
+    # Dequantizing a layer's 8-bit KV to a bf16 copy, then attending to the copy: 8.3-9.0x the bf16
+    # attention's time for 0.51x its bytes at 32-128K (campaign `kv8`). Where Triton runs, the engine
+    # now reads it through a fused kernel (kv/int8_kernel.py) instead; its `fused_over_bf16` in the
+    # next campaign is to replace this figure there (the dequantized path stays on Windows).
     "int8": Efficiency(0.06, 0.06),
 }
 

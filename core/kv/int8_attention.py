@@ -1,0 +1,60 @@
+"""Which attention reads an 8-bit KV (kv/int8.py): the fused kernel (kv/int8_kernel.py) where it
+runs, else the rows dequantized into the model's dtype for the ordinary path.
+
+Where `reads_packed` says so, the cache hands attention its packed rows as stored, and attention
+(kv/queries.py) calls `attend`. That answers None where the fused route does not apply, and the
+caller dequantizes the rows and goes on as for any cache:
+- a prefill chunk's many query rows (past MAX_ROWS): dequantizing once per chunk costs little per
+  query there, and flash attention outruns this kernel on long query blocks;
+- a mask that hides part of the past (only the causal or tree mask among new tokens is handled:
+  the new tokens are dequantized and attended as kv/past_attention.py does, then merged);
+- a kernel that fails to build or launch on this machine: the dequantized path from then on
+  (core/triton_route.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..triton_route import TritonRoute
+from .int8_rows import unpack
+from .past_attention import NewTokenMask, attend_new_and_merge
+
+# A KV head's query rows (its group's query heads x the new tokens) up to which the kernel is used:
+# a 64-token verification with 4 query heads a KV head.
+MAX_ROWS = 256
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # its sums are float32: no float64
+ROUTE = TritonRoute(".kv.int8_kernel", "dequantized")
+
+
+def reads_packed(device: torch.device) -> bool:
+    """Whether attention on `device` takes an 8-bit cache's packed rows as stored."""
+    return ROUTE.runs_on(device)
+
+
+def attend(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor, scale: float,
+           visible: NewTokenMask | None, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """query [1, heads, n, d]; key_rows, value_rows [1, kv_heads, length, d + 4] packed, the last n
+    the new tokens'. Attends every position (one token, no mask) or, where `visible` says every
+    new token sees the whole past, the past in the kernel and the new tokens under their mask.
+    Returns [1, n, heads, d] in the query's dtype, or None (then dequantize and attend as usual)."""
+    batch, heads, n, dim = query.shape
+    kv_heads, length = key_rows.shape[1], key_rows.shape[2]
+    groups = heads // kv_heads
+    whole = n == 1 and attention_mask is None
+    if (groups * n > MAX_ROWS or dim % 4 or query.dtype not in KERNEL_DTYPES or query.device.type in ROUTE.failed
+            or not (whole or (visible is not None and length > n))):
+        return None
+    folded = query.reshape(batch, kv_heads, groups * n, dim)
+    seen = length if whole else length - n
+    try:
+        out, lse = ROUTE.kernel.attend_packed(folded[0], key_rows[0, :, :seen], value_rows[0, :, :seen], scale)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # a kernel that does not build or run here (Triton or driver too old)
+        ROUTE.fail(query.device, error)
+        return None
+    if whole:
+        return out.reshape(batch, heads, n, dim).transpose(1, 2).to(query.dtype)
+    new_keys, new_values = (unpack(rows[:, :, seen:], query.dtype) for rows in (key_rows, value_rows))
+    return attend_new_and_merge(query, folded, (out[None], lse[None]), new_keys, new_values, scale, visible)

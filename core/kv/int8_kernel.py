@@ -1,0 +1,118 @@
+"""Attention of a few queries over an 8-bit KV (kv/int8.py's packed rows) in one Triton kernel,
+each code dequantized in registers: the KV is read once, at 1 byte an element plus its scales.
+
+Why: dequantizing a layer into a bf16 copy and attending to the copy writes and reads the KV
+again; on an H100 that took 8.3-9.0x a bf16 KV's attention for half its bytes (campaign `kv8`),
+so the plan prices an 8-bit KV too slow to choose on the GPU. llama.cpp's q8_0 cache is read in
+its attention kernel the same way.
+
+The kernel attends to the dequantized values exactly as stored: a row's keys enter the scores as
+(query . codes) x scale and its values the output as (weight x scale) . codes, the same sums as
+over codes x scale, rounded in another order. The sequence is split among programs (flash
+decoding) so that a decode step's few query rows still fill the GPU; each split gives its output
+and log-sum-exp, merged here exactly.
+
+Triton comes with PyTorch's CUDA wheels on Linux, not on Windows (kv/int8_attention.py then keeps
+the dequantized path). On the CPU the same kernel runs in Triton's interpreter: the tests'
+rehearsal of the GPU path, never a production one (Triton reads TRITON_INTERPRET=1 when it is
+first imported: tests/conftest.py sets it where there is no CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # KV positions per iteration
+PROGRAMS_PER_CPU_RUN = 8  # the interpreter's share of splits: enough to exercise the merge
+
+
+@triton.jit
+def _attend_packed(queries, key_codes, key_scales, value_codes, value_scales, out, lse,
+                   rows, length, split_length, head_dim, scale_log2,
+                   query_head_stride, query_row_stride, code_head_stride, code_row_stride,
+                   scale_head_stride, scale_row_stride,
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One (block of query rows, KV head, split of the sequence): its normalized output and
+    log-sum-exp (natural log) over positions [split x split_length, +split_length) of `length`."""
+    row_block, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row_ids = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_held, dim_held = row_ids < rows, dims < head_dim
+    query = tl.load(queries + head * query_head_stride + row_ids[:, None] * query_row_stride + dims[None, :],
+                    mask=row_held[:, None] & dim_held[None, :], other=0.0)
+    start = split * split_length
+    end = tl.minimum(start + split_length, length)
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the log2-scaled scores
+    mass = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - best)
+    total = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for first in range(start, end, BLOCK_N):
+        positions = first + tl.arange(0, BLOCK_N)
+        held = positions < end  # every block holds at least its first position
+        codes_at = head * code_head_stride + positions[:, None] * code_row_stride + dims[None, :]
+        scales_at = head * scale_head_stride + positions * scale_row_stride
+        code_held = held[:, None] & dim_held[None, :]
+        keys = tl.load(key_codes + codes_at, mask=code_held, other=0).to(query.dtype)  # |code| <= 127: exact
+        key_scale = tl.load(key_scales + scales_at, mask=held, other=0.0)
+        if IEEE:  # fp32 queries: no TF32 rounding
+            scores = tl.dot(query, tl.trans(keys), input_precision="ieee")
+        else:
+            scores = tl.dot(query, tl.trans(keys))
+        scores = tl.where(held[None, :], scores * (key_scale * scale_log2)[None, :], float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        kept = tl.exp2(best - new_best)
+        weights = tl.exp2(scores - new_best[:, None])
+        mass = mass * kept + tl.sum(weights, 1)
+        values = tl.load(value_codes + codes_at, mask=code_held, other=0).to(query.dtype)
+        value_scale = tl.load(value_scales + scales_at, mask=held, other=0.0)
+        scaled = (weights * value_scale[None, :]).to(query.dtype)
+        if IEEE:
+            total = total * kept[:, None] + tl.dot(scaled, values, input_precision="ieee")
+        else:
+            total = total * kept[:, None] + tl.dot(scaled, values)
+        best = new_best
+    part = (split * tl.num_programs(1) + head) * rows + row_ids
+    tl.store(out + part[:, None] * head_dim + dims[None, :], total / mass[:, None],
+             mask=row_held[:, None] & dim_held[None, :])
+    tl.store(lse + part, (best + tl.log2(mass)) * 0.6931471805599453, mask=row_held)
+
+
+def scale_view(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The float32 scales [kv_heads, length] stored after each packed row's codes, as a view."""
+    return rows.view(torch.float32)[..., head_dim // 4]
+
+
+def attend_packed(queries: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """queries [kv_heads, rows, d] (each KV head's query rows: its group folded with the tokens),
+    key_rows and value_rows [kv_heads, length, d + 4] packed int8 (d a multiple of 4, rows
+    contiguous), every position visible to every row. Returns (out [kv_heads, rows, d] float32,
+    lse [kv_heads, rows] float32, natural log)."""
+    kv_heads, rows, head_dim = queries.shape
+    if queries.stride(-1) != 1:
+        queries = queries.contiguous()
+    length = key_rows.shape[1]
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    row_blocks, position_blocks = triton.cdiv(rows, block_m), triton.cdiv(length, BLOCK_N)
+    wanted = (4 * torch.cuda.get_device_properties(queries.device).multi_processor_count
+              if queries.is_cuda else PROGRAMS_PER_CPU_RUN)
+    splits = max(1, min(position_blocks, wanted // (kv_heads * row_blocks)))
+    split_length = triton.cdiv(position_blocks, splits) * BLOCK_N
+    splits = triton.cdiv(length, split_length)  # none left empty
+    out = torch.empty(splits, kv_heads, rows, head_dim, dtype=torch.float32, device=queries.device)
+    lse = torch.empty(splits, kv_heads, rows, dtype=torch.float32, device=queries.device)
+    key_scales, value_scales = scale_view(key_rows, head_dim), scale_view(value_rows, head_dim)
+    _attend_packed[(row_blocks, kv_heads, splits)](
+        queries, key_rows, key_scales, value_rows, value_scales, out, lse,
+        rows, length, split_length, head_dim, scale * math.log2(math.e),
+        queries.stride(0), queries.stride(1), key_rows.stride(0), key_rows.stride(1),
+        key_scales.stride(0), key_scales.stride(1),
+        BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=BLOCK_N,
+        IEEE=queries.dtype == torch.float32)
+    if splits == 1:
+        return out[0], lse[0]
+    merged_lse = torch.logsumexp(lse, 0)
+    return (out * torch.exp(lse - merged_lse)[..., None]).sum(0), merged_lse

@@ -1,0 +1,164 @@
+"""The 8-bit KV's fused attention (core/kv/int8_kernel.py, routed by core/kv/int8_attention.py): the
+Triton kernel reads the packed rows and attends exactly to their dequantized values.
+
+On the CPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+where there is no CUDA): float32 and float16 queries, as the interpreter computes bf16 dot products
+wrongly (Triton 3.9); bf16 runs in the CUDA tests."""
+
+import pytest
+import torch
+
+from conftest import needs_cuda, route_on_cpu, tiny_llama
+from test_decoding import assert_greedy_identity
+from test_kv_int8 import IDS, SMALL, each_forward, filled, reference_cache
+from test_tree_decoding import model_tree_decoder, noisy_copy
+from specchat.core.decoding import TriforceSettings, make_decoder, triforce_decoder
+from specchat.core.kv import int8_attention
+from specchat.core.kv.int8_rows import pack, unpack
+from specchat.core.model import TransformersLM
+from specchat.core.speculative.tree import Tree
+
+int8_kernel = pytest.importorskip("specchat.core.kv.int8_kernel", reason="Triton is not installed")
+
+
+def packed_rows(kv_heads: int, length: int, head_dim: int, spare: int = 37, seed: int = 0):
+    """Packed keys and values [kv_heads, length, head_dim + 4], views of buffers with spare
+    capacity, as a cache holds them."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(2):
+        buffer = torch.zeros(kv_heads, length + spare, head_dim + 4, dtype=torch.int8)
+        buffer[:, :length] = pack(torch.randn(kv_heads, length, head_dim, generator=generator) * 3)
+        rows.append(buffer[:, :length])
+    return rows
+
+
+def reference(queries, key_rows, value_rows, scale):
+    """Softmax attention in float64 over the dequantized rows: (out, lse)."""
+    keys, values = unpack(key_rows, torch.float64), unpack(value_rows, torch.float64)
+    scores = queries.double() @ keys.transpose(-1, -2) * scale
+    return torch.softmax(scores, -1) @ values, torch.logsumexp(scores, -1)
+
+
+@pytest.mark.parametrize("kv_heads, rows, length, head_dim, dtype, tolerance", [
+    (2, 3, 300, 64, torch.float32, 1e-5),  # a decode step of a 3-head group; 5 splits, the last partial
+    (2, 20, 1000, 128, torch.float32, 1e-5),  # a 5-token verification of a 4-head group
+    (1, 6, 70, 80, torch.float32, 1e-5),  # a head size that is no power of two
+    (3, 256, 200, 64, torch.float32, 1e-5),  # the most rows the route sends: 4 row blocks
+    (2, 4, 500, 64, torch.float16, 2e-3),
+    (2, 64, 3000, 128, torch.float16, 2e-3),
+])
+def test_the_kernel_attends_exactly_to_the_dequantized_rows(kv_heads, rows, length, head_dim, dtype, tolerance):
+    generator = torch.Generator().manual_seed(1)
+    queries = torch.randn(kv_heads, rows, head_dim, generator=generator).to(dtype)
+    key_rows, value_rows = packed_rows(kv_heads, length, head_dim)
+    out, lse = int8_kernel.attend_packed(queries, key_rows, value_rows, head_dim ** -0.5)
+    expected_out, expected_lse = reference(queries, key_rows, value_rows, head_dim ** -0.5)
+    assert out.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected_out, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=tolerance, atol=tolerance)
+
+
+def test_the_split_count_covers_every_position_once(monkeypatch):
+    """One split and many give the same attention: none drops or repeats a block."""
+    queries = torch.randn(2, 4, 64)
+    key_rows, value_rows = packed_rows(2, 1000, 64)
+    monkeypatch.setattr(int8_kernel, "PROGRAMS_PER_CPU_RUN", 1)
+    one = int8_kernel.attend_packed(queries, key_rows, value_rows, 0.125)
+    monkeypatch.setattr(int8_kernel, "PROGRAMS_PER_CPU_RUN", 64)
+    many = int8_kernel.attend_packed(queries, key_rows, value_rows, 0.125)
+    for single, split in zip(one, many):
+        torch.testing.assert_close(single, split, rtol=0, atol=1e-5)
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """The route on the CPU; yields each kernel call's tensor shapes (the keys' second: positions)."""
+    return route_on_cpu(monkeypatch, int8_attention.ROUTE, int8_kernel, "attend_packed")
+
+
+def int8_fp32(seed: int, **kwargs) -> TransformersLM:
+    return TransformersLM(tiny_llama(seed, dtype=torch.float32, **kwargs).hf, kv_dtype="int8")
+
+
+def test_the_model_attends_exactly_to_the_dequantized_values_through_the_kernel(fused_on_cpu):
+    """Prefill, a verification, a rollback, a tree and its accepted path, a decode step: the
+    logits through the kernel are those of attention over values rounded to the int8 steps; the
+    verification, the tree and the decode step went through it (the prefill has no past)."""
+    model = int8_fp32(3)
+    caches = {"int8": model.new_cache(), "reference": reference_cache(model.hf)}
+
+    def step(ids, positions, mask=None):
+        logits = {name: model.forward(ids, positions, cache, mask) for name, cache in caches.items()}
+        torch.testing.assert_close(logits["int8"], logits["reference"], rtol=0, atol=1e-5)
+
+    each_forward(step, caches.values())
+    layers = model.hf.config.num_hidden_layers
+    assert [shapes[1][1] for shapes in fused_on_cpu] == [30] * layers + [33] * layers + [37] * layers  # past, or all
+
+
+def test_a_prefill_chunk_and_a_hidden_past_take_the_dequantized_path(fused_on_cpu):
+    model = int8_fp32(0)
+    cache = filled(model, 40)
+    model.forward(IDS[:2], torch.tensor([40, 41]), cache,
+                  torch.ones(1, 1, 2, 42, dtype=torch.bool).tril(40).logical_and(torch.arange(42) != 5))
+    rows = 2 * (int8_attention.MAX_ROWS // 4 + 1)  # past MAX_ROWS once folded with the group of 2
+    model.forward(torch.arange(rows) % 97, torch.arange(42, 42 + rows), cache)
+    assert fused_on_cpu == []
+
+
+def test_a_kernel_that_fails_leaves_the_dequantized_path_with_the_reason(fused_on_cpu, monkeypatch):
+    model = int8_fp32(1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX .version 9.0 does not support .target sm_120")
+
+    monkeypatch.setattr(int8_kernel, "attend_packed", broken)
+    cache = filled(model, 30)
+    logits = model.forward(IDS[30:40], torch.arange(30, 40), cache)
+    assert "sm_120" in int8_attention.ROUTE.describe(torch.device("cpu")) and not int8_attention.reads_packed(torch.device("cpu"))
+    monkeypatch.setattr(int8_attention.ROUTE, "devices", {"cuda"})
+    reference_logits = model.forward(IDS[30:40], torch.arange(30, 40), filled(model, 30))
+    torch.testing.assert_close(logits, reference_logits, rtol=0, atol=0)
+
+
+def test_greedy_chain_through_the_kernel_equals_greedy_plain(fused_on_cpu):
+    assert_greedy_identity([(0, int8_fp32(0))], lambda seed, model: make_decoder("chain"), 16)
+    assert fused_on_cpu
+
+
+def test_greedy_tree_through_the_kernel_equals_greedy_plain(fused_on_cpu):
+    assert_greedy_identity([(1, int8_fp32(1, weight_scale=8.0))],
+                           lambda seed, model: model_tree_decoder(noisy_copy(seed, 0.3, weight_scale=8.0)), 16)
+    assert fused_on_cpu
+
+
+def test_greedy_triforce_through_the_kernel_equals_greedy_plain(fused_on_cpu):
+    settings = TriforceSettings(tree=Tree((-1, 0, 0, 0, 1, 1, 2, 4)), **SMALL)
+    assert_greedy_identity([(0, int8_fp32(0, weight_scale=8.0))],
+                           lambda seed, model: triforce_decoder(model, settings, prefill_chunk=16), 16)
+    assert fused_on_cpu
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)])
+def test_on_cuda_the_kernel_attends_exactly_to_the_dequantized_rows(dtype, tolerance):
+    """Llama-3.1-8B's attention shape (8 KV heads of 4 query heads, head size 128) at 32K
+    positions: a decode step and a 16-token verification."""
+    key_rows, value_rows = (rows.cuda() for rows in packed_rows(8, 32768, 128))
+    for rows in (4, 64):
+        queries = torch.randn(8, rows, 128, device="cuda").to(dtype)
+        out, lse = int8_kernel.attend_packed(queries, key_rows, value_rows, 128 ** -0.5)
+        expected_out, expected_lse = reference(queries, key_rows, value_rows, 128 ** -0.5)
+        torch.testing.assert_close(out.double(), expected_out, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(lse.double(), expected_lse, rtol=tolerance, atol=tolerance)
+
+
+@needs_cuda
+def test_on_cuda_greedy_chain_and_tree_through_the_kernel_equal_greedy_plain():
+    assert int8_attention.reads_packed(torch.device("cuda"))
+    models = [(seed, int8_fp32(seed, weight_scale=8.0).to("cuda")) for seed in range(2)]
+    assert_greedy_identity(models, lambda seed, model: make_decoder("chain"), 24)
+    assert_greedy_identity(models, lambda seed, model: model_tree_decoder(noisy_copy(seed, 0.3, weight_scale=8.0)
+                                                                          .to("cuda")), 24)
+    assert int8_attention.ROUTE.describe(torch.device("cuda")) == "fused kernel"
