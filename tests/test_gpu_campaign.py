@@ -87,6 +87,8 @@ def test_the_dry_run_writes_every_section(tmp_path):
     assert all(row["plain_measured_over_projected"] > 0 for row in projected)
     assert projected[1]["chain_tokens"] >= 64 and projected[1]["measured_over_projected"] > 0
     assert [g["name"] for g in sections["projection"]["goals"]] == ["measured_over_projected"] * 3
+    routes = sections["projection"]["routes"]  # the CPU keeps the paths the plan prices
+    assert routes["nf4_verification"].startswith("bitsandbytes: ") and routes["int8_kv"].startswith("dequantized: ")
     assert report["environment"]["device"] == "cpu" and report["environment"]["torch"] == torch.__version__
 
 

@@ -173,3 +173,14 @@ def test_on_cuda_the_kernel_multiplies_by_what_bitsandbytes_dequantizes(rows):
     expected = x.double() @ functional.dequantize_4bit(packed, state).double().T
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
     assert nf4_linear.ROUTE.describe(torch.device("cuda")) == "fused kernel"
+
+
+def test_the_campaign_times_a_4bit_layer_through_bitsandbytes_and_the_kernel(fused_on_cpu):
+    from specchat.benchmarks.gpu.weights import nf4_kernel_rows
+
+    up = four_bit_llama(0).hf.model.layers[0].mlp.up_proj
+    timed = nf4_kernel_rows(up, SimpleNamespace(device="cpu", dtype=torch.float32, repeats=1))
+    assert (timed["outputs"], timed["inner"], timed["stored_bytes"]) == (128, 64, 128 * 64 // 2 + 128 * 4)
+    assert [row["rows"] for row in timed["rows"]] == [1, 2, 4, 8, 16, 64]
+    assert all(row["fused_s"] > 0 and row["bitsandbytes_bytes_per_s"] > 0 for row in timed["rows"])
+    assert len(fused_on_cpu) >= 12 and up.own_calls >= 12  # each way, warm-up included

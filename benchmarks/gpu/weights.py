@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ...core.nf4_linear import ROUTE as NF4_ROUTE, use_fused_nf4
-from .clock import allocated_bytes, free_memory
+from .clock import allocated_bytes, busy_seconds, free_memory, wall_seconds
 from .int4 import GROUP, Int4Linear, max_relative_error
 from .rig import Rig
 from .shapes import model_spec, predicted_weight_bytes, prefill, random_ids, random_model
@@ -59,6 +59,8 @@ def _measure(rig: Rig, kind: str) -> dict:
         row["route"] = NF4_ROUTE.describe(torch.device(rig.device))
         if row["route"] != "fused kernel" or not use_fused_nf4(model.hf):
             raise Unavailable(row["route"])
+        mlp = model.hf.model.layers[0].mlp
+        row["kernel_rows"] = [nf4_kernel_rows(layer, rig) for layer in (mlp.up_proj, mlp.down_proj)]
     free_memory(rig.device)
     if rig.device == "cuda":
         row["weight_bytes"] = allocated_bytes(rig.device)
@@ -75,6 +77,26 @@ def _measure(rig: Rig, kind: str) -> dict:
         del cache
         free_memory(rig.device)
     return row
+
+
+def nf4_kernel_rows(layer: nn.Module, rig: Rig) -> dict:
+    """One 4-bit layer (routed by core/nf4_linear.py) at 1-64 rows: bitsandbytes' forward against
+    the fused kernel, and the bytes each reads per second (the packed weight and its scales)."""
+    state = layer.weight.quant_state
+    outputs, inner = state.shape
+    stored = layer.weight.data.numel() + state.absmax.numel() * state.absmax.element_size()
+    result = {"outputs": outputs, "inner": inner, "stored_bytes": stored, "rows": []}
+    for rows in (1, 2, 4, 8, 16, 64):
+        x = torch.randn(rows, inner, device=rig.device, dtype=rig.dtype)
+        timed = {}
+        for name, run in (("bitsandbytes", lambda: layer.bitsandbytes_forward(x)),
+                          ("fused", lambda: NF4_ROUTE.kernel.nf4_matmul(x, layer.weight.data.view(-1), state.absmax,
+                                                                        state.code, outputs))):
+            busy = busy_seconds(run, rig.device)
+            timed[f"{name}_s"] = busy if busy is not None else wall_seconds(run, rig.device, rig.repeats)
+            timed[f"{name}_bytes_per_s"] = stored / timed[f"{name}_s"]
+        result["rows"].append({"rows": rows, **timed, "fused_over_bitsandbytes": timed["fused_s"] / timed["bitsandbytes_s"]})
+    return result
 
 
 def quantize_layers(hf_model, kind: str, compute_dtype: torch.dtype) -> dict:
