@@ -74,7 +74,9 @@ def run(rig: Rig, report: dict) -> dict:
             rehearsed = rig.dry_run and os.environ.get("TRITON_INTERPRET") == "1"
             if (row["int8_attention"] == "fused kernel" or rehearsed) and group * n <= int8_attention.MAX_ROWS:
                 fused_s, row["kernels"]["int8_fused"] = _seconds(fused, rig, layers)
-                row.update(int8_kv_fused_s=fused_s, fused_over_bf16=fused_s / bf16_s)
+                # planning/efficiency.py's KV figure: stored bytes read per second, against bf16's
+                row.update(int8_kv_fused_s=fused_s, fused_over_bf16=fused_s / bf16_s,
+                           fused_efficiency=(row["kv_bytes_int8"] / fused_s) / (row["kv_bytes_bf16"] / bf16_s))
             rows.append(row)
         del keys, values, key_codes, value_codes, key_rows, value_rows
         free_memory(rig.device)

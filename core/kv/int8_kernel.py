@@ -30,7 +30,9 @@ BLOCK_N = 64  # KV positions per iteration
 PROGRAMS_PER_CPU_RUN = 8  # the interpreter's share of splits: enough to exercise the merge
 
 
-@triton.jit
+# Lengths change every step: specializing on them (Triton's divisible-by-16 variants) would compile
+# the kernel again and again in mid-answer.
+@triton.jit(do_not_specialize=["rows", "length", "split_length"])
 def _attend_packed(queries, key_codes, key_scales, value_codes, value_scales, out, lse,
                    rows, length, split_length, head_dim, scale_log2,
                    query_head_stride, query_row_stride, code_head_stride, code_row_stride,
