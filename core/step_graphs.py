@@ -11,10 +11,12 @@ The host keeps the lengths (it commits the tokens anyway) and sets the device nu
 replay. Captured by hand (`CUDAGraph.capture_begin`, no compiler), so it works wherever CUDA does.
 
 Where it applies: caches whose layers are all `GrowingLayer`s with room for the new tokens (the
-full KV on the GPU, a StreamingLLM draft's, the retrieval cache), forwards of up to
-`GRAPH_TOKENS` tokens after at least one cached position that see all of it (recording the
-queries or not: a size that records has a graph of its own), with every weight on one CUDA device. Elsewhere (offloaded or 8-bit KV, prefill chunks,
-a model split over GPUs or with its embedding on the host) the eager forward runs. A graph is
+full KV on the GPU, a StreamingLLM draft's, the retrieval cache; an 8-bit KV where its fused
+kernel runs, kv/int8_attention.py), forwards of up to `GRAPH_TOKENS` tokens after at least one
+cached position that see all of it (recording the queries or not: a size that records has a
+graph of its own), with every weight on one CUDA device. Elsewhere (an offloaded KV, an 8-bit
+one without its kernel, prefill chunks, a model split over GPUs or with its embedding on the
+host) the eager forward runs. A graph is
 captured at the second forward of its size over the same buffers (a cache used once is not worth
 a capture) and lives as long as they do. A model's first capture is checked against its eager
 forward; a mismatch or a failed capture turns graphs off for that model, with the reason in `off`.
@@ -32,7 +34,9 @@ import torch
 
 from .interrupt import Cancelled
 from .kv.device_length import DeviceStep, device_step
+from .kv import int8_attention
 from .kv.full import GrowingLayer
+from .kv.int8 import Int8Layer
 from .kv.queries import ATTENTION, recording
 
 GRAPH_TOKENS = 64  # decode steps and verifications; a prefill chunk runs eagerly
@@ -199,7 +203,10 @@ class StepGraphs:
 
 
 def _replayable(layers, device: torch.device) -> bool:
-    return all(type(layer) is GrowingLayer and layer.buffers is not None and layer.buffers[0].device == device
+    """Buffers of one capacity on the model's device, each layer a full KV's or an 8-bit one's
+    where its attention reads the packed rows in the kernel that takes its length on the device."""
+    kinds = (GrowingLayer, Int8Layer) if int8_attention.reads_packed(device) else (GrowingLayer,)
+    return all(type(layer) in kinds and layer.buffers is not None and layer.buffers[0].device == device
                for layer in layers) and len({layer.buffers[0].shape[2] for layer in layers}) == 1
 
 

@@ -168,9 +168,9 @@ def route_on_cpu(monkeypatch, route, kernel_module, function: str) -> list[list[
     calls = []
     kernel = getattr(kernel_module, function)
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append([tuple(arg.shape) for arg in args if isinstance(arg, torch.Tensor)])
-        return kernel(*args)
+        return kernel(*args, **kwargs)
 
     monkeypatch.setattr(kernel_module, function, counted)
     return calls

@@ -155,10 +155,64 @@ def test_on_cuda_the_kernel_attends_exactly_to_the_dequantized_rows(dtype, toler
 
 
 @needs_cuda
-def test_on_cuda_greedy_chain_and_tree_through_the_kernel_equal_greedy_plain():
+def test_on_cuda_greedy_chain_and_tree_through_the_kernel_and_graphs_equal_greedy_plain():
     assert int8_attention.reads_packed(torch.device("cuda"))
     models = [(seed, int8_fp32(seed, weight_scale=8.0).to("cuda")) for seed in range(2)]
     assert_greedy_identity(models, lambda seed, model: make_decoder("chain"), 24)
     assert_greedy_identity(models, lambda seed, model: model_tree_decoder(noisy_copy(seed, 0.3, weight_scale=8.0)
                                                                           .to("cuda")), 24)
     assert int8_attention.ROUTE.describe(torch.device("cuda")) == "fused kernel"
+    for _, model in models:  # the steps were captured and replayed as CUDA graphs, checked against eager
+        assert model.step_graphs.off is None and model.step_graphs.replays > 0
+
+
+def test_a_length_read_on_the_device_attends_only_that_many_positions():
+    """What a CUDA graph replays: the whole buffers, the length in a device tensor; the splits
+    past it add nothing."""
+    queries = torch.randn(2, 6, 64)
+    key_rows, value_rows = packed_rows(2, 900, 64, spare=0)
+    for length in (1, 63, 500):
+        expected = int8_kernel.attend_packed(queries, key_rows[:, :length], value_rows[:, :length], 0.125)
+        got = int8_kernel.attend_packed(queries, key_rows, value_rows, 0.125, length=torch.tensor([length], dtype=torch.int32))
+        for one, other in zip(got, expected):
+            torch.testing.assert_close(one, other, rtol=0, atol=1e-5)
+
+
+def test_replayable_steps_over_an_8bit_cache_equal_the_eager_forwards(fused_on_cpu):
+    """The static path a CUDA graph captures (run eagerly here): steps of 1-7 tokens, a tree and
+    its accepted path, against the same model's eager forwards through the kernel."""
+    from test_hierarchy import TREE
+
+    eager, replaying = int8_fp32(3, weight_scale=4.0), int8_fp32(3, weight_scale=4.0)
+    graphs = replaying.set_step_graphs(capture=False)
+    ids = torch.randint(0, 97, (80,), generator=torch.Generator().manual_seed(0))
+    caches = eager.new_cache(), replaying.new_cache()
+
+    def both(start, n, mask=None):
+        logits = [model.forward(ids[start:start + n], torch.arange(start, start + n), cache, mask)
+                  for model, cache in zip((eager, replaying), caches)]
+        torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
+
+    both(0, 30)
+    with torch.inference_mode():  # spare slots' bytes 0x7f: a scale of 3.4e38, inf once read
+        for layer in caches[1].transformers_cache.layers:
+            for buffer in layer.buffers:
+                buffer[:, :, layer.get_seq_length():] = 127
+    for n in (1, 4, 1, 7):
+        both(caches[0].length, n)
+    for cache in caches:
+        cache.trim(40)
+    both(40, TREE.size, TREE.attention_mask(40))
+    assert graphs.replays == 5 and graphs.off is None
+
+
+def test_greedy_chain_through_replayable_8bit_steps_equals_greedy_plain(fused_on_cpu):
+    from test_decoding import prompts, run
+    from specchat.core.sampling import SamplingParams
+
+    for name, prompt in prompts(0).items():
+        plain, _ = run(int8_fp32(0, weight_scale=8.0), prompt, "plain", SamplingParams(), 16)
+        target = int8_fp32(0, weight_scale=8.0)
+        graphs = target.set_step_graphs(capture=False)
+        chain, _ = run(target, prompt, "chain", SamplingParams(), 16)
+        assert chain == plain and graphs.replays > 0, name

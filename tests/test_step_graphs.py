@@ -104,6 +104,8 @@ def test_a_copied_model_replays_with_its_own_runner_and_another_attention_runs_e
 
 
 def test_8_bit_and_offloaded_caches_decode_eagerly():
+    """An offloaded KV always; an 8-bit one where its fused kernel does not run (here, the CPU
+    outside tests/test_kv_int8_fused.py)."""
     from specchat.core.model import TransformersLM
 
     for options in ({"kv_dtype": "int8"}, {"offload_capacity": 128}):

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from ..triton_route import TritonRoute
+from .device_length import DeviceStep
 from .int8_rows import unpack
-from .past_attention import NewTokenMask, attend_new_and_merge
+from .past_attention import NewTokenMask, attend_new_and_merge, fused_attention_with_lse, merge_past_and_new
 
 # A KV head's query rows (its group's query heads x the new tokens) up to which the kernel is used:
 # a 64-token verification with 4 query heads a KV head.
@@ -58,3 +59,23 @@ def attend(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor
         return out.reshape(batch, heads, n, dim).transpose(1, 2).to(query.dtype)
     new_keys, new_values = (unpack(rows[:, :, seen:], query.dtype) for rows in (key_rows, value_rows))
     return attend_new_and_merge(query, folded, (out[None], lse[None]), new_keys, new_values, scale, visible)
+
+
+def attend_step(query: torch.Tensor, key_buffer: torch.Tensor, value_buffer: torch.Tensor, step: DeviceStep,
+                scale: float) -> torch.Tensor:
+    """A replayable step (kv/device_length.py) over an 8-bit cache's whole buffers [1, kv_heads,
+    capacity, d + 4], the new rows written at `step.slots`: the past's `step.past` rows in the
+    kernel (the length read on the device), the new ones dequantized under their mask, merged.
+    Returns [1, n, heads, d] in the query's dtype."""
+    batch, heads, n, dim = query.shape
+    kv_heads = key_buffer.shape[1]
+    groups = heads // kv_heads
+    folded = query.reshape(batch, kv_heads, groups * n, dim)
+    out, lse = ROUTE.kernel.attend_packed(folded[0], key_buffer[0], value_buffer[0], scale, length=step.past)
+    new = fused_attention_with_lse(folded, *(unpack(buffer.index_select(2, step.slots), query.dtype)
+                                             for buffer in (key_buffer, value_buffer)),
+                                   scale, step.new_mask.folded_bias(kv_heads, groups, query.dtype, query.device))
+    if new is None:
+        raise RuntimeError(f"no fused attention kernel with a bias for {query.dtype} on {query.device.type}")
+    return merge_past_and_new((out[None], lse[None]), new, query)
+

@@ -33,19 +33,24 @@ PROGRAMS_PER_CPU_RUN = 8  # the interpreter's share of splits: enough to exercis
 # Lengths change every step: specializing on them (Triton's divisible-by-16 variants) would compile
 # the kernel again and again in mid-answer.
 @triton.jit(do_not_specialize=["rows", "length", "split_length"])
-def _attend_packed(queries, key_codes, key_scales, value_codes, value_scales, out, lse,
+def _attend_packed(queries, key_codes, key_scales, value_codes, value_scales, out, lse, length_at,
                    rows, length, split_length, head_dim, scale_log2,
                    query_head_stride, query_row_stride, code_head_stride, code_row_stride,
                    scale_head_stride, scale_row_stride,
-                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                   LENGTH_ON_DEVICE: tl.constexpr):
     """One (block of query rows, KV head, split of the sequence): its normalized output and
-    log-sum-exp (natural log) over positions [split x split_length, +split_length) of `length`."""
+    log-sum-exp (natural log) over positions [split x split_length, +split_length) of `length`
+    (read from `length_at` where LENGTH_ON_DEVICE: a CUDA graph's replay). A split past the length
+    gives zeros and a log-sum-exp of -inf: no weight in the merge."""
     row_block, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row_ids = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     row_held, dim_held = row_ids < rows, dims < head_dim
     query = tl.load(queries + head * query_head_stride + row_ids[:, None] * query_row_stride + dims[None, :],
                     mask=row_held[:, None] & dim_held[None, :], other=0.0)
+    if LENGTH_ON_DEVICE:
+        length = tl.load(length_at)
     start = split * split_length
     end = tl.minimum(start + split_length, length)
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the log2-scaled scores
@@ -77,9 +82,11 @@ def _attend_packed(queries, key_codes, key_scales, value_codes, value_scales, ou
             total = total * kept[:, None] + tl.dot(scaled, values)
         best = new_best
     part = (split * tl.num_programs(1) + head) * rows + row_ids
-    tl.store(out + part[:, None] * head_dim + dims[None, :], total / mass[:, None],
+    seen = mass > 0
+    divisor = tl.where(seen, mass, 1.0)  # an empty split: total 0, so out 0
+    tl.store(out + part[:, None] * head_dim + dims[None, :], total / divisor[:, None],
              mask=row_held[:, None] & dim_held[None, :])
-    tl.store(lse + part, (best + tl.log2(mass)) * 0.6931471805599453, mask=row_held)
+    tl.store(lse + part, tl.where(seen, (best + tl.log2(divisor)) * 0.6931471805599453, float("-inf")), mask=row_held)
 
 
 def scale_view(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -87,33 +94,34 @@ def scale_view(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     return rows.view(torch.float32)[..., head_dim // 4]
 
 
-def attend_packed(queries: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_packed(queries: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor, scale: float,
+                  length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """queries [kv_heads, rows, d] (each KV head's query rows: its group folded with the tokens),
-    key_rows and value_rows [kv_heads, length, d + 4] packed int8 (d a multiple of 4, rows
-    contiguous), every position visible to every row. Returns (out [kv_heads, rows, d] float32,
-    lse [kv_heads, rows] float32, natural log)."""
+    key_rows and value_rows [kv_heads, positions, d + 4] packed int8 (d a multiple of 4, rows
+    contiguous), every position visible to every row; or only the first `length` ([1] int32 on
+    the device, >= 1: what a CUDA graph reads at replay). Returns (out [kv_heads, rows, d]
+    float32, lse [kv_heads, rows] float32, natural log)."""
     kv_heads, rows, head_dim = queries.shape
     if queries.stride(-1) != 1:
         queries = queries.contiguous()
-    length = key_rows.shape[1]
+    positions = key_rows.shape[1]
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    row_blocks, position_blocks = triton.cdiv(rows, block_m), triton.cdiv(length, BLOCK_N)
+    row_blocks, position_blocks = triton.cdiv(rows, block_m), triton.cdiv(positions, BLOCK_N)
     wanted = (4 * torch.cuda.get_device_properties(queries.device).multi_processor_count
               if queries.is_cuda else PROGRAMS_PER_CPU_RUN)
     splits = max(1, min(position_blocks, wanted // (kv_heads * row_blocks)))
     split_length = triton.cdiv(position_blocks, splits) * BLOCK_N
-    splits = triton.cdiv(length, split_length)  # none left empty
+    splits = triton.cdiv(positions, split_length)  # none starts past the last position
     out = torch.empty(splits, kv_heads, rows, head_dim, dtype=torch.float32, device=queries.device)
     lse = torch.empty(splits, kv_heads, rows, dtype=torch.float32, device=queries.device)
     key_scales, value_scales = scale_view(key_rows, head_dim), scale_view(value_rows, head_dim)
     _attend_packed[(row_blocks, kv_heads, splits)](
-        queries, key_rows, key_scales, value_rows, value_scales, out, lse,
-        rows, length, split_length, head_dim, scale * math.log2(math.e),
+        queries, key_rows, key_scales, value_rows, value_scales, out, lse, out if length is None else length,
+        rows, positions, split_length, head_dim, scale * math.log2(math.e),
         queries.stride(0), queries.stride(1), key_rows.stride(0), key_rows.stride(1),
         key_scales.stride(0), key_scales.stride(1),
         BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=BLOCK_N,
-        IEEE=queries.dtype == torch.float32)
+        IEEE=queries.dtype == torch.float32, LENGTH_ON_DEVICE=length is not None)
     if splits == 1:
         return out[0], lse[0]
     merged_lse = torch.logsumexp(lse, 0)

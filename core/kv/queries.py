@@ -70,7 +70,10 @@ def _sdpa_recording_queries(module, query, key, value, attention_mask, **kwargs)
         if step.queries is not None:
             step.queries[module.layer_idx] = query.detach()
         scale = kwargs.get("scaling")
-        return attend(query, key, value, step, query.shape[-1] ** -0.5 if scale is None else scale), None
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        if key.dtype == torch.int8:  # an 8-bit cache's packed buffers (kv/int8_attention.py)
+            return int8_attention.attend_step(query, key, value, step, scale), None
+        return attend(query, key, value, step, scale), None
     recorded = _recording.get()
     if recorded is not None:
         recorded[module.layer_idx] = query.detach()  # [1, heads, n, head_dim], after RoPE
