@@ -1,0 +1,73 @@
+"""The Triton kernels compile for the GPUs they run on, on this machine without one: Triton's
+compiler and the ptxas its wheel ships build each kernel for compute capability 7.5 (RTX 20
+series), 8.6 (RTX 30), 8.9 (RTX 40) and 9.0 (H100), in the dtypes it is launched with and
+Triton's default launch options (as launched), and every build's shared memory fits that card's
+limit for a block. The builds run in a subprocess: this one runs Triton's interpreter
+(conftest.py), which cannot compile."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="Triton is not installed")
+
+# The most shared memory a block may use (bytes, opted in as Triton's launcher does), per target.
+SHARED_LIMIT = {75: 65536, 86: 101376, 89: 101376, 90: 232448}
+
+BUILDS = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specchat.core.kv import int8_kernel
+from specchat.core import nf4_kernel
+
+def int8_build(dtype, block_m, on_device):
+    types = {"queries": f"*{dtype}", "key_codes": "*i8", "key_scales": "*fp32", "value_codes": "*i8",
+             "value_scales": "*fp32", "out": "*fp32", "lse": "*fp32", "length_at": "*i32" if on_device else "*fp32",
+             "scale_log2": "fp32"}
+    constants = {"BLOCK_M": block_m, "BLOCK_D": 128, "BLOCK_N": int8_kernel.BLOCK_N, "IEEE": dtype == "fp32",
+                 "LENGTH_ON_DEVICE": on_device}
+    return int8_kernel._attend_packed, types, constants
+
+def nf4_build(dtype, block_m, on_device):
+    types = {"x": f"*{dtype}", "packed": "*u8", "absmax": "*fp32", "code_table": "*fp32", "partial": "*fp32"}
+    constants = {"BLOCK_M": block_m, "BLOCK_OUT": nf4_kernel.BLOCK_OUT, "HALF": nf4_kernel.BLOCK // 2,
+                 "IEEE": dtype == "fp32"}
+    return nf4_kernel._nf4_matmul, types, constants
+
+results = []
+for name, build in (("int8 attention", int8_build), ("nf4 matmul", nf4_build)):
+    for arch, dtype, block_m, on_device in json.loads(sys.argv[1]):
+        kernel, types, constants = build(dtype, block_m, on_device)
+        signature = {arg: "constexpr" if arg in constants else types.get(arg, "i32") for arg in kernel.arg_names}
+        try:
+            compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", arch, 32))
+            results.append({"kernel": name, "arch": arch, "dtype": dtype, "block_m": block_m, "shared": compiled.metadata.shared})
+        except Exception as error:
+            results.append({"kernel": name, "arch": arch, "dtype": dtype, "block_m": block_m,
+                            "error": f"{type(error).__name__}: {str(error)[:500]}"})
+print(json.dumps(results))
+'''
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_for_rtx_20_to_h100_within_their_shared_memory():
+    # Half precision on every card (fp16 on the RTX 20 series, which has no bf16), the smallest and
+    # the largest row block, the length on the host and on the device (a CUDA graph's); float32
+    # where the GPU campaign's exact runs go (data-center cards) and on an RTX 30.
+    builds = [(75, "fp16", 64, False), (86, "bf16", 16, True), (86, "bf16", 64, False), (86, "fp32", 64, False),
+              (89, "bf16", 64, False), (90, "bf16", 64, True), (90, "fp32", 64, True)]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    completed = subprocess.run([sys.executable, "-c", BUILDS, json.dumps(builds)],
+                               capture_output=True, text=True, env=env, timeout=600,
+                               cwd=Path(__file__).parent)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert len(results) == 2 * len(builds)
+    failed = [result for result in results if "error" in result or result["shared"] > SHARED_LIMIT[result["arch"]]]
+    assert not failed, failed
