@@ -50,7 +50,7 @@ def _nf4_matmul(x, packed, absmax, code_table, partial, rows, inner, outputs, bl
         x_even = tl.load(x_at, mask=row_held[:, None], other=0.0)
         x_odd = tl.load(x_at + 1, mask=row_held[:, None], other=0.0)
         # Element (column, start + 2j) of the flattened weight is in byte (column x inner + start) / 2 + j.
-        bytes_at = (columns[:, None] * inner + start) // 2 + pairs[None, :]
+        bytes_at = (columns[:, None].to(tl.int64) * inner + start) // 2 + pairs[None, :]  # past 2^31 elements too
         codes = tl.load(packed + bytes_at, mask=column_held[:, None], other=0).to(tl.int32)
         scale = tl.load(absmax + columns * blocks + block, mask=column_held, other=0.0)[:, None]
         high = (tl.load(code_table + (codes >> 4)) * scale).to(x_even.dtype)
@@ -65,10 +65,11 @@ def _nf4_matmul(x, packed, absmax, code_table, partial, rows, inner, outputs, bl
 
 
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code_table: torch.Tensor,
-               outputs: int) -> torch.Tensor:
-    """x [rows, inner] (rows <= 64, inner a multiple of 64, rows contiguous) @ W^T for the NF4
-    weight W [outputs, inner] stored as `packed` (uint8, outputs x inner / 2), `absmax` (float32,
-    one per 64 elements) and `code_table` (float32 [16]). Returns [rows, outputs] in x's dtype."""
+               outputs: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, inner] (rows <= 64, inner a multiple of 64, rows contiguous) @ W^T (+ bias) for the
+    NF4 weight W [outputs, inner] stored as `packed` (uint8, outputs x inner / 2), `absmax`
+    (float32, one per 64 elements) and `code_table` (float32 [16]). Returns [rows, outputs] in x's
+    dtype, rounded once (the bias added to the float32 sums, as a matmul's epilogue does)."""
     rows, inner = x.shape
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     out_blocks, blocks = triton.cdiv(outputs, BLOCK_OUT), inner // BLOCK
@@ -81,4 +82,5 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     _nf4_matmul[(out_blocks, splits)](x, packed, absmax, code_table, partial, rows, inner, outputs,
                                       blocks_per_split, x.stride(0), BLOCK_M=block_m, BLOCK_OUT=BLOCK_OUT,
                                       HALF=BLOCK // 2, IEEE=x.dtype == torch.float32)
-    return (partial[0] if splits == 1 else partial.sum(0)).to(x.dtype)
+    total = partial[0] if splits == 1 else partial.sum(0)
+    return (total if bias is None else total + bias.to(x.dtype).float()).to(x.dtype)

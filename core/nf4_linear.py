@@ -36,28 +36,29 @@ def use_fused_nf4(hf_model: torch.nn.Module) -> int:
 
 def _eligible(module: torch.nn.Module) -> bool:
     """A Linear4bit-like layer holding NF4 codes in bitsandbytes' plain layout."""
-    state = getattr(getattr(module, "weight", None), "quant_state", None)
+    weight = getattr(module, "weight", None)
+    state = getattr(weight, "quant_state", None)
     return (state is not None and getattr(state, "quant_type", None) == "nf4" and state.blocksize == BLOCK
-            and not state.nested and len(state.shape) == 2 and state.shape[1] % BLOCK == 0)
+            and not state.nested and len(state.shape) == 2 and state.shape[1] % BLOCK == 0
+            and weight.dtype == torch.uint8)  # codes stored as bytes (bitsandbytes may store them as bf16 words)
 
 
 def _forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     state = module.weight.quant_state
-    if (rows not in ROWS or not ROUTE.runs_on(x.device)
+    compute_dtype = module.compute_dtype or x.dtype
+    if (rows not in ROWS or not ROUTE.runs_on(x.device, compute_dtype)
             or getattr(state, "packing_format_for_cpu", False)):  # bitsandbytes repacked it for its CPU kernel
         return module.bitsandbytes_forward(x)
-    compute_dtype = module.compute_dtype or x.dtype
     if state.dtype != compute_dtype:  # bitsandbytes rounds the weight to its own dtype first: keep its path
         return module.bitsandbytes_forward(x)
     try:
         out = ROUTE.kernel.nf4_matmul(x.reshape(rows, x.shape[-1]).to(compute_dtype).contiguous(),
-                                      module.weight.data.view(-1), state.absmax, state.code, state.shape[0])
+                                      module.weight.data.view(-1), state.absmax, state.code, state.shape[0],
+                                      module.bias)
     except torch.OutOfMemoryError:
         raise
     except Exception as error:  # a kernel that does not build or run here
         ROUTE.fail(x.device, error)
         return module.bitsandbytes_forward(x)
-    if module.bias is not None:
-        out = out + module.bias.to(compute_dtype)
     return out.reshape(*x.shape[:-1], state.shape[0]).to(x.dtype)

@@ -93,7 +93,7 @@ class StepGraphs:
         `eager` runs the eager forward (the first capture's reference)."""
         n = ids.shape[0]
         layers = getattr(cache.transformers_cache, "layers", None)
-        if (self.off or n > GRAPH_TOKENS or not layers or not _replayable(layers, self.device)
+        if (self.off or n > GRAPH_TOKENS or not layers or not _replayable(layers, self.device, self.hf.dtype)
                 or self.hf.config._attn_implementation != ATTENTION):  # another attention ignores the device step
             return None
         if not self._busy.acquire(blocking=False):
@@ -202,10 +202,10 @@ class StepGraphs:
         return True
 
 
-def _replayable(layers, device: torch.device) -> bool:
+def _replayable(layers, device: torch.device, dtype: torch.dtype) -> bool:
     """Buffers of one capacity on the model's device, each layer a full KV's or an 8-bit one's
     where its attention reads the packed rows in the kernel that takes its length on the device."""
-    kinds = (GrowingLayer, Int8Layer) if int8_attention.reads_packed(device) else (GrowingLayer,)
+    kinds = (GrowingLayer, Int8Layer) if int8_attention.reads_packed(device, dtype) else (GrowingLayer,)
     return all(type(layer) in kinds and layer.buffers is not None and layer.buffers[0].device == device
                for layer in layers) and len({layer.buffers[0].shape[2] for layer in layers}) == 1
 

@@ -13,6 +13,7 @@ import logging
 import torch
 
 MIN_CAPABILITY = (7, 5)
+BF16_CAPABILITY = (8, 0)  # bf16 tensor cores: an RTX 20 card would fail to build a bf16 kernel
 
 
 class TritonRoute:
@@ -30,14 +31,15 @@ class TritonRoute:
         except ImportError:
             return None
 
-    def runs_on(self, device: torch.device) -> bool:
+    def runs_on(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether the kernel runs on `device` for inputs of `dtype`."""
         if device.type not in self.devices or device.type in self.failed or self.kernel is None:
             return False
-        return device.type != "cuda" or _capability(device.index) >= MIN_CAPABILITY
+        return device.type != "cuda" or _capability(device.index) >= self._needed(dtype)
 
-    def describe(self, device: torch.device) -> str:
-        """What runs on `device`, in words (the GPU campaign reports it)."""
-        if self.runs_on(device):
+    def describe(self, device: torch.device, dtype: torch.dtype) -> str:
+        """What runs on `device` for `dtype`, in words (the GPU campaign reports it)."""
+        if self.runs_on(device, dtype):
             return "fused kernel"
         if device.type in self.failed:
             why = f"the fused kernel failed ({self.failed[device.type]})"
@@ -46,8 +48,12 @@ class TritonRoute:
         elif device.type not in self.devices:
             why = f"no fused kernel on {device.type}"
         else:
-            why = f"compute capability {_capability(device.index)} below {MIN_CAPABILITY}"
+            why = f"compute capability {_capability(device.index)} below {self._needed(dtype)} for {dtype}"
         return f"{self.fallback}: {why}"
+
+    @staticmethod
+    def _needed(dtype: torch.dtype) -> tuple[int, int]:
+        return BF16_CAPABILITY if dtype == torch.bfloat16 else MIN_CAPABILITY
 
     def fail(self, device: torch.device, error: Exception) -> None:
         """The kernel failed on `device`: its fallback runs there from now on."""

@@ -116,7 +116,9 @@ def test_a_kernel_that_fails_leaves_the_dequantized_path_with_the_reason(fused_o
     monkeypatch.setattr(int8_kernel, "attend_packed", broken)
     cache = filled(model, 30)
     logits = model.forward(IDS[30:40], torch.arange(30, 40), cache)
-    assert "sm_120" in int8_attention.ROUTE.describe(torch.device("cpu")) and not int8_attention.reads_packed(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert "sm_120" in int8_attention.ROUTE.describe(cpu, torch.float32)
+    assert not int8_attention.reads_packed(cpu, torch.float32)
     monkeypatch.setattr(int8_attention.ROUTE, "devices", {"cuda"})
     reference_logits = model.forward(IDS[30:40], torch.arange(30, 40), filled(model, 30))
     torch.testing.assert_close(logits, reference_logits, rtol=0, atol=0)
@@ -161,7 +163,7 @@ def test_on_cuda_greedy_chain_and_tree_through_the_kernel_and_graphs_equal_greed
     assert_greedy_identity(models, lambda seed, model: make_decoder("chain"), 24)
     assert_greedy_identity(models, lambda seed, model: model_tree_decoder(noisy_copy(seed, 0.3, weight_scale=8.0)
                                                                           .to("cuda")), 24)
-    assert int8_attention.ROUTE.describe(torch.device("cuda")) == "fused kernel"
+    assert int8_attention.ROUTE.describe(torch.device("cuda"), torch.float32) == "fused kernel"
     for _, model in models:  # the steps were captured and replayed as CUDA graphs, checked against eager
         assert model.step_graphs.off is None and model.step_graphs.replays > 0
 
@@ -210,9 +212,12 @@ def test_greedy_chain_through_replayable_8bit_steps_equals_greedy_plain(fused_on
     from test_decoding import prompts, run
     from specchat.core.sampling import SamplingParams
 
+    drafted = accepted = 0
     for name, prompt in prompts(0).items():
         plain, _ = run(int8_fp32(0, weight_scale=8.0), prompt, "plain", SamplingParams(), 16)
         target = int8_fp32(0, weight_scale=8.0)
         graphs = target.set_step_graphs(capture=False)
-        chain, _ = run(target, prompt, "chain", SamplingParams(), 16)
+        chain, steps = run(target, prompt, "chain", SamplingParams(), 16)
         assert chain == plain and graphs.replays > 0, name
+        drafted, accepted = drafted + sum(s.drafted for s in steps), accepted + sum(s.accepted for s in steps)
+    assert 0 < accepted < drafted  # both verification branches ran through the replayed steps

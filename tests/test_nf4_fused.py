@@ -144,7 +144,7 @@ def test_a_kernel_that_fails_leaves_bitsandbytes_forward_with_the_reason(fused_o
 
     monkeypatch.setattr(nf4_kernel, "nf4_matmul", broken)
     logits = model.forward(torch.arange(5), torch.arange(5), model.new_cache())
-    assert "no kernel image" in nf4_linear.ROUTE.describe(torch.device("cpu"))
+    assert "no kernel image" in nf4_linear.ROUTE.describe(torch.device("cpu"), torch.float32)
     assert all(layer.own_calls == 1 for layer in stand_ins(model))
     nf4_linear.ROUTE.devices.discard("cpu")
     torch.testing.assert_close(logits, model.forward(torch.arange(5), torch.arange(5), model.new_cache()),
@@ -172,7 +172,7 @@ def test_on_cuda_the_kernel_multiplies_by_what_bitsandbytes_dequantizes(rows):
     out = nf4_kernel.nf4_matmul(x, packed.view(-1), state.absmax, state.code, 14336)
     expected = x.double() @ functional.dequantize_4bit(packed, state).double().T
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
-    assert nf4_linear.ROUTE.describe(torch.device("cuda")) == "fused kernel"
+    assert nf4_linear.ROUTE.describe(torch.device("cuda"), torch.bfloat16) == "fused kernel"
 
 
 def test_the_campaign_times_a_4bit_layer_through_bitsandbytes_and_the_kernel(fused_on_cpu):
@@ -184,3 +184,24 @@ def test_the_campaign_times_a_4bit_layer_through_bitsandbytes_and_the_kernel(fus
     assert [row["rows"] for row in timed["rows"]] == [1, 2, 4, 8, 16, 64]
     assert all(row["fused_s"] > 0 and row["bitsandbytes_bytes_per_s"] > 0 for row in timed["rows"])
     assert len(fused_on_cpu) >= 12 and up.own_calls >= 12  # each way, warm-up included
+
+
+def test_codes_stored_in_wider_words_keep_bitsandbytes_forward(fused_on_cpu):
+    """bitsandbytes can store the packed codes as bf16 words (`quant_storage`): the kernel reads
+    bytes, so such layers are left alone rather than read wrongly."""
+    torch.manual_seed(0)
+    layer = StandIn(torch.nn.Linear(64, 64, bias=False))
+    layer.weight = torch.nn.Parameter(layer.weight.data.view(torch.bfloat16), requires_grad=False)
+    layer.weight.quant_state = SimpleNamespace(quant_type="nf4", blocksize=64, nested=False, shape=(64, 64),
+                                               absmax=torch.ones(64), code=NF4, dtype=torch.float32)
+    assert nf4_linear.use_fused_nf4(torch.nn.Sequential(layer)) == 0 and not hasattr(layer, "bitsandbytes_forward")
+
+
+def test_a_bias_is_added_before_the_one_rounding():
+    generator = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(64, 128, generator=generator), torch.randn(64, generator=generator)
+    packed, absmax = nf4_pack(weight)
+    x = torch.randn(3, 128, generator=generator).half()
+    out = nf4_kernel.nf4_matmul(x, packed, absmax, NF4, 64, bias.half())
+    expected = x.double() @ nf4_unpack(packed, absmax, weight.shape, torch.float16).double().T + bias.half().double()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())

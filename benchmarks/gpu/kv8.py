@@ -69,7 +69,7 @@ def run(rig: Rig, report: dict) -> dict:
                    "kernels": {"bf16": bf16_kernel, "int8": int8_kernel, "bf16_folded_heads": folded_kernel},
                    "kv_bytes_bf16": 2 * layers * keys.numel() * keys.element_size(),
                    "kv_bytes_int8": 2 * layers * (key_codes.numel() + key_scale.numel() * key_scale.element_size()),
-                   "int8_attention": int8_attention.ROUTE.describe(torch.device(rig.device))}
+                   "int8_attention": int8_attention.ROUTE.describe(torch.device(rig.device), rig.dtype)}
             # The dry run rehearses the kernel where Triton's interpreter is on (under the tests).
             rehearsed = rig.dry_run and os.environ.get("TRITON_INTERPRET") == "1"
             if (row["int8_attention"] == "fused kernel" or rehearsed) and group * n <= int8_attention.MAX_ROWS:

@@ -90,7 +90,7 @@ def run(rig: Rig, report: dict) -> dict:
         result["variants"].append({"label": label, "kv_dtype": engine.model.kv_dtype, "runs": runs,
                                    "graphs": _graphs(engine.model)})
         if fields.get("kv_dtype") == "int8" and "offload_capacity" not in fields:
-            result["variants"][-1]["int8_attention"] = int8_attention.ROUTE.describe(engine.model.device)
+            result["variants"][-1]["int8_attention"] = int8_attention.ROUTE.describe(engine.model.device, engine.model.dtype)
         engine.dsi.close()
         del engine
         free_memory(rig.device)

@@ -77,7 +77,8 @@ def run(rig: Rig, report: dict) -> dict:
     # runs faster than projected: these say which ran.
     device = torch.device(rig.device)
     result = {"rows": rows, "goals": goals,
-              "routes": {"nf4_verification": NF4_ROUTE.describe(device), "int8_kv": INT8_ROUTE.describe(device)}}
+              "routes": {"nf4_verification": NF4_ROUTE.describe(device, rig.dtype),
+                         "int8_kv": INT8_ROUTE.describe(device, rig.dtype)}}
     failed = [f"{row['card']}: {row['status']}" for row in rows if row.get("status", "").startswith("fail")]
     if failed:
         result["status"] = "fail: " + "; ".join(failed)

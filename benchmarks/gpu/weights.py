@@ -56,7 +56,7 @@ def _measure(rig: Rig, kind: str) -> dict:
     if kind != "bf16":
         row.update(quantize_layers(model.hf, kind.removesuffix("-fused"), rig.dtype))
     if kind == "nf4-fused":
-        row["route"] = NF4_ROUTE.describe(torch.device(rig.device))
+        row["route"] = NF4_ROUTE.describe(torch.device(rig.device), rig.dtype)
         if row["route"] != "fused kernel" or not use_fused_nf4(model.hf):
             raise Unavailable(row["route"])
         mlp = model.hf.model.layers[0].mlp

@@ -27,7 +27,7 @@ class Int8Layer(GrowingLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = self.append_packed(pack(key_states), pack(value_states))
-        if int8_attention.reads_packed(key_states.device):
+        if int8_attention.reads_packed(key_states.device, key_states.dtype):
             return keys, values
         return unpack(keys, key_states.dtype), unpack(values, value_states.dtype)
 

@@ -28,9 +28,10 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # its sums are f
 ROUTE = TritonRoute(".kv.int8_kernel", "dequantized")
 
 
-def reads_packed(device: torch.device) -> bool:
-    """Whether attention on `device` takes an 8-bit cache's packed rows as stored."""
-    return ROUTE.runs_on(device)
+def reads_packed(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether attention on `device` with queries of `dtype` takes an 8-bit cache's packed rows as
+    stored."""
+    return dtype in KERNEL_DTYPES and ROUTE.runs_on(device, dtype)
 
 
 def attend(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor, scale: float,
@@ -43,7 +44,8 @@ def attend(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor
     kv_heads, length = key_rows.shape[1], key_rows.shape[2]
     groups = heads // kv_heads
     whole = n == 1 and attention_mask is None
-    if (groups * n > MAX_ROWS or dim % 4 or query.dtype not in KERNEL_DTYPES or query.device.type in ROUTE.failed
+    if (groups * n > MAX_ROWS or dim % 4 or not reads_packed(query.device, query.dtype)
+            or key_rows.stride() != value_rows.stride()  # the kernel walks both with the keys' strides
             or not (whole or (visible is not None and length > n))):
         return None
     folded = query.reshape(batch, kv_heads, groups * n, dim)

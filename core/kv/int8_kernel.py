@@ -75,11 +75,15 @@ def _attend_packed(queries, key_codes, key_scales, value_codes, value_scales, ou
         mass = mass * kept + tl.sum(weights, 1)
         values = tl.load(value_codes + codes_at, mask=code_held, other=0).to(query.dtype)
         value_scale = tl.load(value_scales + scales_at, mask=held, other=0.0)
-        scaled = (weights * value_scale[None, :]).to(query.dtype)
+        # fp16 holds weight x scale badly where both are small (subnormal below 6e-5): the scales go
+        # in relative to the block's largest, which multiplies the block's float32 sum instead.
+        largest = tl.max(value_scale, 0)
+        largest = tl.where(largest > 0, largest, 1.0)
+        scaled = (weights * (value_scale / largest)[None, :]).to(query.dtype)
         if IEEE:
-            total = total * kept[:, None] + tl.dot(scaled, values, input_precision="ieee")
+            total = total * kept[:, None] + tl.dot(scaled, values, input_precision="ieee") * largest
         else:
-            total = total * kept[:, None] + tl.dot(scaled, values)
+            total = total * kept[:, None] + tl.dot(scaled, values) * largest
         best = new_best
     part = (split * tl.num_programs(1) + head) * rows + row_ids
     seen = mass > 0

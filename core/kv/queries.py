@@ -72,6 +72,8 @@ def _sdpa_recording_queries(module, query, key, value, attention_mask, **kwargs)
         scale = kwargs.get("scaling")
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         if key.dtype == torch.int8:  # an 8-bit cache's packed buffers (kv/int8_attention.py)
+            if not _plain_attention(module, kwargs):  # no such model gets here (Int8Cache refuses them)
+                raise RuntimeError("a replayable step over an 8-bit KV needs plain attention")
             return int8_attention.attend_step(query, key, value, step, scale), None
         return attend(query, key, value, step, scale), None
     recorded = _recording.get()
