@@ -26,25 +26,31 @@ import triton.language as tl
 
 BLOCK = 64  # elements per absmax, and the inner dimension one iteration covers
 BLOCK_OUT = 64  # output columns per program
+# Blocks of 64 inner elements an iteration reads (per column, 32 bytes each): two keep more bytes in
+# flight than one (a design guess until a GPU times both: benchmarks/gpu/weights.py `kernel_rows`);
+# four would need 115-140 KB of shared memory, over an RTX 30/40 card's 99 KB a block
+# (tests/test_triton_compile.py).
+BLOCKS_PER_STEP = 2
 PROGRAMS_PER_CPU_RUN = 8  # the interpreter's share of splits: enough to exercise the sum
 
 
 @triton.jit(do_not_specialize=["rows"])  # a verification's size changes every step: one compile for all
 def _nf4_matmul(x, packed, absmax, code_table, partial, rows, inner, outputs, blocks_per_split,
                 x_row_stride, BLOCK_M: tl.constexpr, BLOCK_OUT: tl.constexpr, HALF: tl.constexpr,
-                IEEE: tl.constexpr):
+                STEP: tl.constexpr, IEEE: tl.constexpr):
     """Program (output block, split): partial[split, rows, outputs block] = x[:, split's inner
-    range] @ W[outputs block, split's inner range]^T, in float32."""
+    range] @ W[outputs block, split's inner range]^T, in float32, STEP blocks an iteration (the
+    split's blocks a multiple of STEP)."""
     out_block, split = tl.program_id(0), tl.program_id(1)
     row_ids = tl.arange(0, BLOCK_M)
     columns = out_block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    pairs = tl.arange(0, HALF)  # byte j of a block holds elements 2j (high nibble) and 2j + 1
+    pairs = tl.arange(0, STEP * HALF)  # byte j from a step's start holds elements 2j (high nibble) and 2j + 1
     row_held, column_held = row_ids < rows, columns < outputs
     blocks = inner // (2 * HALF)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, blocks)
     total = tl.zeros([BLOCK_M, BLOCK_OUT], tl.float32)
-    for block in range(first, last):
+    for block in range(first, last, STEP):
         start = block * 2 * HALF
         x_at = x + row_ids[:, None] * x_row_stride + start + 2 * pairs[None, :]
         x_even = tl.load(x_at, mask=row_held[:, None], other=0.0)
@@ -52,7 +58,8 @@ def _nf4_matmul(x, packed, absmax, code_table, partial, rows, inner, outputs, bl
         # Element (column, start + 2j) of the flattened weight is in byte (column x inner + start) / 2 + j.
         bytes_at = (columns[:, None].to(tl.int64) * inner + start) // 2 + pairs[None, :]  # past 2^31 elements too
         codes = tl.load(packed + bytes_at, mask=column_held[:, None], other=0).to(tl.int32)
-        scale = tl.load(absmax + columns * blocks + block, mask=column_held, other=0.0)[:, None]
+        scale = tl.load(absmax + columns[:, None] * blocks + block + pairs[None, :] // HALF,  # its block's
+                        mask=column_held[:, None], other=0.0)
         high = (tl.load(code_table + (codes >> 4)) * scale).to(x_even.dtype)
         low = (tl.load(code_table + (codes & 15)) * scale).to(x_even.dtype)
         if IEEE:  # float32 activations: no TF32 rounding
@@ -65,7 +72,7 @@ def _nf4_matmul(x, packed, absmax, code_table, partial, rows, inner, outputs, bl
 
 
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code_table: torch.Tensor,
-               outputs: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+               outputs: int, bias: torch.Tensor | None = None, blocks_per_step: int = BLOCKS_PER_STEP) -> torch.Tensor:
     """x [rows, inner] (rows <= 64, inner a multiple of 64, rows contiguous) @ W^T (+ bias) for the
     NF4 weight W [outputs, inner] stored as `packed` (uint8, outputs x inner / 2), `absmax`
     (float32, one per 64 elements) and `code_table` (float32 [16]). Returns [rows, outputs] in x's
@@ -75,12 +82,14 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     out_blocks, blocks = triton.cdiv(outputs, BLOCK_OUT), inner // BLOCK
     wanted = (4 * torch.cuda.get_device_properties(x.device).multi_processor_count
               if x.is_cuda else PROGRAMS_PER_CPU_RUN)
-    splits = max(1, min(blocks, wanted // out_blocks))
-    blocks_per_split = triton.cdiv(blocks, splits)
+    # float32 tiles take twice the shared memory: one block a step keeps them within a card's limit
+    step = blocks_per_step if blocks % blocks_per_step == 0 and x.dtype != torch.float32 else 1
+    splits = max(1, min(blocks // step, wanted // out_blocks))
+    blocks_per_split = triton.cdiv(blocks // step, splits) * step
     splits = triton.cdiv(blocks, blocks_per_split)  # none left empty
     partial = torch.empty(splits, rows, outputs, dtype=torch.float32, device=x.device)
     _nf4_matmul[(out_blocks, splits)](x, packed, absmax, code_table, partial, rows, inner, outputs,
                                       blocks_per_split, x.stride(0), BLOCK_M=block_m, BLOCK_OUT=BLOCK_OUT,
-                                      HALF=BLOCK // 2, IEEE=x.dtype == torch.float32)
+                                      HALF=BLOCK // 2, STEP=step, IEEE=x.dtype == torch.float32)
     total = partial[0] if splits == 1 else partial.sum(0)
     return (total if bias is None else total + bias.to(x.dtype).float()).to(x.dtype)

@@ -175,7 +175,8 @@ def test_a_length_read_on_the_device_attends_only_that_many_positions():
     key_rows, value_rows = packed_rows(2, 900, 64, spare=0)
     for length in (1, 63, 500):
         expected = int8_kernel.attend_packed(queries, key_rows[:, :length], value_rows[:, :length], 0.125)
-        got = int8_kernel.attend_packed(queries, key_rows, value_rows, 0.125, length=torch.tensor([length], dtype=torch.int32))
+        on_device = torch.tensor([length], dtype=torch.int32)
+        got = int8_kernel.attend_packed(queries, key_rows, value_rows, 0.125, length=on_device)
         for one, other in zip(got, expected):
             torch.testing.assert_close(one, other, rtol=0, atol=1e-5)
 

@@ -37,7 +37,8 @@ def int8_build(dtype, block_m, on_device):
 def nf4_build(dtype, block_m, on_device):
     types = {"x": f"*{dtype}", "packed": "*u8", "absmax": "*fp32", "code_table": "*fp32", "partial": "*fp32"}
     constants = {"BLOCK_M": block_m, "BLOCK_OUT": nf4_kernel.BLOCK_OUT, "HALF": nf4_kernel.BLOCK // 2,
-                 "IEEE": dtype == "fp32"}
+                 # float32 runs one block a step (nf4_matmul); half precision both steps the campaign times
+                 "STEP": 1 if dtype == "fp32" or on_device else nf4_kernel.BLOCKS_PER_STEP, "IEEE": dtype == "fp32"}
     return nf4_kernel._nf4_matmul, types, constants
 
 ALIGNED_INTEGERS = {"head_dim", "query_head_stride", "query_row_stride", "inner", "outputs", "x_row_stride"}
@@ -52,8 +53,10 @@ for name, build in (("int8 attention", int8_build), ("nf4 matmul", nf4_build)):
                    if signature[arg].startswith("*") or arg in ALIGNED_INTEGERS]
         attrs = {(index,): [["tt.divisibility", 16]] for index in aligned}
         try:
-            compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", arch, 32))
-            results.append({"kernel": name, "arch": arch, "dtype": dtype, "block_m": block_m, "shared": compiled.metadata.shared})
+            source = ASTSource(kernel, signature, constants, attrs)
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+            results.append({"kernel": name, "arch": arch, "dtype": dtype, "block_m": block_m,
+                            "shared": compiled.metadata.shared})
         except Exception as error:
             results.append({"kernel": name, "arch": arch, "dtype": dtype, "block_m": block_m,
                             "error": f"{type(error).__name__}: {str(error)[:500]}"})

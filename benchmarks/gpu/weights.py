@@ -81,7 +81,8 @@ def _measure(rig: Rig, kind: str) -> dict:
 
 def nf4_kernel_rows(layer: nn.Module, rig: Rig) -> dict:
     """One 4-bit layer (routed by core/nf4_linear.py) at 1-64 rows: bitsandbytes' forward against
-    the fused kernel, and the bytes each reads per second (the packed weight and its scales)."""
+    the fused kernel (as run, and reading one block an iteration), and the bytes each reads per
+    second (the packed weight and its scales)."""
     state = layer.weight.quant_state
     outputs, inner = state.shape
     stored = layer.weight.data.numel() + state.absmax.numel() * state.absmax.element_size()
@@ -89,13 +90,18 @@ def nf4_kernel_rows(layer: nn.Module, rig: Rig) -> dict:
     for rows in (1, 2, 4, 8, 16, 64):
         x = torch.randn(rows, inner, device=rig.device, dtype=rig.dtype)
         timed = {}
+
+        def fused(blocks_per_step):
+            return lambda: NF4_ROUTE.kernel.nf4_matmul(x, layer.weight.data.view(-1), state.absmax, state.code,
+                                                       outputs, blocks_per_step=blocks_per_step)
+        # the kernel as the engine runs it, and one block an iteration (nf4_kernel.BLOCKS_PER_STEP's alternative)
         for name, run in (("bitsandbytes", lambda: layer.bitsandbytes_forward(x)),
-                          ("fused", lambda: NF4_ROUTE.kernel.nf4_matmul(x, layer.weight.data.view(-1), state.absmax,
-                                                                        state.code, outputs))):
+                          ("fused", fused(NF4_ROUTE.kernel.BLOCKS_PER_STEP)), ("fused_one_block_a_step", fused(1))):
             busy = busy_seconds(run, rig.device)
             timed[f"{name}_s"] = busy if busy is not None else wall_seconds(run, rig.device, rig.repeats)
             timed[f"{name}_bytes_per_s"] = stored / timed[f"{name}_s"]
-        result["rows"].append({"rows": rows, **timed, "fused_over_bitsandbytes": timed["fused_s"] / timed["bitsandbytes_s"]})
+        result["rows"].append({"rows": rows, **timed,
+                               "fused_over_bitsandbytes": timed["fused_s"] / timed["bitsandbytes_s"]})
     return result
 
 
