@@ -5,7 +5,7 @@ Where `reads_packed` says so, the cache hands attention its packed rows as store
 (kv/queries.py) calls `attend`. That answers None where the fused route does not apply, and the
 caller dequantizes the rows and goes on as for any cache:
 - a prefill chunk's many query rows (past MAX_ROWS): dequantizing once per chunk costs little per
-  query there, and flash attention outruns this kernel on long query blocks;
+  query there, and flash attention is tuned for long query blocks (this kernel, for a few rows);
 - a mask that hides part of the past (only the causal or tree mask among new tokens is handled:
   the new tokens are dequantized and attended as kv/past_attention.py does, then merged);
 - a kernel that fails to build or launch on this machine: the dequantized path from then on
