@@ -53,9 +53,11 @@ def _forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if state.dtype != compute_dtype:  # bitsandbytes rounds the weight to its own dtype first: keep its path
         return module.bitsandbytes_forward(x)
     try:
+        pairs = getattr(module, "nf4_code_pairs", None)
+        if pairs is None or pairs.device != x.device:
+            pairs = module.nf4_code_pairs = ROUTE.kernel.code_pairs(state.code)
         out = ROUTE.kernel.nf4_matmul(x.reshape(rows, x.shape[-1]).to(compute_dtype).contiguous(),
-                                      module.weight.data.view(-1), state.absmax, state.code, state.shape[0],
-                                      module.bias)
+                                      module.weight.data.view(-1), state.absmax, pairs, state.shape[0], module.bias)
     except torch.OutOfMemoryError:
         raise
     except Exception as error:  # a kernel that does not build or run here

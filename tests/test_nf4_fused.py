@@ -55,7 +55,7 @@ def test_the_kernel_multiplies_by_the_dequantized_weight(rows, outputs, inner, d
     weight = torch.randn(outputs, inner, generator=generator)
     packed, absmax = nf4_pack(weight)
     x = torch.randn(rows, inner, generator=generator).to(dtype)
-    out = nf4_kernel.nf4_matmul(x, packed, absmax, NF4, outputs)
+    out = nf4_kernel.nf4_matmul(x, packed, absmax, nf4_kernel.code_pairs(NF4), outputs)
     expected = x.double() @ nf4_unpack(packed, absmax, weight.shape, dtype).double().T
     assert out.dtype == dtype and out.shape == (rows, outputs)
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
@@ -65,7 +65,8 @@ def test_one_block_an_iteration_or_several_sum_the_same():
     generator = torch.Generator().manual_seed(3)
     packed, absmax = nf4_pack(torch.randn(96, 2048, generator=generator))
     x = torch.randn(4, 2048, generator=generator).half()  # float32 always takes one block a step
-    one, *several = (nf4_kernel.nf4_matmul(x, packed, absmax, NF4, 96, blocks_per_step=step) for step in (1, 2, 4))
+    pairs = nf4_kernel.code_pairs(NF4)
+    one, *several = (nf4_kernel.nf4_matmul(x, packed, absmax, pairs, 96, blocks_per_step=step) for step in (1, 2, 4))
     for other in several:
         torch.testing.assert_close(other, one, rtol=1e-3, atol=1e-3)
 
@@ -76,7 +77,7 @@ def test_its_layout_is_bitsandbytes():
     weight = torch.randn(96, 256, device=device)
     packed, state = functional.quantize_4bit(weight, quant_type="nf4", blocksize=64)
     x = torch.randn(7, 256, device=device)
-    out = nf4_kernel.nf4_matmul(x, packed.view(-1), state.absmax, state.code, 96)
+    out = nf4_kernel.nf4_matmul(x, packed.view(-1), state.absmax, nf4_kernel.code_pairs(state.code), 96)
     torch.testing.assert_close(out, x @ functional.dequantize_4bit(packed, state).T, rtol=1e-5, atol=1e-4)
 
 
@@ -179,7 +180,7 @@ def test_on_cuda_the_kernel_multiplies_by_what_bitsandbytes_dequantizes(rows):
     weight = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16)
     packed, state = functional.quantize_4bit(weight, quant_type="nf4", blocksize=64)
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-    out = nf4_kernel.nf4_matmul(x, packed.view(-1), state.absmax, state.code, 14336)
+    out = nf4_kernel.nf4_matmul(x, packed.view(-1), state.absmax, nf4_kernel.code_pairs(state.code), 14336)
     expected = x.double() @ functional.dequantize_4bit(packed, state).double().T
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
     assert nf4_linear.ROUTE.describe(torch.device("cuda"), torch.bfloat16) == "fused kernel"
@@ -213,6 +214,6 @@ def test_a_bias_is_added_before_the_one_rounding():
     weight, bias = torch.randn(64, 128, generator=generator), torch.randn(64, generator=generator)
     packed, absmax = nf4_pack(weight)
     x = torch.randn(3, 128, generator=generator).half()
-    out = nf4_kernel.nf4_matmul(x, packed, absmax, NF4, 64, bias.half())
+    out = nf4_kernel.nf4_matmul(x, packed, absmax, nf4_kernel.code_pairs(NF4), 64, bias.half())
     expected = x.double() @ nf4_unpack(packed, absmax, weight.shape, torch.float16).double().T + bias.half().double()
     torch.testing.assert_close(out.double(), expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())

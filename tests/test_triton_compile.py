@@ -1,8 +1,9 @@
 """The Triton kernels compile for the GPUs they run on, on this machine without one: Triton's
 compiler and the ptxas its wheel ships build each kernel for compute capability 7.5 (RTX 20
-series), 8.6 (RTX 30), 8.9 (RTX 40) and 9.0 (H100), in the dtypes it is launched with and
-Triton's default launch options (as launched), and every build's shared memory fits that card's
-limit for a block. The builds run in a subprocess: this one runs Triton's interpreter
+series), 8.6 (RTX 30), 8.9 (RTX 40) and 9.0 (H100), in the dtypes and with the launch options
+the code uses, and every build's shared memory fits that card's limit for a block. Neither
+kernel loads its inputs a byte or two at a time (what the 8-bit attention's strides in words, the
+4-bit kernel's contiguous reads of x and its byte offsets are for). The builds run in a subprocess: this one runs Triton's interpreter
 (conftest.py), which cannot compile."""
 
 import json
@@ -19,7 +20,7 @@ pytest.importorskip("triton", reason="Triton is not installed")
 SHARED_LIMIT = {75: 65536, 86: 101376, 89: 101376, 90: 232448}
 
 BUILDS = r'''
-import json, sys
+import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -32,20 +33,20 @@ def int8_build(dtype, block_m, on_device):
              "scale_log2": "fp32"}
     constants = {"BLOCK_M": block_m, "BLOCK_D": 128, "BLOCK_N": int8_kernel.BLOCK_N, "IEEE": dtype == "fp32",
                  "LENGTH_ON_DEVICE": on_device}
-    return int8_kernel._attend_packed, types, constants
+    return int8_kernel._attend_packed, types, constants, {"num_stages": int8_kernel.STAGES}
 
 def nf4_build(dtype, block_m, on_device):
-    types = {"x": f"*{dtype}", "packed": "*u8", "absmax": "*fp32", "code_table": "*fp32", "partial": "*fp32"}
+    types = {"x": f"*{dtype}", "packed": "*u8", "absmax": "*fp32", "code_pairs": "*i64", "partial": "*fp32"}
     constants = {"BLOCK_M": block_m, "BLOCK_OUT": nf4_kernel.BLOCK_OUT, "HALF": nf4_kernel.BLOCK // 2,
                  # float32 runs one block a step (nf4_matmul); half precision both steps the campaign times
                  "STEP": 1 if dtype == "fp32" or on_device else nf4_kernel.BLOCKS_PER_STEP, "IEEE": dtype == "fp32"}
-    return nf4_kernel._nf4_matmul, types, constants
+    return nf4_kernel._nf4_matmul, types, constants, {}
 
 ALIGNED_INTEGERS = {"head_dim", "query_head_stride", "query_row_stride", "inner", "outputs", "x_row_stride"}
 results = []
 for name, build in (("int8 attention", int8_build), ("nf4 matmul", nf4_build)):
     for arch, dtype, block_m, on_device in json.loads(sys.argv[1]):
-        kernel, types, constants = build(dtype, block_m, on_device)
+        kernel, types, constants, options = build(dtype, block_m, on_device)
         signature = {arg: "constexpr" if arg in constants else types.get(arg, "i32") for arg in kernel.arg_names}
         # As launched: PyTorch's tensors 16-byte aligned, and the integers that are multiples of 16 at
         # Llama-3.1-8B's shapes (head size, inner and output sizes) specialized as such.
@@ -54,9 +55,10 @@ for name, build in (("int8 attention", int8_build), ("nf4 matmul", nf4_build)):
         attrs = {(index,): [["tt.divisibility", 16]] for index in aligned}
         try:
             source = ASTSource(kernel, signature, constants, attrs)
-            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
             results.append({"kernel": name, "arch": arch, "dtype": dtype, "block_m": block_m,
-                            "shared": compiled.metadata.shared})
+                            "shared": compiled.metadata.shared,
+                            "narrow_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.[bsu](?:8|16)\b", compiled.asm["ptx"]))})
         except Exception as error:
             results.append({"kernel": name, "arch": arch, "dtype": dtype, "block_m": block_m,
                             "error": f"{type(error).__name__}: {str(error)[:500]}"})
@@ -80,3 +82,4 @@ def test_the_kernels_compile_for_rtx_20_to_h100_within_their_shared_memory():
     assert len(results) == 2 * len(builds)
     failed = [result for result in results if "error" in result or result["shared"] > SHARED_LIMIT[result["arch"]]]
     assert not failed, failed
+    assert not [result for result in results if result["narrow_loads"]], results

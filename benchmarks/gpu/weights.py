@@ -91,8 +91,10 @@ def nf4_kernel_rows(layer: nn.Module, rig: Rig) -> dict:
         x = torch.randn(rows, inner, device=rig.device, dtype=rig.dtype)
         timed = {}
 
+        pairs = NF4_ROUTE.kernel.code_pairs(state.code)
+
         def fused(blocks_per_step):
-            return lambda: NF4_ROUTE.kernel.nf4_matmul(x, layer.weight.data.view(-1), state.absmax, state.code,
+            return lambda: NF4_ROUTE.kernel.nf4_matmul(x, layer.weight.data.view(-1), state.absmax, pairs,
                                                        outputs, blocks_per_step=blocks_per_step)
         # the kernel as the engine runs it, and one block an iteration (nf4_kernel.BLOCKS_PER_STEP's alternative)
         for name, run in (("bitsandbytes", lambda: layer.bitsandbytes_forward(x)),

@@ -27,6 +27,10 @@ import triton
 import triton.language as tl
 
 BLOCK_N = 64  # KV positions per iteration
+# Copies of a block's codes in flight: two (double buffering) keep a half-precision program within
+# 23 KB of shared memory, four resident per SM on an RTX 30/40 card, as `wanted` below counts on;
+# Triton's default three take 40 KB, and float32 at 64 rows 116 KB, over those cards' 99 KB.
+STAGES = 2
 PROGRAMS_PER_CPU_RUN = 8  # the interpreter's share of splits: enough to exercise the merge
 
 
@@ -35,7 +39,7 @@ PROGRAMS_PER_CPU_RUN = 8  # the interpreter's share of splits: enough to exercis
 @triton.jit(do_not_specialize=["rows", "length", "split_length"])
 def _attend_packed(queries, key_codes, key_scales, value_codes, value_scales, out, lse, length_at,
                    rows, length, split_length, head_dim, scale_log2,
-                   query_head_stride, query_row_stride, code_head_stride, code_row_stride,
+                   query_head_stride, query_row_stride, code_head_words, code_row_words,
                    scale_head_stride, scale_row_stride,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                    LENGTH_ON_DEVICE: tl.constexpr):
@@ -59,7 +63,9 @@ def _attend_packed(queries, key_codes, key_scales, value_codes, value_scales, ou
     for first in range(start, end, BLOCK_N):
         positions = first + tl.arange(0, BLOCK_N)
         held = positions < end  # every block holds at least its first position
-        codes_at = head * code_head_stride + positions[:, None] * code_row_stride + dims[None, :]
+        # Strides given in 4-byte words: the compiler then knows every row starts 4-byte aligned and
+        # copies 4 codes at a time, asynchronously ahead of use (byte strides: one load per code).
+        codes_at = head * code_head_words * 4 + positions[:, None] * (code_row_words * 4) + dims[None, :]
         scales_at = head * scale_head_stride + positions * scale_row_stride
         code_held = held[:, None] & dim_held[None, :]
         keys = tl.load(key_codes + codes_at, mask=code_held, other=0).to(query.dtype)  # |code| <= 127: exact
@@ -102,10 +108,12 @@ def attend_packed(queries: torch.Tensor, key_rows: torch.Tensor, value_rows: tor
                   length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """queries [kv_heads, rows, d] (each KV head's query rows: its group folded with the tokens),
     key_rows and value_rows [kv_heads, positions, d + 4] packed int8 (d a multiple of 4, rows
-    contiguous), every position visible to every row; or only the first `length` ([1] int32 on
-    the device, >= 1: what a CUDA graph reads at replay). Returns (out [kv_heads, rows, d]
-    float32, lse [kv_heads, rows] float32, natural log)."""
+    contiguous, both with the same strides, multiples of 4 bytes), every position visible to every
+    row; or only the first `length` ([1] int32 on the device, >= 1: what a CUDA graph reads at
+    replay). Returns (out [kv_heads, rows, d] float32, lse [kv_heads, rows] float32, natural log)."""
     kv_heads, rows, head_dim = queries.shape
+    if key_rows.stride(0) % 4 or key_rows.stride(1) % 4:
+        raise ValueError(f"packed rows need strides in whole 4-byte words, not {key_rows.stride()}")
     if queries.stride(-1) != 1:
         queries = queries.contiguous()
     positions = key_rows.shape[1]
@@ -122,10 +130,10 @@ def attend_packed(queries: torch.Tensor, key_rows: torch.Tensor, value_rows: tor
     _attend_packed[(row_blocks, kv_heads, splits)](
         queries, key_rows, key_scales, value_rows, value_scales, out, lse, out if length is None else length,
         rows, positions, split_length, head_dim, scale * math.log2(math.e),
-        queries.stride(0), queries.stride(1), key_rows.stride(0), key_rows.stride(1),
+        queries.stride(0), queries.stride(1), key_rows.stride(0) // 4, key_rows.stride(1) // 4,
         key_scales.stride(0), key_scales.stride(1),
         BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=BLOCK_N,
-        IEEE=queries.dtype == torch.float32, LENGTH_ON_DEVICE=length is not None)
+        IEEE=queries.dtype == torch.float32, LENGTH_ON_DEVICE=length is not None, num_stages=STAGES)
     if splits == 1:
         return out[0], lse[0]
     merged_lse = torch.logsumexp(lse, 0)
