@@ -71,6 +71,41 @@ def test_the_split_count_covers_every_position_once(monkeypatch):
         torch.testing.assert_close(single, split, rtol=0, atol=1e-5)
 
 
+def rows_to_pack(dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """[2, 40, 64] keys or values as attention hands them over (a transposed view), with the rows
+    packing is hard on: all zeros, exact halfway ratios (absmax 127: scale 1, so 2.5 -> 2, 3.5 ->
+    4, -2.5 -> -2, half to even), and values so small that the scale is subnormal in float32
+    (float32 on the CPU: Triton 3.9's interpreter converts subnormal bf16 wrongly; float16 cannot
+    hold them)."""
+    generator = torch.Generator().manual_seed(5)
+    states = (torch.randn(40, 2, 64, generator=generator) * 4).transpose(0, 1)
+    states[0, 3] = 0.0
+    states[1, 7] = torch.tensor([127.0, 2.5, 3.5, -2.5, 0.5, -0.5, 1.5, 126.5] * 8)
+    if dtype == torch.float32 or (device == "cuda" and dtype == torch.bfloat16):
+        states[0, 11] = torch.linspace(-1e-37, 1e-37, 64)
+    return states.to(device, dtype)
+
+
+def assert_packs_as_torch(dtype: torch.dtype, device: str = "cpu") -> None:
+    """From a slot on (an eager forward) and at slots read from a tensor (a replayable step): the
+    codes and scale bytes of kv/int8_rows.py's `pack`, and nothing outside those slots."""
+    states = rows_to_pack(dtype, device)
+    expected = pack(states)
+    for at in (5, torch.arange(40, device=device).flip(0) * 2 + 3):
+        rows = torch.full((2, 90, 68), 0x55, dtype=torch.int8, device=device)
+        int8_kernel.pack_rows(states, rows, at)
+        slots = torch.arange(5, 45, device=device) if isinstance(at, int) else at
+        assert torch.equal(rows[:, slots], expected)
+        untouched = torch.ones(90, dtype=torch.bool, device=device)
+        untouched[slots] = False
+        assert (rows[:, untouched] == 0x55).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_packing_kernel_writes_the_bits_torch_packs(dtype):
+    assert_packs_as_torch(dtype)
+
+
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
     """The route on the CPU; yields each kernel call's tensor shapes (the keys' second: positions)."""
@@ -124,6 +159,36 @@ def test_a_kernel_that_fails_leaves_the_dequantized_path_with_the_reason(fused_o
     torch.testing.assert_close(logits, reference_logits, rtol=0, atol=0)
 
 
+def test_a_cache_packed_by_the_kernel_holds_what_torch_packs(fused_on_cpu, monkeypatch):
+    """A prefill and a decode step with the route on: the kernel packed every new key and value,
+    bit for bit as torch does with the route off; a packing kernel that fails leaves torch's
+    packing, same bits, with the reason kept. (Attention takes the dequantized path throughout:
+    the kernel's rounding would change later layers' keys.)"""
+    model = int8_fp32(2)
+    packed_calls = route_on_cpu(monkeypatch, int8_attention.ROUTE, int8_kernel, "pack_rows")
+    monkeypatch.setattr(int8_attention, "attend", lambda *args: None)
+
+    def stored(cache):
+        model.forward(IDS[:30], torch.arange(30), cache)
+        model.forward(IDS[30:31], torch.tensor([30]), cache)
+        return cache.stored_layers()
+
+    through_kernel = stored(model.new_cache())
+    assert len(packed_calls) == 2 * 2 * model.hf.config.num_hidden_layers  # keys and values, two forwards
+    monkeypatch.setattr(int8_attention.ROUTE, "devices", {"cuda"})
+    for (keys, values), (torch_keys, torch_values) in zip(through_kernel, stored(model.new_cache()), strict=True):
+        assert torch.equal(keys, torch_keys) and torch.equal(values, torch_values)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(int8_attention.ROUTE, "devices", {"cuda", "cpu"})
+    monkeypatch.setattr(int8_kernel, "pack_rows", broken)
+    for (keys, values), (torch_keys, torch_values) in zip(stored(model.new_cache()), through_kernel, strict=True):
+        assert torch.equal(keys, torch_keys) and torch.equal(values, torch_values)
+    assert "shared memory" in int8_attention.ROUTE.describe(torch.device("cpu"), torch.float32)
+
+
 def test_greedy_chain_through_the_kernel_equals_greedy_plain(fused_on_cpu):
     assert_greedy_identity([(0, int8_fp32(0))], lambda seed, model: make_decoder("chain"), 16)
     assert fused_on_cpu
@@ -154,6 +219,12 @@ def test_on_cuda_the_kernel_attends_exactly_to_the_dequantized_rows(dtype, toler
         expected_out, expected_lse = reference(queries, key_rows, value_rows, 128 ** -0.5)
         torch.testing.assert_close(out.double(), expected_out, rtol=tolerance, atol=tolerance)
         torch.testing.assert_close(lse.double(), expected_lse, rtol=tolerance, atol=tolerance)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_on_cuda_the_packing_kernel_writes_the_bits_torch_packs(dtype):
+    assert_packs_as_torch(dtype, "cuda")
 
 
 @needs_cuda

@@ -1,9 +1,10 @@
 """The Triton kernels compile for the GPUs they run on, on this machine without one: Triton's
-compiler and the ptxas its wheel ships build each kernel for compute capability 7.5 (RTX 20
-series), 8.6 (RTX 30), 8.9 (RTX 40) and 9.0 (H100), in the dtypes and with the launch options
-the code uses, and every build's shared memory fits that card's limit for a block. Neither
-kernel loads its inputs a byte or two at a time (what the 8-bit attention's strides in words, the
-4-bit kernel's contiguous reads of x and its byte offsets are for). The builds run in a subprocess: this one runs Triton's interpreter
+compiler and the ptxas its wheel ships build each kernel (8-bit attention, its merge, 8-bit
+packing, 4-bit matmul) for compute capability 7.5 (RTX 20 series), 8.6 (RTX 30), 8.9 (RTX 40)
+and 9.0 (H100), in the dtypes and with the launch options the code uses, and every build's
+shared memory fits that card's limit for a block. No kernel loads its inputs a byte or two at a
+time (what the 8-bit attention's strides in words, the 4-bit kernel's contiguous reads of x and
+its byte offsets are for). The builds run in a subprocess: this one runs Triton's interpreter
 (conftest.py), which cannot compile."""
 
 import json
@@ -42,9 +43,21 @@ def nf4_build(dtype, block_m, on_device):
                  "STEP": 1 if dtype == "fp32" or on_device else nf4_kernel.BLOCKS_PER_STEP, "IEEE": dtype == "fp32"}
     return nf4_kernel._nf4_matmul, types, constants, {}
 
-ALIGNED_INTEGERS = {"head_dim", "query_head_stride", "query_row_stride", "inner", "outputs", "x_row_stride"}
+def pack_build(dtype, block_m, on_device):  # block_m: no such block; the tokens a program packs are fixed
+    types = {"states": f"*{dtype}", "rows_out": "*i8", "slots": "*i64" if on_device else "*i8"}
+    constants = {"BLOCK_T": int8_kernel.TOKENS_PER_PACK, "BLOCK_D": 128, "SLOTS_ON_DEVICE": on_device}
+    return int8_kernel._pack_rows, types, constants, {}
+
+def merge_build(dtype, block_m, on_device):  # float32 parts whatever the queries' dtype
+    types = {"out": "*fp32", "lse": "*fp32", "merged": "*fp32", "merged_lse": "*fp32"}
+    return int8_kernel._merge_splits, types, {"BLOCK_S": 64, "BLOCK_D": 128}, {}
+
+ALIGNED_INTEGERS = {"head_dim", "query_head_stride", "query_row_stride", "inner", "outputs", "x_row_stride",
+                    "state_head_stride", "state_token_stride"}
+KERNELS = (("int8 attention", int8_build), ("nf4 matmul", nf4_build), ("int8 packing", pack_build),
+           ("int8 merge", merge_build))
 results = []
-for name, build in (("int8 attention", int8_build), ("nf4 matmul", nf4_build)):
+for name, build in KERNELS:
     for arch, dtype, block_m, on_device in json.loads(sys.argv[1]):
         kernel, types, constants, options = build(dtype, block_m, on_device)
         signature = {arg: "constexpr" if arg in constants else types.get(arg, "i32") for arg in kernel.arg_names}
@@ -79,7 +92,7 @@ def test_the_kernels_compile_for_rtx_20_to_h100_within_their_shared_memory():
                                cwd=Path(__file__).parent)
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads(completed.stdout.strip().splitlines()[-1])
-    assert len(results) == 2 * len(builds)
+    assert len(results) == 4 * len(builds)
     failed = [result for result in results if "error" in result or result["shared"] > SHARED_LIMIT[result["arch"]]]
     assert not failed, failed
     assert not [result for result in results if result["narrow_loads"]], results

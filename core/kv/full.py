@@ -34,18 +34,30 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         step = active_step()
         if step is not None:  # a replayable step (core/step_graphs.py): the runner keeps the length
-            self._key_buffer.index_copy_(2, step.slots, key_states)
-            self._value_buffer.index_copy_(2, step.slots, value_states)
+            self.write_rows(self._key_buffer, step.slots, key_states)
+            self.write_rows(self._value_buffer, step.slots, value_states)
             return self._key_buffer, self._value_buffer
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length, end = self.get_seq_length(), self.get_seq_length() + key_states.shape[-2]
         if self._key_buffer is None or self._key_buffer.shape[-2] < end:
             self._grow(length, end, key_states, value_states)
-        self._key_buffer[..., length:end, :] = key_states
-        self._value_buffer[..., length:end, :] = value_states
+        self.write_rows(self._key_buffer, length, key_states)
+        self.write_rows(self._value_buffer, length, value_states)
         self.written(end)
         return self.keys, self.values
+
+    def write_rows(self, buffer: torch.Tensor, at: int | torch.Tensor, states: torch.Tensor) -> None:
+        """Store `states` [1, kv_heads, n, d] in `buffer` from slot `at` on, or at the slots `at` [n]
+        (a replayable step's)."""
+        if isinstance(at, int):
+            buffer[..., at:at + states.shape[-2], :] = states
+        else:
+            buffer.index_copy_(2, at, states)
+
+    def stored_row(self, states: torch.Tensor) -> tuple[int, torch.dtype]:
+        """The width and dtype of the buffers' rows for entries like `states`: as they come."""
+        return states.shape[-1], states.dtype
 
     @property
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -60,8 +72,12 @@ class GrowingLayer(DynamicLayer):
         capacity = max(needed, int(length * GROWTH), length + MIN_GROWTH)
         if self.max_positions is not None:
             capacity = max(needed, min(capacity, self.max_positions))
-        keys, values = (torch.empty(*states.shape[:-2], capacity, states.shape[-1], dtype=states.dtype,
-                                    device=states.device) for states in (key_states, value_states))
+
+        def buffer(states: torch.Tensor) -> torch.Tensor:
+            width, dtype = self.stored_row(states)
+            return torch.empty(*states.shape[:-2], capacity, width, dtype=dtype, device=states.device)
+
+        keys, values = buffer(key_states), buffer(value_states)
         if length:
             keys[..., :length, :] = self.keys
             values[..., :length, :] = self.values

@@ -23,17 +23,35 @@ from .int8_rows import SCALE_BYTES, pack, unpack
 class Int8Layer(GrowingLayer):
     """A `GrowingLayer` whose buffers hold packed rows. `update` returns every slot's keys and
     values for this forward's attention: the packed rows themselves where attention reads them
-    (kv/int8_attention.py), else dequantized; nothing but the packed rows is kept."""
+    (kv/int8_attention.py), else dequantized; nothing but the packed rows is kept. Where the
+    kernels run, the new keys and values are packed by a kernel straight into the buffers (one
+    launch each, where torch's packing took about ten small kernels and a copy)."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keys, values = self.append_packed(pack(key_states), pack(value_states))
-        if int8_attention.reads_packed(key_states.device, key_states.dtype):
+        dtype, device = key_states.dtype, key_states.device
+        if not int8_attention.reads_packed(device, dtype):
+            key_states, value_states = pack(key_states), pack(value_states)
+        keys, values = super().update(key_states, value_states)
+        if int8_attention.reads_packed(device, dtype):  # asked again: a kernel may have failed meanwhile
             return keys, values
-        return unpack(keys, key_states.dtype), unpack(values, value_states.dtype)
+        return unpack(keys, dtype), unpack(values, dtype)
 
     def append_packed(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append packed rows as they are; returns every slot's packed rows (views)."""
         return super().update(keys, values)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(*(states.new_empty(0, dtype=torch.int8) for states in (key_states, value_states)))
+
+    def stored_row(self, states: torch.Tensor) -> tuple[int, torch.dtype]:
+        return states.shape[-1] + (0 if states.dtype == torch.int8 else SCALE_BYTES), torch.int8
+
+    def write_rows(self, buffer: torch.Tensor, at: int | torch.Tensor, states: torch.Tensor) -> None:
+        if states.dtype != torch.int8:  # not packed yet: where the kernels run
+            if int8_attention.pack_into(states, buffer, at):
+                return
+            states = pack(states)  # the kernel failed here
+        super().write_rows(buffer, at, states)
 
 
 class Int8Cache(FullCache):

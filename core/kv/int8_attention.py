@@ -1,5 +1,6 @@
 """Which attention reads an 8-bit KV (kv/int8.py): the fused kernel (kv/int8_kernel.py) where it
-runs, else the rows dequantized into the model's dtype for the ordinary path.
+runs, else the rows dequantized into the model's dtype for the ordinary path. Where it runs, new
+keys and values are packed into the cache by a kernel too (`pack_into`).
 
 Where `reads_packed` says so, the cache hands attention its packed rows as stored, and attention
 (kv/queries.py) calls `attend`. That answers None where the fused route does not apply, and the
@@ -32,6 +33,20 @@ def reads_packed(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether attention on `device` with queries of `dtype` takes an 8-bit cache's packed rows as
     stored."""
     return dtype in KERNEL_DTYPES and ROUTE.runs_on(device, dtype)
+
+
+def pack_into(states: torch.Tensor, rows: torch.Tensor, at: int | torch.Tensor) -> bool:
+    """Quantize `states` [1, kv_heads, n, d] into the packed `rows` [1, kv_heads, capacity, d + 4]
+    from slot `at` on (or at the slots `at`) in one kernel, where `reads_packed` says the kernels
+    run; False where the kernel failed (the caller packs them in torch: the same bits)."""
+    try:
+        ROUTE.kernel.pack_rows(states[0], rows[0], at)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # a kernel that does not build or run here
+        ROUTE.fail(states.device, error)
+        return False
+    return True
 
 
 def attend(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor, scale: float,

@@ -1,5 +1,7 @@
-"""Attention of a few queries over an 8-bit KV (kv/int8.py's packed rows) in one Triton kernel,
-each code dequantized in registers: the KV is read once, at 1 byte an element plus its scales.
+"""The 8-bit KV's Triton kernels (kv/int8.py's packed rows, kv/int8_rows.py's format): attention of
+a few queries over the packed rows in one kernel, each code dequantized in registers (the KV is
+read once, at 1 byte an element plus its scales); the merge of its splits; and the packing of new
+keys and values straight into the cache's buffer.
 
 Why: dequantizing a layer into a bf16 copy and attending to the copy writes and reads the KV
 again; on an H100 that took 8.3-9.0x a bf16 KV's attention for half its bytes (campaign `kv8`),
@@ -136,5 +138,71 @@ def attend_packed(queries: torch.Tensor, key_rows: torch.Tensor, value_rows: tor
         IEEE=queries.dtype == torch.float32, LENGTH_ON_DEVICE=length is not None, num_stages=STAGES)
     if splits == 1:
         return out[0], lse[0]
-    merged_lse = torch.logsumexp(lse, 0)
-    return (out * torch.exp(lse - merged_lse)[..., None]).sum(0), merged_lse
+    merged, merged_lse = torch.empty_like(out[0]), torch.empty_like(lse[0])
+    _merge_splits[(kv_heads * rows,)](out, lse, merged, merged_lse, splits, kv_heads * rows, head_dim,
+                                      BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(head_dim))
+    return merged, merged_lse
+
+
+# One kernel where torch's merge took eight small ones a layer (logsumexp's own four among them).
+@triton.jit(do_not_specialize=["splits"])
+def _merge_splits(out, lse, merged, merged_lse, splits, parts, head_dim, BLOCK_S: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """One query row (of parts = kv_heads x rows): its splits' outputs [splits, parts, d] weighted by
+    exp(lse - their log-sum-exp); a split of lse -inf (past the length) weighs nothing."""
+    part = tl.program_id(0)
+    split_ids, dims = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    split_held, dim_held = split_ids < splits, dims < head_dim
+    split_lse = tl.load(lse + split_ids * parts + part, mask=split_held, other=float("-inf"))
+    best = tl.max(split_lse, 0)  # finite: every row sees at least one position
+    weights = tl.exp(split_lse - best)
+    mass = tl.sum(weights, 0)
+    outs = tl.load(out + (split_ids[:, None] * parts + part) * head_dim + dims[None, :],
+                   mask=split_held[:, None] & dim_held[None, :], other=0.0)
+    tl.store(merged + part * head_dim + dims, tl.sum(outs * weights[:, None], 0) / mass, mask=dim_held)
+    tl.store(merged_lse + part, best + tl.log(mass))
+
+
+TOKENS_PER_PACK = 16  # new tokens a program packs
+
+
+@triton.jit(do_not_specialize=["tokens", "first_slot"])
+def _pack_rows(states, rows_out, slots, tokens, first_slot, head_dim, state_head_stride, state_token_stride,
+               out_head_words, out_row_words, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+               SLOTS_ON_DEVICE: tl.constexpr):
+    """kv/int8_rows.py's `pack` for BLOCK_T tokens of one KV head, bit for bit: scale = absmax / 127,
+    codes = round(x / scale) half to even, clamped to +-127, all in float32 with correctly rounded
+    division; written at slots first_slot + t, or slots[t] (a replayable step's)."""
+    token_block, head = tl.program_id(0), tl.program_id(1)
+    token_ids, dims = token_block * BLOCK_T + tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_D)
+    token_held, dim_held = token_ids < tokens, dims < head_dim
+    held = token_held[:, None] & dim_held[None, :]
+    x = tl.load(states + head * state_head_stride + token_ids[:, None] * state_token_stride + dims[None, :],
+                mask=held, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.abs(x), 1), tl.full([BLOCK_T], 127.0, tl.float32))
+    ratio = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
+    nearest = tl.floor(ratio + 0.5)  # exact: |ratio| <= 128, far below 2^23
+    halfway_odd = (nearest - ratio == 0.5) & (nearest - 2.0 * tl.floor(nearest * 0.5) == 1.0)
+    codes = tl.minimum(tl.maximum(tl.where(halfway_odd, nearest - 1.0, nearest), -127.0), 127.0)
+    if SLOTS_ON_DEVICE:
+        slot = tl.load(slots + token_ids, mask=token_held, other=0)
+    else:
+        slot = first_slot + token_ids
+    row = rows_out + head * out_head_words * 4 + slot.to(tl.int64) * (out_row_words * 4)
+    tl.store(row[:, None] + dims[None, :], codes.to(tl.int8), mask=held)
+    tl.store((row + head_dim).to(tl.pointer_type(tl.float32)), scale, mask=token_held)
+
+
+def pack_rows(states: torch.Tensor, rows: torch.Tensor, at: int | torch.Tensor) -> None:
+    """Pack `states` [kv_heads, n, d] (fp16, bf16 or fp32; d a multiple of 4) into `rows`
+    [kv_heads, capacity, d + 4] from slot `at` on, or at the slots `at` [n] (long, on the device)."""
+    kv_heads, tokens, head_dim = states.shape
+    if states.stride(-1) != 1:
+        states = states.contiguous()
+    if rows.stride(0) % 4 or rows.stride(1) % 4 or rows.shape[-1] != head_dim + 4:
+        raise ValueError(f"packed rows [{rows.shape}, strides {rows.stride()}] cannot take {head_dim} codes")
+    on_device = isinstance(at, torch.Tensor)
+    _pack_rows[(triton.cdiv(tokens, TOKENS_PER_PACK), kv_heads)](
+        states, rows, at if on_device else rows, tokens, 0 if on_device else at, head_dim,
+        states.stride(0), states.stride(1), rows.stride(0) // 4, rows.stride(1) // 4,
+        BLOCK_T=TOKENS_PER_PACK, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SLOTS_ON_DEVICE=on_device)
