@@ -59,6 +59,43 @@ def test_the_kernel_attends_exactly_to_the_dequantized_rows(kv_heads, rows, leng
     torch.testing.assert_close(lse.double(), expected_lse, rtol=tolerance, atol=tolerance)
 
 
+def masked_reference(queries, key_rows, value_rows, scale, allowed):
+    """`reference` where the last n rows are new tokens under `allowed` [n, n]; query row r is
+    token r mod n (a group's heads folded with the tokens)."""
+    n, (rows, length) = allowed.shape[0], (queries.shape[1], key_rows.shape[1])
+    visible = torch.ones(rows, length, dtype=torch.bool)
+    visible[:, length - n:] = allowed[torch.arange(rows) % n]
+    keys, values = unpack(key_rows, torch.float64), unpack(value_rows, torch.float64)
+    scores = (queries.double() @ keys.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, -1) @ values, torch.logsumexp(scores, -1)
+
+
+# 581: the last of 4 splits (192 positions each here) starts at new row 3, so some rows see none
+# of its positions (a split empty for a row must weigh nothing, not make NaN).
+@pytest.mark.parametrize("length, on_device", [(40, False), (581, False), (700, False), (581, True), (700, True)])
+def test_the_kernel_attends_the_new_rows_under_their_mask(length, on_device):
+    """An 8-node tree verification of a 3-head group after a past of length - 8: every row sees
+    the past and only its token's ancestors and itself among the new rows; with the past read from
+    the device the buffer's spare slots after the new rows are not read."""
+    from test_hierarchy import TREE
+    allowed = TREE.ancestors
+    n = allowed.shape[0]
+    generator = torch.Generator().manual_seed(7)
+    queries = torch.randn(2, 3 * n, 64, generator=generator)
+    key_rows, value_rows = packed_rows(2, length, 64, spare=50)
+    if on_device:  # the whole buffer, spare slots poisoned: a scale of 3.4e38
+        key_rows, value_rows = (rows._base if rows._base is not None else rows for rows in (key_rows, value_rows))
+        key_rows[:, length:], value_rows[:, length:] = 127, 127
+        past = torch.tensor([length - n], dtype=torch.int32)
+        out, lse = int8_kernel.attend_packed(queries, key_rows, value_rows, 0.125, n, allowed, past=past)
+        key_rows, value_rows = key_rows[:, :length], value_rows[:, :length]
+    else:
+        out, lse = int8_kernel.attend_packed(queries, key_rows, value_rows, 0.125, n, allowed)
+    expected_out, expected_lse = masked_reference(queries, key_rows, value_rows, 0.125, allowed)
+    torch.testing.assert_close(out.double(), expected_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_the_split_count_covers_every_position_once(monkeypatch):
     """One split and many give the same attention: none drops or repeats a block."""
     queries = torch.randn(2, 4, 64)
@@ -129,7 +166,7 @@ def test_the_model_attends_exactly_to_the_dequantized_values_through_the_kernel(
 
     each_forward(step, caches.values())
     layers = model.hf.config.num_hidden_layers
-    assert [shapes[1][1] for shapes in fused_on_cpu] == [30] * layers + [33] * layers + [37] * layers  # past, or all
+    assert [shapes[1][1] for shapes in fused_on_cpu] == [36] * layers + [37] * layers + [37] * layers  # past and new
 
 
 def test_a_prefill_chunk_and_a_hidden_past_take_the_dequantized_path(fused_on_cpu):
@@ -247,7 +284,7 @@ def test_a_length_read_on_the_device_attends_only_that_many_positions():
     for length in (1, 63, 500):
         expected = int8_kernel.attend_packed(queries, key_rows[:, :length], value_rows[:, :length], 0.125)
         on_device = torch.tensor([length], dtype=torch.int32)
-        got = int8_kernel.attend_packed(queries, key_rows, value_rows, 0.125, length=on_device)
+        got = int8_kernel.attend_packed(queries, key_rows, value_rows, 0.125, past=on_device)
         for one, other in zip(got, expected):
             torch.testing.assert_close(one, other, rtol=0, atol=1e-5)
 

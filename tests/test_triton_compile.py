@@ -1,11 +1,12 @@
 """The Triton kernels compile for the GPUs they run on, on this machine without one: Triton's
-compiler and the ptxas its wheel ships build each kernel (8-bit attention, its merge, 8-bit
-packing, 4-bit matmul) for compute capability 7.5 (RTX 20 series), 8.6 (RTX 30), 8.9 (RTX 40)
-and 9.0 (H100), in the dtypes and with the launch options the code uses, and every build's
-shared memory fits that card's limit for a block. No kernel loads its inputs a byte or two at a
-time (what the 8-bit attention's strides in words, the 4-bit kernel's contiguous reads of x and
-its byte offsets are for). The builds run in a subprocess: this one runs Triton's interpreter
-(conftest.py), which cannot compile."""
+compiler and the ptxas its wheel ships build each kernel (8-bit attention with and without the
+new tokens' mask, its merge, 8-bit packing, 4-bit matmul) for compute capability 7.5 (RTX 20
+series), 8.6 (RTX 30), 8.9 (RTX 40) and 9.0 (H100), in the dtypes and with the launch options
+the code uses, and every build's shared memory fits that card's limit for a block. No kernel
+but the mask's reads loads its inputs a byte or two at a time (what the 8-bit attention's
+strides in words, the 4-bit kernel's contiguous reads of x and its byte offsets are for). The
+builds run in a subprocess: this one runs Triton's interpreter (conftest.py), which cannot
+compile."""
 
 import json
 import os
@@ -28,27 +29,27 @@ from triton.compiler import ASTSource
 from specchat.core.kv import int8_kernel
 from specchat.core import nf4_kernel
 
-def int8_build(dtype, block_m, on_device):
+def int8_build(dtype, block_m, on_device, mask):
     types = {"queries": f"*{dtype}", "key_codes": "*i8", "key_scales": "*fp32", "value_codes": "*i8",
-             "value_scales": "*fp32", "out": "*fp32", "lse": "*fp32", "length_at": "*i32" if on_device else "*fp32",
-             "scale_log2": "fp32"}
+             "value_scales": "*fp32", "out": "*fp32", "lse": "*fp32", "past_at": "*i32" if on_device else "*fp32",
+             "allowed": "*u8" if mask else "*fp32", "scale_log2": "fp32"}
     constants = {"BLOCK_M": block_m, "BLOCK_D": 128, "BLOCK_N": int8_kernel.BLOCK_N, "IEEE": dtype == "fp32",
-                 "LENGTH_ON_DEVICE": on_device}
+                 "PAST_ON_DEVICE": on_device, "MASK_NEW": mask}
     return int8_kernel._attend_packed, types, constants, {"num_stages": int8_kernel.STAGES}
 
-def nf4_build(dtype, block_m, on_device):
+def nf4_build(dtype, block_m, on_device, mask):
     types = {"x": f"*{dtype}", "packed": "*u8", "absmax": "*fp32", "code_pairs": "*i64", "partial": "*fp32"}
     constants = {"BLOCK_M": block_m, "BLOCK_OUT": nf4_kernel.BLOCK_OUT, "HALF": nf4_kernel.BLOCK // 2,
                  # float32 runs one block a step (nf4_matmul); half precision both steps the campaign times
                  "STEP": 1 if dtype == "fp32" or on_device else nf4_kernel.BLOCKS_PER_STEP, "IEEE": dtype == "fp32"}
     return nf4_kernel._nf4_matmul, types, constants, {}
 
-def pack_build(dtype, block_m, on_device):  # block_m: no such block; the tokens a program packs are fixed
+def pack_build(dtype, block_m, on_device, mask):  # block_m: no such block; the tokens a program packs are fixed
     types = {"states": f"*{dtype}", "rows_out": "*i8", "slots": "*i64" if on_device else "*i8"}
     constants = {"BLOCK_T": int8_kernel.TOKENS_PER_PACK, "BLOCK_D": 128, "SLOTS_ON_DEVICE": on_device}
     return int8_kernel._pack_rows, types, constants, {}
 
-def merge_build(dtype, block_m, on_device):  # float32 parts whatever the queries' dtype
+def merge_build(dtype, block_m, on_device, mask):  # float32 parts whatever the queries' dtype
     types = {"out": "*fp32", "lse": "*fp32", "merged": "*fp32", "merged_lse": "*fp32"}
     return int8_kernel._merge_splits, types, {"BLOCK_S": 64, "BLOCK_D": 128}, {}
 
@@ -58,8 +59,8 @@ KERNELS = (("int8 attention", int8_build), ("nf4 matmul", nf4_build), ("int8 pac
            ("int8 merge", merge_build))
 results = []
 for name, build in KERNELS:
-    for arch, dtype, block_m, on_device in json.loads(sys.argv[1]):
-        kernel, types, constants, options = build(dtype, block_m, on_device)
+    for arch, dtype, block_m, on_device, mask in json.loads(sys.argv[1]):
+        kernel, types, constants, options = build(dtype, block_m, on_device, mask)
         signature = {arg: "constexpr" if arg in constants else types.get(arg, "i32") for arg in kernel.arg_names}
         # As launched: PyTorch's tensors 16-byte aligned, and the integers that are multiples of 16 at
         # Llama-3.1-8B's shapes (head size, inner and output sizes) specialized as such.
@@ -69,7 +70,7 @@ for name, build in KERNELS:
         try:
             source = ASTSource(kernel, signature, constants, attrs)
             compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-            results.append({"kernel": name, "arch": arch, "dtype": dtype, "block_m": block_m,
+            results.append({"kernel": name, "arch": arch, "dtype": dtype, "block_m": block_m, "mask": mask,
                             "shared": compiled.metadata.shared,
                             "narrow_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.[bsu](?:8|16)\b", compiled.asm["ptx"]))})
         except Exception as error:
@@ -83,9 +84,12 @@ print(json.dumps(results))
 def test_the_kernels_compile_for_rtx_20_to_h100_within_their_shared_memory():
     # Half precision on every card (fp16 on the RTX 20 series, which has no bf16), the smallest and
     # the largest row block, the length on the host and on the device (a CUDA graph's); float32
-    # where the GPU campaign's exact runs go (data-center cards) and on an RTX 30.
-    builds = [(75, "fp16", 64, False), (86, "bf16", 16, True), (86, "bf16", 64, False), (86, "fp32", 64, False),
-              (89, "bf16", 64, False), (90, "bf16", 64, True), (90, "fp32", 64, True)]
+    # where the GPU campaign's exact runs go (data-center cards) and on an RTX 30; the 8-bit
+    # attention with the new tokens' mask (a verification's, a graph's step) and without (one
+    # token's step).
+    builds = [(75, "fp16", 64, False, True), (86, "bf16", 16, False, False), (86, "bf16", 16, True, True),
+              (86, "bf16", 64, False, True), (86, "fp32", 64, False, True), (89, "bf16", 64, False, False),
+              (90, "bf16", 64, True, True), (90, "fp32", 64, True, True)]
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     completed = subprocess.run([sys.executable, "-c", BUILDS, json.dumps(builds)],
                                capture_output=True, text=True, env=env, timeout=600,
@@ -95,4 +99,6 @@ def test_the_kernels_compile_for_rtx_20_to_h100_within_their_shared_memory():
     assert len(results) == 4 * len(builds)
     failed = [result for result in results if "error" in result or result["shared"] > SHARED_LIMIT[result["arch"]]]
     assert not failed, failed
-    assert not [result for result in results if result["narrow_loads"]], results
+    # the mask's bytes are the only ones read narrowly, in the blocks of new tokens alone
+    assert not [result for result in results if result["narrow_loads"]
+                and not (result["kernel"] == "int8 attention" and result["mask"])], results

@@ -7,8 +7,8 @@ Where `reads_packed` says so, the cache hands attention its packed rows as store
 caller dequantizes the rows and goes on as for any cache:
 - a prefill chunk's many query rows (past MAX_ROWS): dequantizing once per chunk costs little per
   query there, and flash attention is tuned for long query blocks (this kernel, for a few rows);
-- a mask that hides part of the past (only the causal or tree mask among new tokens is handled:
-  the new tokens are dequantized and attended as kv/past_attention.py does, then merged);
+- a mask that hides part of the past (the kernel takes the causal or tree mask among the new
+  tokens only);
 - a kernel that fails to build or launch on this machine: the dequantized path from then on
   (core/triton_route.py).
 """
@@ -19,8 +19,7 @@ import torch
 
 from ..triton_route import TritonRoute
 from .device_length import DeviceStep
-from .int8_rows import unpack
-from .past_attention import NewTokenMask, attend_new_and_merge, fused_attention_with_lse, merge_past_and_new
+from .past_attention import NewTokenMask
 
 # A KV head's query rows (its group's query heads x the new tokens) up to which the kernel is used:
 # a 64-token verification with 4 query heads a KV head.
@@ -53,8 +52,9 @@ def attend(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor
            visible: NewTokenMask | None, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """query [1, heads, n, d]; key_rows, value_rows [1, kv_heads, length, d + 4] packed, the last n
     the new tokens'. Attends every position (one token, no mask) or, where `visible` says every
-    new token sees the whole past, the past in the kernel and the new tokens under their mask.
-    Returns [1, n, heads, d] in the query's dtype, or None (then dequantize and attend as usual)."""
+    new token sees the whole past, the past and the new tokens under their mask, all in the
+    kernel. Returns [1, n, heads, d] in the query's dtype, or None (then dequantize and attend as
+    usual)."""
     batch, heads, n, dim = query.shape
     kv_heads, length = key_rows.shape[1], key_rows.shape[2]
     groups = heads // kv_heads
@@ -64,35 +64,35 @@ def attend(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor
             or not (whole or (visible is not None and length > n))):
         return None
     folded = query.reshape(batch, kv_heads, groups * n, dim)
-    seen = length if whole else length - n
     try:
-        out, lse = ROUTE.kernel.attend_packed(folded[0], key_rows[0, :, :seen], value_rows[0, :, :seen], scale)
+        if whole:
+            out, _ = ROUTE.kernel.attend_packed(folded[0], key_rows[0], value_rows[0], scale)
+        else:
+            out, _ = ROUTE.kernel.attend_packed(folded[0], key_rows[0], value_rows[0], scale, n,
+                                                visible.allowed_on(query.device))
     except torch.OutOfMemoryError:
         raise
     except Exception as error:  # a kernel that does not build or run here (Triton or driver too old)
         ROUTE.fail(query.device, error)
         return None
-    if whole:
-        return out.reshape(batch, heads, n, dim).transpose(1, 2).to(query.dtype)
-    new_keys, new_values = (unpack(rows[:, :, seen:], query.dtype) for rows in (key_rows, value_rows))
-    return attend_new_and_merge(query, folded, (out[None], lse[None]), new_keys, new_values, scale, visible)
+    return unfolded(out, query)
 
 
 def attend_step(query: torch.Tensor, key_buffer: torch.Tensor, value_buffer: torch.Tensor, step: DeviceStep,
                 scale: float) -> torch.Tensor:
     """A replayable step (kv/device_length.py) over an 8-bit cache's whole buffers [1, kv_heads,
-    capacity, d + 4], the new rows written at `step.slots`: the past's `step.past` rows in the
-    kernel (the length read on the device), the new ones dequantized under their mask, merged.
-    Returns [1, n, heads, d] in the query's dtype."""
+    capacity, d + 4], the new rows written at `step.slots`: the past's `step.past` rows (the
+    length read on the device) and the new ones under their mask, in the kernel. Returns [1, n,
+    heads, d] in the query's dtype."""
     batch, heads, n, dim = query.shape
-    kv_heads = key_buffer.shape[1]
-    groups = heads // kv_heads
-    folded = query.reshape(batch, kv_heads, groups * n, dim)
-    out, lse = ROUTE.kernel.attend_packed(folded[0], key_buffer[0], value_buffer[0], scale, length=step.past)
-    new = fused_attention_with_lse(folded, *(unpack(buffer.index_select(2, step.slots), query.dtype)
-                                             for buffer in (key_buffer, value_buffer)),
-                                   scale, step.new_mask.folded_bias(kv_heads, groups, query.dtype, query.device))
-    if new is None:
-        raise RuntimeError(f"no fused attention kernel with a bias for {query.dtype} on {query.device.type}")
-    return merge_past_and_new((out[None], lse[None]), new, query)
+    folded = query.reshape(batch, key_buffer.shape[1], heads // key_buffer.shape[1] * n, dim)
+    out, _ = ROUTE.kernel.attend_packed(folded[0], key_buffer[0], value_buffer[0], scale, n, step.allowed,
+                                        past=step.past)
+    return unfolded(out, query)
 
+
+def unfolded(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """The kernel's out [kv_heads, groups x n, d] (float32) for `query` [1, heads, n, d] as
+    attention returns it: [1, n, heads, d] in the query's dtype."""
+    batch, heads, n, dim = query.shape
+    return out.reshape(batch, heads, n, dim).transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)

@@ -36,63 +36,94 @@ STAGES = 2
 PROGRAMS_PER_CPU_RUN = 8  # the interpreter's share of splits: enough to exercise the merge
 
 
+@triton.jit
+def _attend_block(query, best, mass, total, first, end, past, allowed, row_ids, row_held, new_tokens, head, dims,
+                  dim_held, key_codes, key_scales, value_codes, value_scales, scale_log2, code_head_words,
+                  code_row_words, scale_head_stride, scale_row_stride, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """The online softmax's running (best, mass, total) after positions [first, first + BLOCK_N) up
+    to `end`; where MASKED, the new tokens' positions (from `past` on) under `allowed`."""
+    positions = first + tl.arange(0, BLOCK_N)
+    held = positions < end  # every block holds at least its first position
+    # Strides given in 4-byte words: the compiler then knows every row starts 4-byte aligned and
+    # copies 4 codes at a time, asynchronously ahead of use (byte strides: one load per code).
+    codes_at = head * code_head_words * 4 + positions[:, None] * (code_row_words * 4) + dims[None, :]
+    scales_at = head * scale_head_stride + positions * scale_row_stride
+    code_held = held[:, None] & dim_held[None, :]
+    keys = tl.load(key_codes + codes_at, mask=code_held, other=0).to(query.dtype)  # |code| <= 127: exact
+    key_scale = tl.load(key_scales + scales_at, mask=held, other=0.0)
+    if IEEE:  # fp32 queries: no TF32 rounding
+        scores = tl.dot(query, tl.trans(keys), input_precision="ieee")
+    else:
+        scores = tl.dot(query, tl.trans(keys))
+    if MASKED:  # row r is new token r mod new_tokens: it sees the new tokens `allowed` says
+        sees = tl.load(allowed + (row_ids % new_tokens)[:, None] * new_tokens + (positions - past)[None, :],
+                       mask=row_held[:, None] & held[None, :], other=0)
+        visible = (sees != 0) & held[None, :]
+    else:
+        visible = tl.broadcast_to(held[None, :], scores.shape)
+    scores = tl.where(visible, scores * (key_scale * scale_log2)[None, :], float("-inf"))
+    new_best = tl.maximum(best, tl.max(scores, 1))
+    shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that has seen nothing yet: no NaN
+    kept = tl.exp2(best - shift)
+    weights = tl.exp2(scores - shift[:, None])
+    mass = mass * kept + tl.sum(weights, 1)
+    values = tl.load(value_codes + codes_at, mask=code_held, other=0).to(query.dtype)
+    value_scale = tl.load(value_scales + scales_at, mask=held, other=0.0)
+    # fp16 holds weight x scale badly where both are small (subnormal below 6e-5): the scales go
+    # in relative to the block's largest, which multiplies the block's float32 sum instead.
+    largest = tl.max(value_scale, 0)
+    largest = tl.where(largest > 0, largest, 1.0)
+    scaled = (weights * (value_scale / largest)[None, :]).to(query.dtype)
+    if IEEE:
+        total = total * kept[:, None] + tl.dot(scaled, values, input_precision="ieee") * largest
+    else:
+        total = total * kept[:, None] + tl.dot(scaled, values) * largest
+    return new_best, mass, total
+
+
 # Lengths change every step: specializing on them (Triton's divisible-by-16 variants) would compile
 # the kernel again and again in mid-answer.
-@triton.jit(do_not_specialize=["rows", "length", "split_length"])
-def _attend_packed(queries, key_codes, key_scales, value_codes, value_scales, out, lse, length_at,
-                   rows, length, split_length, head_dim, scale_log2,
+@triton.jit(do_not_specialize=["rows", "past", "new_tokens", "split_length"])
+def _attend_packed(queries, key_codes, key_scales, value_codes, value_scales, out, lse, past_at, allowed,
+                   rows, past, new_tokens, split_length, head_dim, scale_log2,
                    query_head_stride, query_row_stride, code_head_words, code_row_words,
                    scale_head_stride, scale_row_stride,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                   LENGTH_ON_DEVICE: tl.constexpr):
+                   PAST_ON_DEVICE: tl.constexpr, MASK_NEW: tl.constexpr):
     """One (block of query rows, KV head, split of the sequence): its normalized output and
-    log-sum-exp (natural log) over positions [split x split_length, +split_length) of `length`
-    (read from `length_at` where LENGTH_ON_DEVICE: a CUDA graph's replay). A split past the length
-    gives zeros and a log-sum-exp of -inf: no weight in the merge."""
+    log-sum-exp (natural log) over positions [split x split_length, +split_length) of the `past`
+    (read from `past_at` where PAST_ON_DEVICE: a CUDA graph's replay) and the `new_tokens` after
+    it. Every row sees the past; where MASK_NEW, row r sees new token j where `allowed`
+    [new_tokens, new_tokens] (uint8) holds (r mod new_tokens, j), else every new token. A split
+    that sees nothing gives zeros and a log-sum-exp of -inf: no weight in the merge."""
     row_block, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row_ids = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     row_held, dim_held = row_ids < rows, dims < head_dim
     query = tl.load(queries + head * query_head_stride + row_ids[:, None] * query_row_stride + dims[None, :],
                     mask=row_held[:, None] & dim_held[None, :], other=0.0)
-    if LENGTH_ON_DEVICE:
-        length = tl.load(length_at)
+    if PAST_ON_DEVICE:
+        past = tl.load(past_at)
     start = split * split_length
-    end = tl.minimum(start + split_length, length)
+    end = tl.minimum(start + split_length, past + new_tokens)
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the log2-scaled scores
     mass = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - best)
     total = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for first in range(start, end, BLOCK_N):
-        positions = first + tl.arange(0, BLOCK_N)
-        held = positions < end  # every block holds at least its first position
-        # Strides given in 4-byte words: the compiler then knows every row starts 4-byte aligned and
-        # copies 4 codes at a time, asynchronously ahead of use (byte strides: one load per code).
-        codes_at = head * code_head_words * 4 + positions[:, None] * (code_row_words * 4) + dims[None, :]
-        scales_at = head * scale_head_stride + positions * scale_row_stride
-        code_held = held[:, None] & dim_held[None, :]
-        keys = tl.load(key_codes + codes_at, mask=code_held, other=0).to(query.dtype)  # |code| <= 127: exact
-        key_scale = tl.load(key_scales + scales_at, mask=held, other=0.0)
-        if IEEE:  # fp32 queries: no TF32 rounding
-            scores = tl.dot(query, tl.trans(keys), input_precision="ieee")
-        else:
-            scores = tl.dot(query, tl.trans(keys))
-        scores = tl.where(held[None, :], scores * (key_scale * scale_log2)[None, :], float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        kept = tl.exp2(best - new_best)
-        weights = tl.exp2(scores - new_best[:, None])
-        mass = mass * kept + tl.sum(weights, 1)
-        values = tl.load(value_codes + codes_at, mask=code_held, other=0).to(query.dtype)
-        value_scale = tl.load(value_scales + scales_at, mask=held, other=0.0)
-        # fp16 holds weight x scale badly where both are small (subnormal below 6e-5): the scales go
-        # in relative to the block's largest, which multiplies the block's float32 sum instead.
-        largest = tl.max(value_scale, 0)
-        largest = tl.where(largest > 0, largest, 1.0)
-        scaled = (weights * (value_scale / largest)[None, :]).to(query.dtype)
-        if IEEE:
-            total = total * kept[:, None] + tl.dot(scaled, values, input_precision="ieee") * largest
-        else:
-            total = total * kept[:, None] + tl.dot(scaled, values) * largest
-        best = new_best
+    # The past, which every row sees, then (where masked) the new tokens' positions under the mask.
+    unmasked_end = tl.minimum(end, past) if MASK_NEW else end
+    for first in range(start, unmasked_end, BLOCK_N):
+        best, mass, total = _attend_block(query, best, mass, total, first, unmasked_end, past, allowed, row_ids,
+                                          row_held, new_tokens, head, dims, dim_held, key_codes, key_scales,
+                                          value_codes, value_scales, scale_log2, code_head_words, code_row_words,
+                                          scale_head_stride, scale_row_stride, BLOCK_N, IEEE, False)
+    if MASK_NEW:
+        for first in range(tl.maximum(start, past), end, BLOCK_N):
+            best, mass, total = _attend_block(query, best, mass, total, first, end, past, allowed, row_ids,
+                                              row_held, new_tokens, head, dims, dim_held, key_codes, key_scales,
+                                              value_codes, value_scales, scale_log2, code_head_words,
+                                              code_row_words, scale_head_stride, scale_row_stride, BLOCK_N, IEEE,
+                                              True)
     part = (split * tl.num_programs(1) + head) * rows + row_ids
     seen = mass > 0
     divisor = tl.where(seen, mass, 1.0)  # an empty split: total 0, so out 0
@@ -107,12 +138,16 @@ def scale_view(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def attend_packed(queries: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor, scale: float,
-                  length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """queries [kv_heads, rows, d] (each KV head's query rows: its group folded with the tokens),
-    key_rows and value_rows [kv_heads, positions, d + 4] packed int8 (d a multiple of 4, rows
-    contiguous, both with the same strides, multiples of 4 bytes), every position visible to every
-    row; or only the first `length` ([1] int32 on the device, >= 1: what a CUDA graph reads at
-    replay). Returns (out [kv_heads, rows, d] float32, lse [kv_heads, rows] float32, natural log)."""
+                  new_tokens: int = 0, allowed: torch.Tensor | None = None,
+                  past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """queries [kv_heads, rows, d] (each KV head's query rows: its group folded with the tokens,
+    row = member x new_tokens + token), key_rows and value_rows [kv_heads, positions, d + 4]
+    packed int8 (d a multiple of 4, rows contiguous, both with the same strides, multiples of 4
+    bytes): a past, then `new_tokens` new rows. Every row sees the whole past, and the new rows
+    that `allowed` [new_tokens, new_tokens] (bool, on the device; None: all) lets its token see.
+    `past` ([1] int32 on the device, >= 1: what a CUDA graph reads at replay, the rows then a
+    whole buffer) gives the past's length; else it is positions - new_tokens. Returns (out
+    [kv_heads, rows, d] float32, lse [kv_heads, rows] float32, natural log)."""
     kv_heads, rows, head_dim = queries.shape
     if key_rows.stride(0) % 4 or key_rows.stride(1) % 4:
         raise ValueError(f"packed rows need strides in whole 4-byte words, not {key_rows.stride()}")
@@ -130,12 +165,14 @@ def attend_packed(queries: torch.Tensor, key_rows: torch.Tensor, value_rows: tor
     lse = torch.empty(splits, kv_heads, rows, dtype=torch.float32, device=queries.device)
     key_scales, value_scales = scale_view(key_rows, head_dim), scale_view(value_rows, head_dim)
     _attend_packed[(row_blocks, kv_heads, splits)](
-        queries, key_rows, key_scales, value_rows, value_scales, out, lse, out if length is None else length,
-        rows, positions, split_length, head_dim, scale * math.log2(math.e),
-        queries.stride(0), queries.stride(1), key_rows.stride(0) // 4, key_rows.stride(1) // 4,
-        key_scales.stride(0), key_scales.stride(1),
+        queries, key_rows, key_scales, value_rows, value_scales, out, lse, out if past is None else past,
+        out if allowed is None else allowed.view(torch.uint8),
+        rows, positions - new_tokens if past is None else 0, new_tokens, split_length, head_dim,
+        scale * math.log2(math.e), queries.stride(0), queries.stride(1), key_rows.stride(0) // 4,
+        key_rows.stride(1) // 4, key_scales.stride(0), key_scales.stride(1),
         BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=BLOCK_N,
-        IEEE=queries.dtype == torch.float32, LENGTH_ON_DEVICE=length is not None, num_stages=STAGES)
+        IEEE=queries.dtype == torch.float32, PAST_ON_DEVICE=past is not None, MASK_NEW=allowed is not None,
+        num_stages=STAGES)
     if splits == 1:
         return out[0], lse[0]
     merged, merged_lse = torch.empty_like(out[0]), torch.empty_like(lse[0])

@@ -32,12 +32,21 @@ CAUSAL_KERNEL_FROM = 256
 
 
 class NewTokenMask:
-    """The new tokens' mask among themselves, [n, n] bool (None: causal), and its additive bias
-    for folded queries, built once per forward and shared by every layer."""
+    """The new tokens' mask among themselves, [n, n] bool (None: causal), on the device as a
+    bool tensor or as an additive bias for folded queries, each built once per forward and shared
+    by every layer."""
 
     def __init__(self, allowed: torch.Tensor | None, n: int):
         self.allowed, self.n = allowed, n
         self._biases: dict[tuple, torch.Tensor] = {}
+        self._allowed: dict[torch.device, torch.Tensor] = {}
+
+    def allowed_on(self, device: torch.device) -> torch.Tensor:
+        """[n, n] bool on `device`: which new tokens each new token sees."""
+        if device not in self._allowed:
+            allowed = torch.ones(self.n, self.n, dtype=torch.bool).tril() if self.allowed is None else self.allowed
+            self._allowed[device] = allowed.to(device).contiguous()
+        return self._allowed[device]
 
     def folded_bias(self, kv_heads: int, groups: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """[1, kv_heads, groups * n, n] (one copy, expanded): 0 where allowed, -inf elsewhere;
