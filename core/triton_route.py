@@ -1,8 +1,10 @@
 """Where one of this project's Triton kernels runs: a CUDA GPU of compute capability 7.5 or more
 (tensor-core dot products) where Triton is installed (PyTorch's CUDA wheels bring it on Linux; on
-Windows it is absent), and nowhere again on a device type where it once failed to build or run,
-with the reason kept. The caller then takes its fallback path. Tests add "cpu" to `devices`, where
-the kernel runs in Triton's interpreter (tests/conftest.py)."""
+Windows it is absent), once the kernel module's `self_check` passed there for that dtype, and
+nowhere again on a device type where it once failed to build, run or check, with the reason kept.
+The caller then takes its fallback path. The self-check guards losslessness on GPUs and drivers
+no test ran on: a kernel that builds but computes wrongly would change answers silently. Tests
+add "cpu" to `devices`, where the kernel runs in Triton's interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ class TritonRoute:
         self.fallback = fallback  # what runs instead, in words
         self.devices = {"cuda"}
         self.failed: dict[str, str] = {}  # device type -> why the kernel did not run there
+        self.self_checked = {"cuda"}  # device types where the kernel is checked before its first use
+        self.checked: set[tuple[str, int | None, torch.dtype]] = set()
 
     @functools.cached_property
     def kernel(self):
@@ -35,7 +39,28 @@ class TritonRoute:
         """Whether the kernel runs on `device` for inputs of `dtype`."""
         if device.type not in self.devices or device.type in self.failed or self.kernel is None:
             return False
-        return device.type != "cuda" or _capability(device.index) >= self._needed(dtype)
+        if device.type == "cuda" and _capability(device.index) < self._needed(dtype):
+            return False
+        return self._checked(device, dtype)
+
+    def _checked(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether the kernel's self-check passed on `device` for `dtype`, running it the first
+        time: at the first forward that asks, which is eager (a step is captured as a CUDA graph
+        only once it ran eagerly); asked first inside a capture, the fallback is taken there."""
+        key = (device.type, device.index, dtype)
+        if device.type not in self.self_checked or key in self.checked:
+            return True
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            self.kernel.self_check(device, dtype)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # fails to build or run, or computes wrongly
+            self.fail(device, error)
+            return False
+        self.checked.add(key)
+        return True
 
     def describe(self, device: torch.device, dtype: torch.dtype) -> str:
         """What runs on `device` for `dtype`, in words (the GPU campaign reports it)."""

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .int8_rows import pack, unpack
+
 BLOCK_N = 64  # KV positions per iteration
 # Copies of a block's codes in flight: two (double buffering) keep a half-precision program within
 # 23 KB of shared memory, four resident per SM on an RTX 30/40 card, as `wanted` below counts on;
@@ -243,3 +245,42 @@ def pack_rows(states: torch.Tensor, rows: torch.Tensor, at: int | torch.Tensor) 
         states, rows, at if on_device else rows, tokens, 0 if on_device else at, head_dim,
         states.stride(0), states.stride(1), rows.stride(0) // 4, rows.stride(1) // 4,
         BLOCK_T=TOKENS_PER_PACK, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SLOTS_ON_DEVICE=on_device)
+
+
+def self_check(device: torch.device, dtype: torch.dtype) -> None:
+    """Run each kernel once on `device` at a small shape, as the engine calls it, against torch:
+    packing bit for bit, attention (one token; a 4-token verification under a causal mask, its
+    past's length on the host and on the device; several splits, so the merge) within the
+    rounding of `dtype`. Raises where a kernel builds but computes wrongly here (a compiler or
+    driver fault on a GPU no test ran on) so that its route falls back before the first answer."""
+    generator = torch.Generator().manual_seed(0)
+    kv_heads, length, head_dim, groups, n = 2, 150, 64, 3, 4
+
+    def random(*shape):
+        return torch.randn(*shape, generator=generator).to(device, dtype)
+
+    stored = []
+    for at in (0, torch.arange(length, device=device)):  # keys from slot 0; values at slots (a graph's)
+        states = random(kv_heads, length, head_dim) * 3
+        rows = torch.full((kv_heads, length + 10, head_dim + 4), 127, dtype=torch.int8, device=device)
+        pack_rows(states, rows, at)
+        if not torch.equal(rows[:, :length], pack(states)):
+            raise RuntimeError("self-check: the packing kernel's bytes differ from torch's")
+        stored.append(rows)
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    past = torch.tensor([length - n], dtype=torch.int32, device=device)
+    cases = (("one token", 1, {}), ("a verification", n, {"new_tokens": n, "allowed": causal}),
+             ("a graph's verification", n, {"new_tokens": n, "allowed": causal, "past": past}))
+    keys, values = (unpack(rows[:, :length], torch.float32) for rows in stored)
+    for name, tokens, arguments in cases:
+        queries = random(kv_heads, groups * tokens, head_dim)
+        rows = stored if "past" in arguments else [buffer[:, :length] for buffer in stored]
+        out, _ = attend_packed(queries, *rows, head_dim ** -0.5, **arguments)
+        visible = torch.ones(groups * tokens, length, dtype=torch.bool, device=device)
+        if tokens > 1:
+            visible[:, length - n:] = causal[torch.arange(groups * tokens, device=device) % n]
+        scores = (queries.float() @ keys.transpose(-1, -2) * head_dim ** -0.5).masked_fill(~visible, float("-inf"))
+        expected = torch.softmax(scores, -1) @ values
+        error = (out - expected).abs().max().item()
+        if not error <= 0.02 * expected.abs().max().item():  # bf16's rounding of the weights: 0.4%
+            raise RuntimeError(f"self-check: the attention kernel ({name}) is off by {error:.3g}")
