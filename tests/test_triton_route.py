@@ -44,35 +44,35 @@ def test_a_failure_on_a_device_type_keeps_the_fallback_there_with_the_reason(rou
     assert "sm_120" in route.describe(CUDA, BF16) and "sm_120" in caplog.text
 
 
-def test_the_self_check_runs_once_per_device_and_dtype_before_the_first_use(route, monkeypatch):
-    monkeypatch.setattr(triton_route, "_capability", lambda index: (8, 9))
+def self_checking(route, monkeypatch, capability, self_check):
+    """`route` with its self-check on CUDA being `self_check`, on a GPU of `capability`, outside
+    any CUDA graph capture."""
+    monkeypatch.setattr(triton_route, "_capability", lambda index: capability)
     route.self_checked = {"cuda"}
-    checks = []
-    monkeypatch.setattr(route, "kernel", SimpleNamespace(self_check=lambda device, dtype: checks.append(dtype)))
+    monkeypatch.setattr(route, "kernel", SimpleNamespace(self_check=self_check))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def test_the_self_check_runs_once_per_device_and_dtype_before_the_first_use(route, monkeypatch):
+    checks = []
+    self_checking(route, monkeypatch, (8, 9), lambda device, dtype: checks.append(dtype))
     for _ in range(3):
         assert route.runs_on(CUDA, BF16) and route.runs_on(CUDA, FP16)
     assert checks == [BF16, FP16]
 
 
 def test_a_kernel_that_computes_wrongly_leaves_the_fallback_with_the_reason(route, monkeypatch):
-    monkeypatch.setattr(triton_route, "_capability", lambda index: (12, 0))
-    route.self_checked = {"cuda"}
-
     def wrong(device, dtype):
         raise RuntimeError("self-check: the 4-bit matmul kernel is off by 3.1")
 
-    monkeypatch.setattr(route, "kernel", SimpleNamespace(self_check=wrong))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    self_checking(route, monkeypatch, (12, 0), wrong)
     assert not route.runs_on(CUDA, BF16) and not route.runs_on(CUDA, FP16)
     assert route.describe(CUDA, BF16).startswith("bitsandbytes: the fused kernel failed (RuntimeError: self-check")
 
 
 def test_asked_first_inside_a_cuda_graph_capture_the_fallback_is_taken_unchecked(route, monkeypatch):
-    monkeypatch.setattr(triton_route, "_capability", lambda index: (8, 6))
-    route.self_checked = {"cuda"}
     checks = []
-    monkeypatch.setattr(route, "kernel", SimpleNamespace(self_check=lambda device, dtype: checks.append(dtype)))
+    self_checking(route, monkeypatch, (8, 6), lambda device, dtype: checks.append(dtype))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert not route.runs_on(CUDA, BF16) and checks == [] and not route.failed
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

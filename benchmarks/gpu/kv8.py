@@ -13,8 +13,9 @@ gives that shape another engine, 7-8x slower at 32-128K (bench/ notes); each row
 Why measure the naive path: an 8-bit KV halves what must fit in VRAM, but dequantizing writes a
 bf16 copy and reads it again, so per step it moves more bytes than the bf16 KV it replaces (8.3-9x
 the bf16 attention's time on an H100). Beside it, the fused kernel the engine now uses where Triton
-runs (core/kv/int8_kernel.py: the packed rows read once, dequantized in registers, the splits
-merged): `fused_over_bf16` is what planning/efficiency.py's KV["int8"] is to be derived from."""
+runs (core/kv/int8_kernel.py: the packed rows read once, dequantized in registers, a
+verification's new tokens under their causal mask, the splits merged), called as the engine
+calls it: `fused_over_bf16` is what planning/efficiency.py's KV["int8"] is to be derived from."""
 
 from __future__ import annotations
 
@@ -58,9 +59,13 @@ def run(rig: Rig, report: dict) -> dict:
             def folded_heads():
                 return F.scaled_dot_product_attention(folded, keys, values)
 
-            def fused():
+            causal = torch.ones(n, n, dtype=torch.bool, device=rig.device).tril()
+
+            def fused():  # as the engine calls it: one token sees all; a verification's new tokens are causal
                 from ...core.kv import int8_kernel  # needs Triton: imported only where it runs
-                return int8_kernel.attend_packed(folded[0], key_rows, value_rows, head_dim ** -0.5)
+                if n == 1:
+                    return int8_kernel.attend_packed(folded[0], key_rows, value_rows, head_dim ** -0.5)
+                return int8_kernel.attend_packed(folded[0], key_rows, value_rows, head_dim ** -0.5, n, causal)
 
             (bf16_s, bf16_kernel), (int8_s, int8_kernel), (folded_s, folded_kernel) = (
                 _seconds(run, rig, layers) for run in (plain, dequantized, folded_heads))
