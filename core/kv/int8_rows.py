@@ -21,7 +21,11 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     and codes = round(x / scale), so |x - codes * scale| <= scale / 2. An all-zero row gets
     scale 0 and codes 0."""
     wide = x.to(torch.promote_types(x.dtype, torch.float32))
-    scale = (wide.abs().amax(-1, keepdim=True) / LEVELS).to(torch.float32)
+    absmax = wide.abs().amax(-1, keepdim=True)
+    # Divided by a tensor: CUDA divides a tensor by a Python number as a product with its
+    # reciprocal, a bit off correct rounding in some rows; the CPU and the packing kernel
+    # (kv/int8_kernel.py) round correctly, and every device must store the same bytes.
+    scale = (absmax / torch.full_like(absmax, LEVELS)).to(torch.float32)
     codes = torch.round(wide / torch.where(scale > 0, scale, 1.0))
     # A subnormal scale is inexact enough for a code to overshoot 127 by one.
     return codes.clamp_(-LEVELS, LEVELS).to(torch.int8), scale
