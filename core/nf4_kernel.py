@@ -113,19 +113,21 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, pair
 
 
 def self_check(device: torch.device, dtype: torch.dtype) -> None:
-    """Run the kernel once on `device` at a small shape (5 rows, 160 outputs, inner 256: several
-    splits and a partial output block) against torch's product with the same dequantized weight,
-    within the rounding of `dtype`. Raises where it builds but computes wrongly here (a compiler
-    or driver fault on a GPU no test ran on) so that its route falls back before the first answer."""
+    """Run the kernel on `device` for 5, 24 and 48 rows (its 16-, 32- and 64-row blocks) at a small
+    shape (160 outputs, inner 256: several splits and a partial output block) against torch's
+    product with the same dequantized weight, within the rounding of `dtype`. Raises where it
+    builds but computes wrongly here (a compiler or driver fault on a GPU no test ran on), so that
+    its route falls back before the first answer; compiles each variant now, not in mid-answer."""
     generator = torch.Generator().manual_seed(0)
     outputs, inner = 160, 256
     packed = torch.randint(0, 256, (outputs * inner // 2,), generator=generator, dtype=torch.uint8).to(device)
     absmax = torch.rand(outputs * inner // BLOCK, generator=generator).to(device) + 0.5
     code_table = torch.linspace(-1.0, 1.0, 16).to(device)
-    x = torch.randn(5, inner, generator=generator).to(device, dtype)
     high, low = code_table[packed.long() >> 4], code_table[packed.long() & 15]
     weight = (torch.stack([high, low], -1).reshape(-1, BLOCK) * absmax[:, None]).reshape(outputs, inner).to(dtype)
-    expected = x.float() @ weight.float().T
-    error = (nf4_matmul(x, packed, absmax, code_pairs(code_table), outputs).float() - expected).abs().max().item()
-    if not error <= 0.02 * expected.abs().max().item():
-        raise RuntimeError(f"self-check: the 4-bit matmul kernel is off by {error:.3g}")
+    for rows in (5, 24, 48):
+        x = torch.randn(rows, inner, generator=generator).to(device, dtype)
+        expected = x.float() @ weight.float().T
+        error = (nf4_matmul(x, packed, absmax, code_pairs(code_table), outputs).float() - expected).abs().max().item()
+        if not error <= 0.02 * expected.abs().max().item():
+            raise RuntimeError(f"self-check: the 4-bit matmul kernel ({rows} rows) is off by {error:.3g}")

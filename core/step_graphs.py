@@ -37,6 +37,7 @@ from .kv.device_length import DeviceStep, device_step
 from .kv import int8_attention
 from .kv.full import GrowingLayer
 from .kv.int8 import Int8Layer
+from .kv.int8_rows import SCALE_BYTES
 from .kv.queries import ATTENTION, recording
 
 GRAPH_TOKENS = 64  # decode steps and verifications; a prefill chunk runs eagerly
@@ -205,9 +206,13 @@ class StepGraphs:
 def _replayable(layers, device: torch.device, dtype: torch.dtype) -> bool:
     """Buffers of one capacity on the model's device, each layer a full KV's or an 8-bit one's
     where its attention reads the packed rows in the kernel that takes its length on the device."""
-    kinds = (GrowingLayer, Int8Layer) if int8_attention.reads_packed(device, dtype) else (GrowingLayer,)
-    return all(type(layer) in kinds and layer.buffers is not None and layer.buffers[0].device == device
-               for layer in layers) and len({layer.buffers[0].shape[2] for layer in layers}) == 1
+    def replayable(layer) -> bool:
+        if type(layer) not in (GrowingLayer, Int8Layer) or layer.buffers is None or layer.buffers[0].device != device:
+            return False
+        return type(layer) is GrowingLayer or int8_attention.reads_packed(device, dtype,
+                                                                         layer.buffers[0].shape[-1] - SCALE_BYTES)
+
+    return all(replayable(layer) for layer in layers) and len({layer.buffers[0].shape[2] for layer in layers}) == 1
 
 
 def _new_tokens_mask(mask: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None | bool:

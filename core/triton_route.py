@@ -1,5 +1,5 @@
-"""Where one of this project's Triton kernels runs: a CUDA GPU of compute capability 7.5 or more
-(tensor-core dot products) where Triton is installed (PyTorch's CUDA wheels bring it on Linux; on
+"""Where one of this project's Triton kernels runs: a CUDA GPU of compute capability 8.0 or more
+(RTX 30 series on) where Triton is installed (PyTorch's CUDA wheels bring it on Linux; on
 Windows it is absent), once the kernel module's `self_check` passed there for that dtype, and
 nowhere again on a device type where it once failed to build, run or check, with the reason kept.
 The caller then takes its fallback path. The self-check guards losslessness on GPUs and drivers
@@ -14,8 +14,9 @@ import logging
 
 import torch
 
-MIN_CAPABILITY = (7, 5)
-BF16_CAPABILITY = (8, 0)  # bf16 tensor cores: an RTX 20 card would fail to build a bf16 kernel
+# Triton 3.9 builds the kernels' dot products for an RTX 20 card (7.5) without tensor cores, as
+# loops that spill registers (ptxas, tests/test_triton_compile.py's builds); bf16 needs 8.0 anyway.
+MIN_CAPABILITY = (8, 0)
 
 
 class TritonRoute:
@@ -39,7 +40,7 @@ class TritonRoute:
         """Whether the kernel runs on `device` for inputs of `dtype`."""
         if device.type not in self.devices or device.type in self.failed or self.kernel is None:
             return False
-        if device.type == "cuda" and _capability(device.index) < self._needed(dtype):
+        if device.type == "cuda" and _capability(device.index) < MIN_CAPABILITY:
             return False
         return self._checked(device, dtype)
 
@@ -73,12 +74,8 @@ class TritonRoute:
         elif device.type not in self.devices:
             why = f"no fused kernel on {device.type}"
         else:
-            why = f"compute capability {_capability(device.index)} below {self._needed(dtype)} for {dtype}"
+            why = f"compute capability {_capability(device.index)} below {MIN_CAPABILITY}"
         return f"{self.fallback}: {why}"
-
-    @staticmethod
-    def _needed(dtype: torch.dtype) -> tuple[int, int]:
-        return BF16_CAPABILITY if dtype == torch.bfloat16 else MIN_CAPABILITY
 
     def fail(self, device: torch.device, error: Exception) -> None:
         """The kernel failed on `device`: its fallback runs there from now on."""

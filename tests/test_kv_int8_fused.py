@@ -97,9 +97,10 @@ def test_the_kernel_attends_the_new_rows_under_their_mask(length, on_device):
 
 
 def test_the_split_count_covers_every_position_once(monkeypatch):
-    """One split and many give the same attention: none drops or repeats a block."""
+    """One split and many (32: two iterations of the merge's 16) give the same attention: none
+    drops or repeats a block."""
     queries = torch.randn(2, 4, 64)
-    key_rows, value_rows = packed_rows(2, 1000, 64)
+    key_rows, value_rows = packed_rows(2, 2000, 64)
     monkeypatch.setattr(int8_kernel, "PROGRAMS_PER_CPU_RUN", 1)
     one = int8_kernel.attend_packed(queries, key_rows, value_rows, 0.125)
     monkeypatch.setattr(int8_kernel, "PROGRAMS_PER_CPU_RUN", 64)
@@ -179,6 +180,14 @@ def test_a_prefill_chunk_and_a_hidden_past_take_the_dequantized_path(fused_on_cp
     assert fused_on_cpu == []
 
 
+def test_heads_past_128_or_not_a_multiple_of_4_keep_the_dequantized_path(fused_on_cpu):
+    cpu = torch.device("cpu")
+    assert int8_attention.reads_packed(cpu, torch.float32, 128) and int8_attention.reads_packed(cpu, torch.float16, 8)
+    assert not int8_attention.reads_packed(cpu, torch.float32, 256)  # its tiles would pass 99 KB of shared memory
+    assert not int8_attention.reads_packed(cpu, torch.float32, 70)
+    assert not int8_attention.reads_packed(cpu, torch.float64, 64)
+
+
 def test_a_kernel_that_fails_leaves_the_dequantized_path_with_the_reason(fused_on_cpu, monkeypatch):
     model = int8_fp32(1)
 
@@ -190,7 +199,7 @@ def test_a_kernel_that_fails_leaves_the_dequantized_path_with_the_reason(fused_o
     logits = model.forward(IDS[30:40], torch.arange(30, 40), cache)
     cpu = torch.device("cpu")
     assert "sm_120" in int8_attention.ROUTE.describe(cpu, torch.float32)
-    assert not int8_attention.reads_packed(cpu, torch.float32)
+    assert not int8_attention.reads_packed(cpu, torch.float32, 8)
     monkeypatch.setattr(int8_attention.ROUTE, "devices", {"cuda"})
     reference_logits = model.forward(IDS[30:40], torch.arange(30, 40), filled(model, 30))
     torch.testing.assert_close(logits, reference_logits, rtol=0, atol=0)
@@ -266,7 +275,7 @@ def test_on_cuda_the_packing_kernel_writes_the_bits_torch_packs(dtype):
 
 @needs_cuda
 def test_on_cuda_greedy_chain_and_tree_through_the_kernel_and_graphs_equal_greedy_plain():
-    assert int8_attention.reads_packed(torch.device("cuda"))
+    assert int8_attention.reads_packed(torch.device("cuda"), torch.float32, 8)  # the tiny models' head size
     models = [(seed, int8_fp32(seed, weight_scale=8.0).to("cuda")) for seed in range(2)]
     assert_greedy_identity(models, lambda seed, model: make_decoder("chain"), 24)
     assert_greedy_identity(models, lambda seed, model: model_tree_decoder(noisy_copy(seed, 0.3, weight_scale=8.0)

@@ -26,15 +26,13 @@ def route():
     return route
 
 
-def test_it_runs_on_a_cuda_gpu_from_compute_capability_7_5_and_bf16_from_8_0(route, monkeypatch):
+def test_it_runs_on_a_cuda_gpu_from_compute_capability_8_0(route, monkeypatch):
     monkeypatch.setattr(triton_route, "_capability", lambda index: (8, 6))
     assert route.runs_on(CUDA, BF16) and route.describe(CUDA, BF16) == "fused kernel"
     assert not route.runs_on(CPU, FP16) and route.describe(CPU, FP16) == "bitsandbytes: no fused kernel on cpu"
-    monkeypatch.setattr(triton_route, "_capability", lambda index: (7, 5))  # an RTX 20 card: no bf16 tensor cores
-    assert route.runs_on(CUDA, FP16) and not route.runs_on(CUDA, BF16)
-    assert "compute capability (7, 5) below (8, 0) for torch.bfloat16" in route.describe(CUDA, BF16)
-    monkeypatch.setattr(triton_route, "_capability", lambda index: (7, 0))
-    assert not route.runs_on(CUDA, FP16) and "below (7, 5)" in route.describe(CUDA, FP16)
+    monkeypatch.setattr(triton_route, "_capability", lambda index: (7, 5))  # an RTX 20 card: no tensor cores in Triton
+    assert not route.runs_on(CUDA, FP16) and not route.runs_on(CUDA, BF16)
+    assert "compute capability (7, 5) below (8, 0)" in route.describe(CUDA, FP16)
 
 
 def test_a_failure_on_a_device_type_keeps_the_fallback_there_with_the_reason(route, monkeypatch, caplog):

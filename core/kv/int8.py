@@ -28,11 +28,11 @@ class Int8Layer(GrowingLayer):
     launch each, where torch's packing took about ten small kernels and a copy)."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        dtype, device = key_states.dtype, key_states.device
-        if not int8_attention.reads_packed(device, dtype):
+        dtype, device, head_dim = key_states.dtype, key_states.device, key_states.shape[-1]
+        if not int8_attention.reads_packed(device, dtype, head_dim):
             key_states, value_states = pack(key_states), pack(value_states)
         keys, values = super().update(key_states, value_states)
-        if int8_attention.reads_packed(device, dtype):  # asked again: a kernel may have failed meanwhile
+        if int8_attention.reads_packed(device, dtype, head_dim):  # asked again: a kernel may have failed meanwhile
             return keys, values
         return unpack(keys, dtype), unpack(values, dtype)
 

@@ -25,13 +25,17 @@ from .past_attention import NewTokenMask
 # a 64-token verification with 4 query heads a KV head.
 MAX_ROWS = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # its sums are float32: no float64
+# Larger heads (256) need over 99 KB of shared memory a program at 64 rows (an RTX 30/40's limit):
+# they keep the dequantized path.
+MAX_HEAD_DIM = 128
 ROUTE = TritonRoute(".kv.int8_kernel", "dequantized")
 
 
-def reads_packed(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether attention on `device` with queries of `dtype` takes an 8-bit cache's packed rows as
-    stored."""
-    return dtype in KERNEL_DTYPES and ROUTE.runs_on(device, dtype)
+def reads_packed(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention on `device` with queries of `dtype` takes an 8-bit cache's packed rows
+    (of `head_dim` codes) as stored."""
+    return (dtype in KERNEL_DTYPES and head_dim % 4 == 0 and head_dim <= MAX_HEAD_DIM
+            and ROUTE.runs_on(device, dtype))
 
 
 def pack_into(states: torch.Tensor, rows: torch.Tensor, at: int | torch.Tensor) -> bool:
@@ -59,7 +63,7 @@ def attend(query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor
     kv_heads, length = key_rows.shape[1], key_rows.shape[2]
     groups = heads // kv_heads
     whole = n == 1 and attention_mask is None
-    if (groups * n > MAX_ROWS or dim % 4 or not reads_packed(query.device, query.dtype)
+    if (groups * n > MAX_ROWS or not reads_packed(query.device, query.dtype, dim)
             or key_rows.stride() != value_rows.stride()  # the kernel walks both with the keys' strides
             or not (whole or (visible is not None and length > n))):
         return None

@@ -30,11 +30,22 @@ import triton.language as tl
 
 from .int8_rows import pack, unpack
 
-BLOCK_N = 64  # KV positions per iteration
 # Copies of a block's codes in flight: two (double buffering) keep a half-precision program within
-# 23 KB of shared memory, four resident per SM on an RTX 30/40 card, as `wanted` below counts on;
-# Triton's default three take 40 KB, and float32 at 64 rows 116 KB, over those cards' 99 KB.
+# 25-42 KB of shared memory; Triton's default three take 40-59 KB, and float32 at 64 rows 116 KB,
+# over an RTX 30/40 card's 99 KB.
 STAGES = 2
+
+
+def tiles(rows: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(query rows a program takes, KV positions an iteration reads, warps) for `rows` query rows
+    of `dtype`, sized by ptxas's register use (sm_86/90, tests/test_triton_compile.py): half
+    precision at 32-64 rows spills with 4 warps, not with 8; float32's dot products (no tensor
+    cores in IEEE mode) spill kilobytes a thread past 16 rows and 32 positions."""
+    if dtype == torch.float32:
+        return 16, 32, 8
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    return block_m, 64, 4 if block_m == 16 else 8
+
 PROGRAMS_PER_CPU_RUN = 8  # the interpreter's share of splits: enough to exercise the merge
 
 
@@ -49,8 +60,9 @@ def _attend_block(query, best, mass, total, first, end, past, allowed, row_ids, 
     held = positions < end  # every block holds at least its first position
     # Strides given in 4-byte words: the compiler then knows every row starts 4-byte aligned and
     # copies 4 codes at a time, asynchronously ahead of use (byte strides: one load per code).
-    codes_at = head * code_head_words * 4 + positions[:, None] * (code_row_words * 4) + dims[None, :]
-    scales_at = head * scale_head_stride + positions * scale_row_stride
+    codes_at = (head.to(tl.int64) * code_head_words * 4 + positions[:, None].to(tl.int64) * (code_row_words * 4)
+                + dims[None, :])  # int64: a layer's buffer may pass 2 GB (8 KV heads past 2M positions)
+    scales_at = head.to(tl.int64) * scale_head_stride + positions.to(tl.int64) * scale_row_stride
     code_held = held[:, None] & dim_held[None, :]
     keys = tl.load(key_codes + codes_at, mask=code_held, other=0).to(query.dtype)  # |code| <= 127: exact
     key_scale = tl.load(key_scales + scales_at, mask=held, other=0.0)
@@ -84,9 +96,9 @@ def _attend_block(query, best, mass, total, first, end, past, allowed, row_ids, 
     return new_best, mass, total
 
 
-# Lengths change every step: specializing on them (Triton's divisible-by-16 variants) would compile
-# the kernel again and again in mid-answer.
-@triton.jit(do_not_specialize=["rows", "past", "new_tokens", "split_length"])
+# Lengths change every step, and a head's stride with the cache's capacity: specializing on them
+# (Triton's divisible-by-16 variants) would compile the kernel again in mid-answer.
+@triton.jit(do_not_specialize=["rows", "past", "new_tokens", "split_length", "code_head_words", "scale_head_stride"])
 def _attend_packed(queries, key_codes, key_scales, value_codes, value_scales, out, lse, past_at, allowed,
                    rows, past, new_tokens, split_length, head_dim, scale_log2,
                    query_head_stride, query_row_stride, code_head_words, code_row_words,
@@ -156,12 +168,12 @@ def attend_packed(queries: torch.Tensor, key_rows: torch.Tensor, value_rows: tor
     if queries.stride(-1) != 1:
         queries = queries.contiguous()
     positions = key_rows.shape[1]
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    row_blocks, position_blocks = triton.cdiv(rows, block_m), triton.cdiv(positions, BLOCK_N)
+    block_m, block_n, warps = tiles(rows, queries.dtype)
+    row_blocks, position_blocks = triton.cdiv(rows, block_m), triton.cdiv(positions, block_n)
     wanted = (4 * torch.cuda.get_device_properties(queries.device).multi_processor_count
               if queries.is_cuda else PROGRAMS_PER_CPU_RUN)
     splits = max(1, min(position_blocks, wanted // (kv_heads * row_blocks)))
-    split_length = triton.cdiv(position_blocks, splits) * BLOCK_N
+    split_length = triton.cdiv(position_blocks, splits) * block_n
     splits = triton.cdiv(positions, split_length)  # none starts past the last position
     out = torch.empty(splits, kv_heads, rows, head_dim, dtype=torch.float32, device=queries.device)
     lse = torch.empty(splits, kv_heads, rows, dtype=torch.float32, device=queries.device)
@@ -172,40 +184,54 @@ def attend_packed(queries: torch.Tensor, key_rows: torch.Tensor, value_rows: tor
         rows, positions - new_tokens if past is None else 0, new_tokens, split_length, head_dim,
         scale * math.log2(math.e), queries.stride(0), queries.stride(1), key_rows.stride(0) // 4,
         key_rows.stride(1) // 4, key_scales.stride(0), key_scales.stride(1),
-        BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=BLOCK_N,
+        BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
         IEEE=queries.dtype == torch.float32, PAST_ON_DEVICE=past is not None, MASK_NEW=allowed is not None,
-        num_stages=STAGES)
+        num_stages=STAGES, num_warps=warps)
     if splits == 1:
         return out[0], lse[0]
     merged, merged_lse = torch.empty_like(out[0]), torch.empty_like(lse[0])
     _merge_splits[(kv_heads * rows,)](out, lse, merged, merged_lse, splits, kv_heads * rows, head_dim,
-                                      BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(head_dim))
+                                      BLOCK_S=SPLITS_PER_STEP, BLOCK_D=triton.next_power_of_2(head_dim))
     return merged, merged_lse
 
 
+# Splits merged per iteration: a fixed block (one compiled kernel whatever the split count, which
+# grows with the context) small enough to stay in registers (66 splits of 128 values would not).
+SPLITS_PER_STEP = 16
+
+
 # One kernel where torch's merge took eight small ones a layer (logsumexp's own four among them).
-@triton.jit(do_not_specialize=["splits"])
+@triton.jit(do_not_specialize=["splits", "parts"])
 def _merge_splits(out, lse, merged, merged_lse, splits, parts, head_dim, BLOCK_S: tl.constexpr,
                   BLOCK_D: tl.constexpr):
     """One query row (of parts = kv_heads x rows): its splits' outputs [splits, parts, d] weighted by
-    exp(lse - their log-sum-exp); a split of lse -inf (past the length) weighs nothing."""
+    exp(lse - their log-sum-exp); a split of lse -inf (it saw nothing) weighs nothing."""
     part = tl.program_id(0)
-    split_ids, dims = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    split_held, dim_held = split_ids < splits, dims < head_dim
-    split_lse = tl.load(lse + split_ids * parts + part, mask=split_held, other=float("-inf"))
-    best = tl.max(split_lse, 0)  # finite: every row sees at least one position
-    weights = tl.exp(split_lse - best)
-    mass = tl.sum(weights, 0)
-    outs = tl.load(out + (split_ids[:, None] * parts + part) * head_dim + dims[None, :],
-                   mask=split_held[:, None] & dim_held[None, :], other=0.0)
-    tl.store(merged + part * head_dim + dims, tl.sum(outs * weights[:, None], 0) / mass, mask=dim_held)
-    tl.store(merged_lse + part, best + tl.log(mass))
+    dims = tl.arange(0, BLOCK_D)
+    dim_held = dims < head_dim
+    best = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for first in range(0, splits, BLOCK_S):
+        split_ids = first + tl.arange(0, BLOCK_S)
+        best = tl.maximum(best, tl.load(lse + split_ids * parts + part, mask=split_ids < splits, other=float("-inf")))
+    top = tl.max(best, 0)  # finite: every row sees at least one position
+    mass = tl.zeros([BLOCK_S], tl.float32)
+    total = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    for first in range(0, splits, BLOCK_S):
+        split_ids = first + tl.arange(0, BLOCK_S)
+        split_held = split_ids < splits
+        weights = tl.exp(tl.load(lse + split_ids * parts + part, mask=split_held, other=float("-inf")) - top)
+        mass += weights
+        total += weights[:, None] * tl.load(out + (split_ids[:, None] * parts + part) * head_dim + dims[None, :],
+                                            mask=split_held[:, None] & dim_held[None, :], other=0.0)
+    whole = tl.sum(mass, 0)
+    tl.store(merged + part * head_dim + dims, tl.sum(total, 0) / whole, mask=dim_held)
+    tl.store(merged_lse + part, top + tl.log(whole))
 
 
 TOKENS_PER_PACK = 16  # new tokens a program packs
 
 
-@triton.jit(do_not_specialize=["tokens", "first_slot"])
+@triton.jit(do_not_specialize=["tokens", "first_slot", "out_head_words"])
 def _pack_rows(states, rows_out, slots, tokens, first_slot, head_dim, state_head_stride, state_token_stride,
                out_head_words, out_row_words, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                SLOTS_ON_DEVICE: tl.constexpr):
@@ -227,7 +253,7 @@ def _pack_rows(states, rows_out, slots, tokens, first_slot, head_dim, state_head
         slot = tl.load(slots + token_ids, mask=token_held, other=0)
     else:
         slot = first_slot + token_ids
-    row = rows_out + head * out_head_words * 4 + slot.to(tl.int64) * (out_row_words * 4)
+    row = rows_out + head.to(tl.int64) * out_head_words * 4 + slot.to(tl.int64) * (out_row_words * 4)
     tl.store(row[:, None] + dims[None, :], codes.to(tl.int8), mask=held)
     tl.store((row + head_dim).to(tl.pointer_type(tl.float32)), scale, mask=token_held)
 
@@ -248,39 +274,45 @@ def pack_rows(states: torch.Tensor, rows: torch.Tensor, at: int | torch.Tensor) 
 
 
 def self_check(device: torch.device, dtype: torch.dtype) -> None:
-    """Run each kernel once on `device` at a small shape, as the engine calls it, against torch:
-    packing bit for bit, attention (one token; a 4-token verification under a causal mask, its
-    past's length on the host and on the device; several splits, so the merge) within the
-    rounding of `dtype`. Raises where a kernel builds but computes wrongly here (a compiler or
-    driver fault on a GPU no test ran on) so that its route falls back before the first answer."""
+    """Run each kernel variant the engine launches once on `device`, at head sizes 64 and 128,
+    against torch: packing bit for bit (from a slot, and at a graph's slots); attention for one
+    token, verifications of 4, 8 and 16 tokens under a causal mask (16-, 32- and 64-row blocks)
+    and a graph's steps of 1 and 16 tokens (the past's length on the device), each over several
+    splits (so the merge too), within the rounding of `dtype`. Raises where a kernel builds but
+    computes wrongly here (a compiler or driver fault on a GPU no test ran on), so that its route
+    falls back before the first answer; compiles them all now rather than in mid-answer."""
     generator = torch.Generator().manual_seed(0)
-    kv_heads, length, head_dim, groups, n = 2, 150, 64, 3, 4
+    kv_heads, length, groups = 2, 150, 4
 
     def random(*shape):
         return torch.randn(*shape, generator=generator).to(device, dtype)
 
-    stored = []
-    for at in (0, torch.arange(length, device=device)):  # keys from slot 0; values at slots (a graph's)
-        states = random(kv_heads, length, head_dim) * 3
-        rows = torch.full((kv_heads, length + 10, head_dim + 4), 127, dtype=torch.int8, device=device)
-        pack_rows(states, rows, at)
-        if not torch.equal(rows[:, :length], pack(states)):
-            raise RuntimeError("self-check: the packing kernel's bytes differ from torch's")
-        stored.append(rows)
-    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    past = torch.tensor([length - n], dtype=torch.int32, device=device)
-    cases = (("one token", 1, {}), ("a verification", n, {"new_tokens": n, "allowed": causal}),
-             ("a graph's verification", n, {"new_tokens": n, "allowed": causal, "past": past}))
-    keys, values = (unpack(rows[:, :length], torch.float32) for rows in stored)
-    for name, tokens, arguments in cases:
-        queries = random(kv_heads, groups * tokens, head_dim)
-        rows = stored if "past" in arguments else [buffer[:, :length] for buffer in stored]
-        out, _ = attend_packed(queries, *rows, head_dim ** -0.5, **arguments)
-        visible = torch.ones(groups * tokens, length, dtype=torch.bool, device=device)
-        if tokens > 1:
-            visible[:, length - n:] = causal[torch.arange(groups * tokens, device=device) % n]
-        scores = (queries.float() @ keys.transpose(-1, -2) * head_dim ** -0.5).masked_fill(~visible, float("-inf"))
-        expected = torch.softmax(scores, -1) @ values
-        error = (out - expected).abs().max().item()
-        if not error <= 0.02 * expected.abs().max().item():  # bf16's rounding of the weights: 0.4%
-            raise RuntimeError(f"self-check: the attention kernel ({name}) is off by {error:.3g}")
+    for head_dim in (64, 128):
+        stored = []
+        for at in (0, torch.arange(length, device=device)):  # keys from slot 0; values at slots (a graph's)
+            states = random(kv_heads, length, head_dim) * 3
+            rows = torch.full((kv_heads, length + 10, head_dim + 4), 127, dtype=torch.int8, device=device)
+            pack_rows(states, rows, at)
+            if not torch.equal(rows[:, :length], pack(states)):
+                raise RuntimeError("self-check: the packing kernel's bytes differ from torch's")
+            stored.append(rows)
+        keys, values = (unpack(rows[:, :length], torch.float32) for rows in stored)
+        for tokens, on_device in ((1, False), (4, False), (8, False), (16, False), (1, True), (16, True)):
+            causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
+            queries = random(kv_heads, groups * tokens, head_dim)
+            held = [rows[:, :length] for rows in stored]
+            if on_device:  # a graph's step: the whole buffers, the past's length read on the device
+                past = torch.tensor([length - tokens], dtype=torch.int32, device=device)
+                out, _ = attend_packed(queries, *stored, head_dim ** -0.5, tokens, causal, past=past)
+            elif tokens == 1:
+                out, _ = attend_packed(queries, *held, head_dim ** -0.5)
+            else:
+                out, _ = attend_packed(queries, *held, head_dim ** -0.5, tokens, causal)
+            visible = torch.ones(groups * tokens, length, dtype=torch.bool, device=device)
+            visible[:, length - tokens:] = causal[torch.arange(groups * tokens, device=device) % tokens]
+            scores = (queries.float() @ keys.transpose(-1, -2) * head_dim ** -0.5).masked_fill(~visible, float("-inf"))
+            expected = torch.softmax(scores, -1) @ values
+            error = (out - expected).abs().max().item()
+            if not error <= 0.02 * expected.abs().max().item():  # bf16's rounding of the weights: 0.4%
+                raise RuntimeError(f"self-check: the attention kernel ({tokens} tokens, head size {head_dim}"
+                                   f"{', length on the device' if on_device else ''}) is off by {error:.3g}")
