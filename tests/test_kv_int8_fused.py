@@ -146,7 +146,10 @@ def test_the_packing_kernel_writes_the_bits_torch_packs(dtype):
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    """The route on the CPU; yields each kernel call's tensor shapes (the keys' second: positions)."""
+    """The route on the CPU; yields each kernel call's tensor shapes (the keys' second: positions).
+    One split a call: the interpreter's cost is per program, and a whole model's forwards would
+    take minutes with eight splits and their merge (the kernel-level tests above split and merge)."""
+    monkeypatch.setattr(int8_kernel, "PROGRAMS_PER_CPU_RUN", 1)
     return route_on_cpu(monkeypatch, int8_attention.ROUTE, int8_kernel, "attend_packed")
 
 
