@@ -3,7 +3,7 @@ Triton kernel reads the packed rows and attends exactly to their dequantized val
 
 On the CPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
 where there is no CUDA): float32 and float16 queries, as the interpreter computes bf16 dot products
-wrongly (Triton 3.9); bf16 runs in the CUDA tests."""
+wrongly (Triton 3.7.1 and 3.9); bf16 runs in the CUDA tests."""
 
 import pytest
 import torch
@@ -113,7 +113,7 @@ def rows_to_pack(dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     """[2, 40, 64] keys or values as attention hands them over (a transposed view), with the rows
     packing is hard on: all zeros, exact halfway ratios (absmax 127: scale 1, so 2.5 -> 2, 3.5 ->
     4, -2.5 -> -2, half to even), and values so small that the scale is subnormal in float32
-    (float32 on the CPU: Triton 3.9's interpreter converts subnormal bf16 wrongly; float16 cannot
+    (float32 on the CPU: Triton's interpreter (3.7.1, 3.9) converts subnormal bf16 wrongly; float16 cannot
     hold them)."""
     generator = torch.Generator().manual_seed(5)
     states = (torch.randn(40, 2, 64, generator=generator) * 4).transpose(0, 1)
