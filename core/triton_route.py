@@ -1,6 +1,6 @@
 """Where one of this project's Triton kernels runs: a CUDA GPU of compute capability 8.0 or more
-(RTX 30 series on) where Triton is installed (PyTorch's CUDA wheels bring it on Linux; on
-Windows it is absent), once the kernel module's `self_check` passed there for that dtype, and
+(RTX 30 series on) where Triton is installed and loads (PyTorch's CUDA wheels bring it on Linux;
+on Windows the one-click installer adds triton-windows), once the kernel module's `self_check` passed there for that dtype, and
 nowhere again on a device type where it once failed to build, run or check, with the reason kept.
 The caller then takes its fallback path. The self-check guards losslessness on GPUs and drivers
 no test ran on: a kernel that builds but computes wrongly would change answers silently. Tests
@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-# Triton 3.9 builds the kernels' dot products for an RTX 20 card (7.5) without tensor cores, as
+# Triton (3.7-3.9) builds the kernels' dot products for an RTX 20 card (7.5) without tensor cores, as
 # loops that spill registers (ptxas, tests/test_triton_compile.py's builds); bf16 needs 8.0 anyway.
 MIN_CAPABILITY = (8, 0)
 
@@ -27,13 +27,18 @@ class TritonRoute:
         self.failed: dict[str, str] = {}  # device type -> why the kernel did not run there
         self.self_checked = {"cuda"}  # device types where the kernel is checked before its first use
         self.checked: set[tuple[str, int | None, torch.dtype]] = set()
+        self.unloadable = ""  # why an installed Triton did not load, if it did not
 
     @functools.cached_property
     def kernel(self):
-        """The kernel's module, or None without Triton."""
+        """The kernel's module, or None without a Triton that loads (`unloadable` says why)."""
         try:
             return importlib.import_module(self.kernel_module, __package__)
-        except ImportError:
+        except ModuleNotFoundError:
+            return None
+        except Exception as error:  # a broken install: a native library that fails to load, on Windows a missing runtime
+            self.unloadable = f"Triton could not be loaded ({type(error).__name__}: {error})"
+            logging.getLogger(__name__).warning("%s, %s instead", self.unloadable, self.fallback)
             return None
 
     def runs_on(self, device: torch.device, dtype: torch.dtype) -> bool:
@@ -70,7 +75,7 @@ class TritonRoute:
         if device.type in self.failed:
             why = f"the fused kernel failed ({self.failed[device.type]})"
         elif self.kernel is None:
-            why = "Triton is not installed"
+            why = self.unloadable or "Triton is not installed"
         elif device.type not in self.devices:
             why = f"no fused kernel on {device.type}"
         else:

@@ -46,6 +46,18 @@ def test_launchers_install_the_same_pins_as_install_sh():
     assert pin(r"\$EmbeddedModel = '([^']+)'", windows) == model
 
 
+def test_windows_gets_a_triton_within_the_versions_the_kernels_are_built_with():
+    # The test extra pins the Triton the kernels' tests build with (PyTorch's Linux CUDA wheels'
+    # version); the Windows launcher's triton-windows range must hold it.
+    tested = pin(r'"triton==([\d.]+);', ROOT / "pyproject.toml")
+    low, high = pin(r"\$TritonWindows = 'triton-windows>=([\d.]+),<[\d.]+'", PACKAGING / "windows" / "launcher.ps1"), \
+        pin(r"\$TritonWindows = 'triton-windows>=[\d.]+,<([\d.]+)'", PACKAGING / "windows" / "launcher.ps1")
+
+    def version(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split("."))
+    assert version(low) <= version(tested) < version(high)
+
+
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)")
 def test_shell_scripts_pass_shellcheck():
     result = subprocess.run(["shellcheck", "-x", *map(str, SHELL_SCRIPTS)], capture_output=True, text=True,

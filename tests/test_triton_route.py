@@ -17,6 +17,16 @@ def test_without_its_module_nothing_runs_and_the_fallback_says_why():
     assert route.describe(CUDA, BF16) == "bitsandbytes: Triton is not installed"
 
 
+def test_a_triton_that_fails_to_load_leaves_the_fallback_with_the_reason(monkeypatch, caplog):
+    def broken(name, package=None):  # as a native library that does not load raises it on Windows
+        raise ImportError("DLL load failed while importing libtriton: The specified module could not be found.")
+    monkeypatch.setattr(triton_route.importlib, "import_module", broken)
+    route = TritonRoute(".int8_kernel", "dequantized")
+    assert route.kernel is None and not route.runs_on(CUDA, BF16)
+    assert route.describe(CUDA, BF16).startswith("dequantized: Triton could not be loaded (ImportError: DLL load")
+    assert "DLL load failed" in caplog.text
+
+
 @pytest.fixture
 def route():
     """The 4-bit kernel's route, its self-check left out (no GPU here to run it on)."""

@@ -330,6 +330,7 @@ ask_shortcut() {
 # --- Where downloaded models and caches go.
 set_caches() {
     [ -n "${SPECCHAT_CACHE_DIR:-}" ] || export SPECCHAT_CACHE_DIR="$inst/cache/specchat"
+    [ -n "${TRITON_CACHE_DIR:-}" ] || export TRITON_CACHE_DIR="$inst/cache/triton"  # the GPU kernels Triton builds
     if [ -n "${HF_HOME:-}" ] || [ -n "${HF_HUB_CACHE:-}" ]; then
         return 0
     fi

