@@ -80,6 +80,44 @@ def test_the_store_stays_within_its_budget_least_recently_used_first(tiny):
     assert common_prefix_length([1, 2, 3], [1, 2]) == 2
 
 
+def on(device: str, cache) -> bool:
+    return all(d == torch.device(device) for d in cache.devices)
+
+
+def test_only_the_cache_handed_out_stays_on_the_device_the_others_are_set_aside(tiny):
+    """The plan budgets one KV on a GPU: before another cache is needed there, every entry but the
+    one handed out moves to the host. Here the CPU plays the GPU and the meta device the host
+    (entries set aside there keep their shape and bytes, not their values)."""
+    store = PrefixStore(UNLIMITED, host="meta")
+    store.put([1, 2, 3], filled_cache(tiny, [1, 2, 3]))
+    store.put([4, 5, 6], filled_cache(tiny, [4, 5, 6]))
+    before = store.nbytes
+    cache, length = store.take([4, 5, 6, 7])  # the follow-up of the second: handed out where it is
+    assert length == 3 and on("cpu", cache) and len(store) == 1 and store.nbytes == before // 2
+    assert all(on("meta", entry.cache) and entry.home == [torch.device("cpu")] * tiny.num_layers
+               for entry in store._entries)
+    store.put([4, 5, 6], cache)
+    assert store.spare() is None and all(on("meta", entry.cache) for entry in store._entries)  # a document loads
+    assert store.take([9, 9]) is None and len(store) == 2
+
+
+def test_a_set_aside_conversation_comes_back_to_its_devices_as_it_was(tiny):
+    """What setting aside and bringing back copy, a layer at a time (`copy_to`): the same entries,
+    bit for bit, independent of the original, full and 8-bit."""
+    from specchat.core.model import TransformersLM as LM
+
+    for model in (tiny, LM(tiny.hf, kv_dtype="int8")):
+        cache = filled_cache(model, list(range(20)))
+        copy = cache.copy_to([torch.device("cpu")] * model.num_layers)
+        assert type(copy) is type(cache) and copy.length == 20 and copy.nbytes == cache.nbytes
+        cache.trim(10)
+        model.forward(torch.tensor([50] * 5), torch.arange(10, 15), cache)  # overwrites slots 10-14
+        for (keys, values), (original_keys, original_values) in zip(copy.stored_layers(10), cache.stored_layers(10),
+                                                                    strict=True):
+            assert torch.equal(keys, original_keys) and torch.equal(values, original_values)
+        assert not torch.equal(copy.stored_layers()[0][0][:, :, 10:15], cache.stored_layers()[0][0][:, :, 10:15])
+
+
 @pytest.fixture(scope="module")
 def tiny_engine_parts(tiny_model_dir):
     """The tiny model in fp64 (so no near-tie can flip between batch shapes) and its tokenizer."""
@@ -321,6 +359,29 @@ def test_a_saved_document_reloads_onto_the_gpu_and_answers_as_from_scratch(tiny_
     messages = [{"role": "user", "content": user_turn("Which line comes last?", DOCUMENT)}]
     restarted, _ = run(engine_with(parts, documents=DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED)), messages)
     assert restarted.stats.reused_from == "disk" and restarted.token_ids == run(engine_with(parts), messages)[0].token_ids
+
+
+@needs_cuda
+def test_a_second_conversation_sets_the_first_aside_and_the_first_comes_back_from_memory(tiny_model_dir):
+    """On a GPU only the answer's KV stays there: the other conversation waits in host memory,
+    and its follow-up copies it back instead of reading the document again."""
+    from transformers import AutoTokenizer
+
+    parts = (TransformersLM.from_pretrained(tiny_model_dir, LoadOptions("float64", "cuda:0", None, None)),
+             AutoTokenizer.from_pretrained(tiny_model_dir))
+    engine = engine_with(parts)
+    first, _ = run(engine, conversation("")[:1])
+    run(engine, [{"role": "user", "content": user_turn("What is it?", DOCUMENT.replace("line", "row"))}])
+    stored = engine.prefixes._entries
+    assert len(stored) == 2 and [entry.home is None for entry in stored] == [False, True]  # the last answer's stays
+    assert all(device.type == "cpu" for device in stored[0].cache.devices)
+    assert all(device.type == "cuda" for device in stored[1].cache.devices)
+    follow_up = conversation(first.text)
+    again, _ = run(engine, follow_up)
+    assert again.stats.reused_from == "memory" and again.stats.reused_prompt_tokens >= first.prompt_tokens - 1
+    assert again.token_ids == run(engine_with(parts), follow_up)[0].token_ids
+    assert [entry.home is None for entry in engine.prefixes._entries][-2:] == [False, True]  # one on the GPU
+    assert sum(entry.home is None for entry in engine.prefixes._entries) == 1
 
 
 def test_the_disk_budget_holds_a_whole_context_s_document_and_a_save_leaves_the_disk_room(

@@ -6,6 +6,8 @@ editing tensors. Offloading to pinned CPU memory plugs in here later.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
@@ -138,7 +140,7 @@ def held_bytes(cache: Cache) -> int:
 
 
 @torch.inference_mode()
-def hf_cache(hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]],
+def hf_cache(hf_config, layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
              max_positions: int | None = None) -> DynamicCache:
     """A transformers cache holding the given per-layer (keys, values); growing, it reserves no
     room past `max_positions` (default: the config's positions)."""
@@ -159,9 +161,10 @@ class FullCache:
         self.transformers_cache = _growing_cache(hf_config, max_positions)
 
     @classmethod
-    def from_layers(cls, hf_config, layers: list[tuple[torch.Tensor, torch.Tensor]],
+    def from_layers(cls, hf_config, layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
                     max_positions: int | None = None) -> FullCache:
-        """A cache holding the given per-layer (keys, values), each [1, kv_heads, length, head_dim]."""
+        """A cache holding a copy of the given per-layer (keys, values), each [1, kv_heads, length,
+        head_dim], read one layer at a time."""
         cache = cls(hf_config, max_positions)
         cache.transformers_cache = hf_cache(hf_config, layers, max_positions)
         return cache
@@ -202,9 +205,24 @@ class FullCache:
         return held_bytes(self.transformers_cache)
 
     def clone_prefix(self, length: int) -> FullCache:
-        """An independent copy of the first `length` positions."""
-        return FullCache.from_layers(self.config, [(k.clone(), v.clone()) for k, v in self.layers(length)],
-                                     self.max_positions)
+        """An independent copy of the first `length` positions, where they are."""
+        return self.copy_to(self.devices, length)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The device of each layer's keys and values."""
+        return [layer.keys.device for layer in self.transformers_cache.layers]
+
+    def copy_to(self, devices: list[torch.device], length: int | None = None) -> FullCache:
+        """An independent copy of the first `length` positions (all by default) as stored, layer i
+        on `devices[i]`, a layer at a time: never a second copy of the whole KV on either side."""
+        layers = ((keys.to(device), values.to(device))
+                  for (keys, values), device in zip(self.stored_layers(length), devices, strict=True))
+        return self._holding(layers)
+
+    def _holding(self, stored_layers) -> FullCache:
+        """A cache of this kind holding a copy of `stored_layers` (an iterable of (keys, values))."""
+        return FullCache.from_layers(self.config, stored_layers, self.max_positions)
 
     @property
     def length(self) -> int:

@@ -11,6 +11,8 @@ dequantizes them in registers; elsewhere it gets them dequantized in the model's
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -83,7 +85,7 @@ class Int8Cache(FullCache):
 
     @classmethod
     @torch.inference_mode()
-    def from_packed(cls, hf_config, dtype: torch.dtype, layers: list[tuple[torch.Tensor, torch.Tensor]],
+    def from_packed(cls, hf_config, dtype: torch.dtype, layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
                     max_positions: int | None = None) -> Int8Cache:
         """A cache holding the given per-layer packed (keys, values), copied bit for bit."""
         cache = cls(hf_config, dtype, max_positions)
@@ -110,6 +112,6 @@ class Int8Cache(FullCache):
         *leading, head_dim = super().layer_shape(length)
         return (*leading, head_dim + SCALE_BYTES)
 
-    def clone_prefix(self, length: int) -> Int8Cache:
-        """An independent copy of the first `length` positions, codes and scales as they are."""
-        return Int8Cache.from_packed(self.config, self.dtype, self.stored_layers(length), self.max_positions)
+    def _holding(self, stored_layers) -> Int8Cache:
+        """A copy of packed layers, codes and scales as they are (`clone_prefix`, `copy_to`)."""
+        return Int8Cache.from_packed(self.config, self.dtype, stored_layers, self.max_positions)

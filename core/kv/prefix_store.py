@@ -4,11 +4,18 @@ longest common prefix of token ids, under a memory budget with least-recently-us
 Matching on token ids alone makes it work for any caller: the terminal chat and the UI, and a
 stateless API that resends the whole conversation. A follow-up's prompt repeats the conversation
 so far, so only its new tokens need a prefill.
+
+On a GPU the plan budgets one KV, the answer's own. The cache of the conversation answered last
+stays where it is (its follow-up continues it in place); before another cache is needed there,
+the store sets every entry it is not handing out aside in host memory, and copies one back when
+its conversation is taken up again (a copy over PCIe, against a prefill of the whole document).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from .full import FullCache
 
@@ -18,6 +25,7 @@ class _Entry:
     ids: list[int]  # the tokens whose keys and values `cache` holds, in order
     cache: FullCache
     nbytes: int
+    home: list[torch.device] | None = None  # while set aside on the host: each layer's device before
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -29,8 +37,9 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class PrefixStore:
-    def __init__(self, budget_bytes: int):
-        self.budget_bytes = budget_bytes
+    def __init__(self, budget_bytes: int, host: torch.device | str = "cpu"):
+        self.budget_bytes = budget_bytes  # of the entries, wherever they are
+        self.host = torch.device(host)  # where entries are set aside
         self._entries: list[_Entry] = []  # least recently used first
 
     @property
@@ -49,32 +58,53 @@ class PrefixStore:
 
     def take(self, prompt_ids: list[int]) -> tuple[FullCache, int] | None:
         """The stored cache sharing the longest prefix with `prompt_ids`, trimmed to that prefix,
-        and the prefix length; None when nothing shares a token.
+        on the devices it was computed on, and the prefix length; None when nothing shares a
+        token. Every other entry is set aside on the host first.
 
         At most `len(prompt_ids) - 1` positions are reused: the last prompt token must run to
         give the first answer token's logits. An entry reused whole leaves the store (its owner
         carries on from it); one reused in part is copied, so the conversation it belongs to
-        keeps its own.
+        keeps its own (set aside first: the copy is then the only KV on the device).
         """
         best, best_length = None, 0
         for entry in self._entries:
             length = self._reusable(entry, prompt_ids)
             if length > best_length:
                 best, best_length = entry, length
+        for entry in self._entries:
+            if entry is not best:
+                self._set_aside(entry)
         if best is None:
             return None
         copy_bytes = best.nbytes * best_length // len(best.ids)
         if best_length == len(best.ids) or self.nbytes + copy_bytes > self.budget_bytes:
             self._entries.remove(best)
             best.cache.trim(best_length)
-            return best.cache, best_length
+            return self._at_home(best), best_length
         # Copying a prefix does not count as using the conversation: recency follows the
         # conversations people continue.
-        return best.cache.clone_prefix(best_length), best_length
+        self._set_aside(best)
+        return best.cache.copy_to(best.home or best.cache.devices, best_length), best_length
 
     def spare(self) -> None:
-        """No cache to lend for another prompt: each entry is a conversation's, and new ones are cheap."""
+        """No cache to lend for another prompt (each entry is a conversation's, and new ones are
+        cheap); the one about to be made will be the only one on the device."""
+        for entry in self._entries:
+            self._set_aside(entry)
         return None
+
+    def _set_aside(self, entry: _Entry) -> None:
+        """`entry`'s cache copied to the host, a layer at a time, where it is elsewhere."""
+        devices = entry.cache.devices
+        if all(device == self.host for device in devices):
+            return
+        entry.cache = entry.cache.copy_to([self.host] * len(devices))
+        entry.home = devices
+
+    @staticmethod
+    def _at_home(entry: _Entry) -> FullCache:
+        """`entry`'s cache on the devices it was computed on."""
+        return entry.cache if entry.home is None else entry.cache.copy_to(entry.home)
 
     def put(self, ids: list[int], cache: FullCache) -> None:
         """Keep `cache` (holding `ids`) as the most recent entry; evict the least recently used
