@@ -384,6 +384,35 @@ def test_a_second_conversation_sets_the_first_aside_and_the_first_comes_back_fro
     assert sum(entry.home is None for entry in engine.prefixes._entries) == 1
 
 
+@needs_cuda
+def test_a_kv_reaches_the_gpu_a_layer_at_a_time_from_the_host_and_from_disk(tmp_path):
+    """A conversation copied back and a saved document loaded hold the KV once on the GPU, plus
+    one layer in transit (a 32K document on an 8 GB card has no room for two)."""
+    from transformers import LlamaConfig
+
+    from specchat.core.kv.full import FullCache
+
+    config = LlamaConfig(hidden_size=1024, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=4,
+                         max_position_embeddings=4096)
+    generator = torch.Generator().manual_seed(0)
+    host = FullCache.from_layers(config, [tuple(torch.randn(1, 8, 4096, 128, generator=generator).bfloat16()
+                                                for _ in range(2)) for _ in range(4)])
+    ids = list(range(4096))
+    DocumentStore(tmp_path, "shape", 10**10).save(ids, host)
+    gpu = [torch.device("cuda", 0)] * 4
+    for arrive in (lambda: host.copy_to(gpu),
+                   lambda: DocumentStore(tmp_path, "shape", 10**10).load(ids + [1], lambda: FullCache(config),
+                                                                         at_least=0, device="cuda:0").cache):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        arrived = arrive()
+        assert torch.cuda.max_memory_allocated() - base <= host.nbytes * (1 + 1.5 / 4)  # all four at once: 2x
+        assert arrived.devices == gpu and all(torch.equal(a.cpu(), b) for pair in zip(arrived.layers(), host.layers())
+                                              for a, b in zip(*pair))
+        del arrived
+
+
 def test_the_disk_budget_holds_a_whole_context_s_document_and_a_save_leaves_the_disk_room(
         tiny_engine_parts, tmp_path, monkeypatch):
     from specchat.core import loading

@@ -213,10 +213,11 @@ def _filled(cache: SavableCache, layers, length: int, device: torch.device | str
     if isinstance(cache, OffloadedCache):
         cache.fill(layers, length)  # into its pinned buffers, a layer in memory at a time
         return cache
+    # A layer on the device at a time, copied into the cache's buffers: never the KV twice there.
     layers = ((keys.to(device), values.to(device)) for keys, values in layers)
     if isinstance(cache, Int8Cache):
-        return Int8Cache.from_packed(cache.config, cache.dtype, list(layers), cache.max_positions)
-    return FullCache.from_layers(cache.config, list(layers), cache.max_positions)
+        return Int8Cache.from_packed(cache.config, cache.dtype, layers, cache.max_positions)
+    return FullCache.from_layers(cache.config, layers, cache.max_positions)
 
 
 def _write(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
