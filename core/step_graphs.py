@@ -14,9 +14,10 @@ Where it applies: caches whose layers are all `GrowingLayer`s with room for the 
 full KV on the GPU, a StreamingLLM draft's, the retrieval cache; an 8-bit KV where its fused
 kernel runs, kv/int8_attention.py), forwards of up to `GRAPH_TOKENS` tokens after at least one
 cached position that see all of it (recording the queries or not: a size that records has a
-graph of its own), with every weight on one CUDA device. Elsewhere (an offloaded KV, an 8-bit
-one without its kernel, prefill chunks, a model split over GPUs or with its embedding on the
-host) the eager forward runs. A graph is
+graph of its own), with every weight on one CUDA device but an input embedding kept on the host
+(host_embedding.py: 8 GB cards), whose rows are looked up eagerly and copied into the graph's
+input. Elsewhere (an offloaded KV, an 8-bit one without its kernel, prefill chunks, a model split
+over GPUs) the eager forward runs. A graph is
 captured at the second forward of its size over the same buffers (a cache used once is not worth
 a capture) and lives as long as they do. A model's first capture is checked against its eager
 forward; a mismatch or a failed capture turns graphs off for that model, with the reason in `off`.
@@ -32,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from .host_embedding import HostEmbedding
 from .interrupt import Cancelled
 from .kv.device_length import DeviceStep, device_step
 from .kv import int8_attention
@@ -54,7 +56,7 @@ class _Replay:
     """One size's static inputs and, once captured, its graph, for one set of cache buffers."""
     buffers: tuple[int, ...]  # the data pointers of every layer's buffers it was made for
     step: DeviceStep
-    ids: torch.Tensor  # [n] long
+    ids: torch.Tensor  # [n] long; with the embedding on the host, their rows [n, hidden] instead
     positions: torch.Tensor  # [n] long
     graph: torch.cuda.CUDAGraph | None = None
     uses: int = 0  # forwards of this size over these buffers: the second captures
@@ -68,7 +70,10 @@ class StepGraphs:
         self.hf = hf_model
         self._cache_argument = cache_argument
         self.capture = capture
-        devices = {parameter.device for parameter in hf_model.parameters()}
+        embedding = hf_model.get_input_embeddings()
+        self._host_embedding = embedding if isinstance(embedding, HostEmbedding) else None
+        on_host = {id(parameter) for parameter in embedding.parameters()} if self._host_embedding else set()
+        devices = {parameter.device for parameter in hf_model.parameters() if id(parameter) not in on_host}
         self.device = next(iter(devices))
         self.off: str | None = None if len(devices) == 1 else "weights on more than one device"
         self._checked = not capture  # the first capture is compared with the eager forward
@@ -113,7 +118,7 @@ class StepGraphs:
             return None
         recorded = recording()
         replay = self._replay_for(cache.transformers_cache, layers, n, capacity, recorded is not None)
-        replay.ids.copy_(ids)
+        replay.ids.copy_(ids if self._host_embedding is None else self._host_embedding(ids))
         replay.positions.copy_(positions)
         replay.step.fill(start, allowed)
         replay.uses += 1
@@ -138,8 +143,10 @@ class StepGraphs:
         replays = self._by_cache.setdefault(transformers_cache, {})
         replay = replays.get((n, record))
         if replay is None or replay.buffers != buffers:  # new, or the buffers grew: capture again
-            replay = _Replay(buffers, DeviceStep.empty(n, capacity, self.device),
-                             torch.zeros(n, dtype=torch.long, device=self.device),
+            inputs = (torch.zeros(n, dtype=torch.long, device=self.device) if self._host_embedding is None else
+                      torch.zeros(n, self._host_embedding.weight.shape[1], dtype=self._host_embedding.weight.dtype,
+                                  device=self.device))
+            replay = _Replay(buffers, DeviceStep.empty(n, capacity, self.device), inputs,
                              torch.zeros(n, dtype=torch.long, device=self.device))
             if record:
                 replay.step.queries = {}
@@ -153,8 +160,9 @@ class StepGraphs:
         """The static forward: every input read from the replay's tensors, the logits written to
         the shared buffer."""
         n = replay.ids.shape[0]
+        inputs = {"input_ids" if self._host_embedding is None else "inputs_embeds": replay.ids[None]}
         with device_step(replay.step):
-            out = self.hf(input_ids=replay.ids[None], position_ids=replay.positions[None],
+            out = self.hf(**inputs, position_ids=replay.positions[None],
                           # 4-D, so transformers builds no mask; attention reads `replay.step` instead
                           attention_mask=replay.step.allowed[None, None], use_cache=True,
                           **{self._cache_argument: transformers_cache}, logits_to_keep=0)

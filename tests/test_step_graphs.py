@@ -67,6 +67,36 @@ def test_a_replayable_step_equals_the_eager_forward_and_a_wrong_length_would_sho
     assert (got - expected).abs().max() > 1e-3
 
 
+def on_the_host(model):
+    """`model` with its input embedding kept in CPU memory (an 8 GB card's plan), its steps
+    replayable again (the runner looks for the host embedding when it is made)."""
+    from specchat.core.host_embedding import embedding_on_cpu
+
+    embedding_on_cpu(model.hf)
+    return model.set_step_graphs(capture=model.step_graphs.capture if model.step_graphs else False)
+
+
+def test_with_the_embedding_on_the_host_a_step_looks_its_rows_up_then_replays_the_rest():
+    eager, replaying, _ = twins(weight_scale=4.0)
+    graphs = on_the_host(replaying)
+    assert graphs.off is None and graphs._host_embedding is not None
+    ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(1))
+    caches = eager.new_cache(), replaying.new_cache()
+    for model, cache in zip((eager, replaying), caches):
+        model.forward(ids[:30], torch.arange(30), cache)
+    for n in (1, 3, 1, 5):
+        start = caches[0].length
+        expected, got = (model.forward(ids[start:start + n], torch.arange(start, start + n), cache)
+                         for model, cache in zip((eager, replaying), caches))
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert graphs.replays == 4
+    target = tiny_llama(2, weight_scale=8.0)
+    on_the_host(target)
+    prompt = prompts(2)["n-gram hits"]
+    plain, _ = run(tiny_llama(2, weight_scale=8.0), prompt, "plain", SamplingParams(), 30)
+    assert run(target, prompt, "chain", SamplingParams(), 30)[0] == plain and target.step_graphs.replays > 0
+
+
 def poison_spare_slots(cache):
     """NaN in every slot not yet written: a step that reads one (even with weight 0) shows it."""
     with torch.inference_mode():
@@ -291,6 +321,12 @@ def test_a_captured_graph_replays_the_static_path_bit_for_bit():
                    "plain", SamplingParams(), 30)
     speculative, _ = run(target, prompts(4)["n-gram hits"], "chain", SamplingParams(), 30)
     assert speculative == plain and target.step_graphs.off is None and target.step_graphs.replays > 0
+    # An 8 GB card's placement: the embedding on the host, the rest replayed.
+    hosted = tiny_llama(4, dtype=torch.float32, weight_scale=8.0).to("cuda")
+    graphs = on_the_host(hosted)
+    assert hosted.hf.get_input_embeddings().weight.device.type == "cpu" and graphs.capture
+    speculative, _ = run(hosted, prompts(4)["n-gram hits"], "chain", SamplingParams(), 30)
+    assert speculative == plain and graphs.off is None and graphs.replays > 0
 
 
 def flash_varlen_reference(q, k, v, bounds_q, bounds_k, max_q, max_k, dropout, causal, debug, *, scale, seqused_k):
