@@ -311,3 +311,20 @@ def test_a_growing_cache_reserves_no_room_past_the_plans_context(kind):
     assert layer._key_buffer.shape[-2] == 310 and cache.length == 310
     assert cache.clone_prefix(200).max_positions == 300
 
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "a growing buffer's view", "8-bit rows", "transposed"])
+def test_head_rows_copies_each_heads_kept_rows_as_gather_would(layout):
+    """Retrieval rebuilds copy whole rows (`head_rows`) where gather read an index per element."""
+    from specchat.core.kv.cache import head_rows
+
+    generator = torch.Generator().manual_seed(3)
+    buffer = torch.randn(3, 50, 16, generator=generator)
+    stored = {"contiguous": buffer[:, :40], "a growing buffer's view": buffer[:, :37],
+              "8-bit rows": torch.randint(-128, 127, (3, 40, 20), dtype=torch.int8, generator=generator),
+              "transposed": torch.randn(40, 3, 16, generator=generator).transpose(0, 1)}[layout]  # by gather
+    kept = torch.sort(torch.stack([torch.randperm(stored.shape[1], generator=generator)[:9] for _ in range(3)])).values
+    expected = stored.gather(1, kept[..., None].expand(-1, -1, stored.shape[-1]))
+    assert torch.equal(head_rows(stored, kept), expected)
+    out = torch.empty(27, stored.shape[-1], dtype=stored.dtype)
+    assert torch.equal(head_rows(stored, kept, out), expected) and torch.equal(out.view(3, 9, -1), expected)

@@ -55,3 +55,20 @@ def rows_at(stored_layers: list[tuple[torch.Tensor, torch.Tensor]], seen, positi
         layers.append((seen(keys[:, :, at]), seen(values[:, :, at])))
     return layers
 
+
+
+def head_rows(stored: torch.Tensor, kept: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows at `kept` [kv_heads, k] (positions, per head) of `stored` [kv_heads, length, width],
+    as [kv_heads, k, width], written into `out` [kv_heads * k, width] when given (pinned host
+    memory, for an asynchronous copy to a GPU). Whole rows are copied at once where each head's
+    rows are evenly spaced in memory, as in every cache here: `gather` reads an index per element
+    (15-25x slower on a CPU, for a retrieval rebuild's 1K positions of an 8B layer at 128K)."""
+    heads, length, width = stored.shape
+    kept = kept.to(stored.device)
+    if stored.stride(2) != 1 or stored.stride(1) != width or stored.stride(0) % width:
+        rows = stored.gather(1, kept[..., None].expand(-1, -1, width))
+        return rows if out is None else out.view(heads, -1, width).copy_(rows)
+    per_head = stored.stride(0) // width
+    every_row = stored.as_strided(((heads - 1) * per_head + length, width), (width, 1))
+    index = (kept + torch.arange(heads, device=stored.device)[:, None] * per_head).reshape(-1)
+    return torch.index_select(every_row, 0, index, out=out).view(heads, -1, width)

@@ -31,7 +31,7 @@ from typing import Iterable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache import rows_at
+from .cache import head_rows, rows_at
 from .chunk_means import ChunkMeans
 from .int8_rows import SCALE_BYTES, pack, unpack
 from .slabs import slabs
@@ -199,14 +199,20 @@ class OffloadedCache:
     @torch.inference_mode()
     def gather(self, positions: torch.Tensor, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys, values) [1, kv_heads, kept, head_dim] on `device` of the positions
-        [layers, kv_heads, kept] (CPU, ascending per head): only they cross to the device."""
+        [layers, kv_heads, kept] (CPU, ascending per head): only they cross to the device, from
+        page-locked staging, so no layer's copy waits for the host (PyTorch keeps each staging
+        block until its copy is done, then reuses it)."""
         self._settle()
-        layers = []
-        for (stored_k, stored_v), kept in zip(self._rows, positions, strict=True):
-            index = kept.to(stored_k.device)[..., None].expand(-1, -1, stored_k.shape[-1])
-            layers.append((self._seen(stored_k.gather(1, index).to(device, non_blocking=True))[None],
-                           self._seen(stored_v.gather(1, index).to(device, non_blocking=True))[None]))
-        return layers
+        device = torch.device(device)
+
+        def moved(stored: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+            staging = None
+            if stored.device.type == "cpu" and device.type == "cuda":
+                staging = torch.empty(kept.numel(), stored.shape[-1], dtype=stored.dtype, pin_memory=True)
+            return self._seen(head_rows(stored, kept, staging).to(device, non_blocking=True))[None]
+
+        return [(moved(stored_k, kept), moved(stored_v, kept))
+                for (stored_k, stored_v), kept in zip(self._rows, positions, strict=True)]
 
     def _attend(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a forward's new entries [1, kv_heads, n, head_dim] of `layer`; return all of the

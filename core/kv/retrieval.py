@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, head_rows
 from .full import GrowingLayer, held_bytes, hf_cache, keep_slots
 from .offload import OffloadedCache
 
@@ -129,8 +129,7 @@ class RetrievalCache:
             if device is not None:
                 keys, values = keys.to(device), values.to(device)
             kept = select_positions(queries[index].to(keys.device), keys[0], budget, chunk_size, recent)
-            gather = kept.to(keys.device)[..., None].expand(-1, -1, keys.shape[-1])
-            layers.append((keys[0].gather(1, gather)[None], values[0].gather(1, gather)[None]))
+            layers.append((head_rows(keys[0], kept)[None], head_rows(values[0], kept)[None]))
         return cls.held(hf_config, layers, full_layers[0][0].shape[2], reuse)
 
     @classmethod
