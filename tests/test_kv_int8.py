@@ -324,3 +324,31 @@ def test_an_engine_reuses_8bit_caches_from_memory_and_from_disk(tiny_model_dir, 
     restarted, notices = answer(engine_with(parts, documents=store()), question, "tree")
     assert restarted.stats.reused_from == "disk" and restarted.stats.reused_prompt_tokens == saved and notices == []
     assert restarted.token_ids == answer(engine_with(parts), question, "tree")[0].token_ids
+
+
+def test_a_retrieval_rebuild_dequantizes_the_8bit_kv_a_layer_at_a_time(monkeypatch):
+    """Over an 8-bit KV on the GPU, the whole KV in the model's dtype would be twice its codes:
+    the rebuild holds one layer's dequantized keys and values (and the last layer's) at a time,
+    and selects what a build over the dequantized layers selects."""
+    import weakref
+
+    from specchat.core.kv.retrieval import RetrievalCache
+
+    model = int8(tiny_llama(7, layers=6))
+    cache = filled(model, 40)
+    queries = {layer: torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(layer))
+               for layer in range(6)}
+    expected = RetrievalCache.build(model.hf.config, cache.layers(), queries, budget=24, chunk_size=4, recent=8)
+    seen, most_alive = Int8Cache._seen, []
+    made: list[weakref.ref] = []
+
+    def counted(self, rows):
+        dequantized = seen(self, rows)
+        made.append(weakref.ref(dequantized))
+        most_alive.append(sum(ref() is not None for ref in made))
+        return dequantized
+    monkeypatch.setattr(Int8Cache, "_seen", counted)
+    built = RetrievalCache.from_full(cache, queries, budget=24, chunk_size=4, recent=8, device=torch.device("cpu"))
+    assert len(made) == 12 and max(most_alive) <= 4  # the whole list: 12
+    for (keys, values), (expected_keys, expected_values) in zip(built.layers(), expected.layers(), strict=True):
+        assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)

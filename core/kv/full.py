@@ -6,7 +6,7 @@ editing tensors. Offloading to pinned CPU memory plugs in here later.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -177,6 +177,10 @@ class FullCache:
     def stored_layers(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first `length` positions as stored, what a saved document holds: here `layers`."""
         return FullCache.layers(self, length)
+
+    def each_layer(self, length: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """`layers`, one layer at a time: an 8-bit cache dequantizes each only when it is reached."""
+        return ((self._seen(keys), self._seen(values)) for keys, values in self.stored_layers(length))
 
     def layers_at(self, positions: torch.Tensor, count: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer of the first `count` (all by default), the (keys, values) [1, kv_heads,

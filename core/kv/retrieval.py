@@ -10,6 +10,7 @@ as if every query head had its own KV head, which is wrong for Llama 3 and Qwen)
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import torch
 
@@ -117,28 +118,29 @@ class RetrievalCache:
 
     @classmethod
     @torch.inference_mode()
-    def build(cls, hf_config, full_layers: list[tuple[torch.Tensor, torch.Tensor]],
+    def build(cls, hf_config, full_layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
               queries: dict[int, torch.Tensor], budget: int, chunk_size: int, recent: int,
               device: torch.device | None = None, reuse: RetrievalCache | None = None) -> RetrievalCache:
-        """From the full cache's per-layer (keys, values) [1, kv_heads, length, head_dim] and each
-        layer's latest queries [heads, head_dim], on `device` (where the draft runs), in `reuse`'s
-        buffers where they fit (`held`). An offloaded layer moves there one at a time, to be
-        scored and gathered."""
-        layers = []
+        """From the full cache's per-layer (keys, values) [1, kv_heads, length, head_dim], taken one
+        layer at a time, and each layer's latest queries [heads, head_dim], on `device` (where the
+        draft runs), in `reuse`'s buffers where they fit (`held`)."""
+        layers, length = [], 0
         for index, (keys, values) in enumerate(full_layers):
+            length = keys.shape[2]
             if device is not None:
                 keys, values = keys.to(device), values.to(device)
             kept = select_positions(queries[index].to(keys.device), keys[0], budget, chunk_size, recent)
             layers.append((head_rows(keys[0], kept)[None], head_rows(values[0], kept)[None]))
-        return cls.held(hf_config, layers, full_layers[0][0].shape[2], reuse)
+        return cls.held(hf_config, layers, length, reuse)
 
     @classmethod
     def from_full(cls, full: KVCache, queries: dict[int, torch.Tensor], budget: int, chunk_size: int, recent: int,
                   device: torch.device, reuse: RetrievalCache | None = None) -> RetrievalCache:
-        """`build` over a `FullCache` (every key scored); over an `OffloadedCache`, `from_offloaded`."""
+        """`build` over a `FullCache` (every key scored; an 8-bit one's dequantized a layer at a
+        time, never the whole KV at once); over an `OffloadedCache`, `from_offloaded`."""
         if isinstance(full, OffloadedCache):
             return cls.from_offloaded(full, queries, budget, chunk_size, recent, device, reuse)
-        return cls.build(full.config, full.layers(), queries, budget, chunk_size, recent, device, reuse)
+        return cls.build(full.config, full.each_layer(), queries, budget, chunk_size, recent, device, reuse)
 
     @classmethod
     @torch.inference_mode()
