@@ -88,7 +88,7 @@ def test_only_the_cache_handed_out_stays_on_the_device_the_others_are_set_aside(
     """The plan budgets one KV on a GPU: before another cache is needed there, every entry but the
     one handed out moves to the host. Here the CPU plays the GPU and the meta device the host
     (entries set aside there keep their shape and bytes, not their values)."""
-    store = PrefixStore(UNLIMITED, host="meta")
+    store = PrefixStore(UNLIMITED, host="meta", aside=("cpu",))
     store.put([1, 2, 3], filled_cache(tiny, [1, 2, 3]))
     store.put([4, 5, 6], filled_cache(tiny, [4, 5, 6]))
     before = store.nbytes

@@ -37,9 +37,11 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class PrefixStore:
-    def __init__(self, budget_bytes: int, host: torch.device | str = "cpu"):
+    def __init__(self, budget_bytes: int, host: torch.device | str = "cpu", aside: tuple[str, ...] = ("cuda",)):
         self.budget_bytes = budget_bytes  # of the entries, wherever they are
         self.host = torch.device(host)  # where entries are set aside
+        # The device types whose memory holds one KV (a GPU's); not Apple's MPS, which shares the RAM.
+        self.aside = aside
         self._entries: list[_Entry] = []  # least recently used first
 
     @property
@@ -96,7 +98,7 @@ class PrefixStore:
     def _set_aside(self, entry: _Entry) -> None:
         """`entry`'s cache copied to the host, a layer at a time, where it is elsewhere."""
         devices = entry.cache.devices
-        if all(device == self.host for device in devices):
+        if not any(device.type in self.aside for device in devices):
             return
         entry.cache = entry.cache.copy_to([self.host] * len(devices))
         entry.home = devices
