@@ -34,9 +34,9 @@ class TritonRoute:
         """The kernel's module, or None without a Triton that loads (`unloadable` says why)."""
         try:
             return importlib.import_module(self.kernel_module, __package__)
-        except ModuleNotFoundError:
-            return None
-        except Exception as error:  # a broken install: a native library that fails to load, on Windows a missing runtime
+        except Exception as error:  # a broken install: a part or a native library that fails to load
+            if isinstance(error, ModuleNotFoundError) and error.name == "triton":
+                return None
             self.unloadable = f"Triton could not be loaded ({type(error).__name__}: {error})"
             logging.getLogger(__name__).warning("%s, %s instead", self.unloadable, self.fallback)
             return None

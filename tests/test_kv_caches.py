@@ -277,6 +277,28 @@ def test_offloaded_cache_matches_the_full_cache_on_cuda():
 
 
 @needs_cuda
+def test_an_offloaded_gather_reaches_the_gpu_through_two_staging_slots():
+    """A rebuild's rows cross from pinned host memory through two page-locked slots used in turn
+    (more layers than slots, then more rows than the slots hold): the rows that arrive are the
+    host's, whatever slot carried them."""
+    model = tiny_llama(3, dtype=torch.float32, layers=5)
+    model.to("cuda")
+    cache = OffloadedCache(model.hf.config, 64, "cuda", torch.float32)
+    model.forward(torch.arange(3, 50) % 97, torch.arange(47), cache)
+    generator = torch.Generator().manual_seed(0)
+    for kept in (6, 6, 11):
+        positions = torch.sort(torch.stack([torch.stack([torch.randperm(47, generator=generator)[:kept]
+                                                         for _ in range(2)]) for _ in range(5)])).values
+        gathered = cache.gather(positions, "cuda")
+        torch.cuda.synchronize()
+        for (keys, values), (stored_k, stored_v), at in zip(gathered, cache._rows, positions, strict=True):
+            assert keys.device.type == "cuda"
+            assert torch.equal(keys[0].cpu(), stored_k.gather(1, at[..., None].expand(-1, -1, 8)))
+            assert torch.equal(values[0].cpu(), stored_v.gather(1, at[..., None].expand(-1, -1, 8)))
+    assert len(cache._staging._slots) == 2 and cache._staging._slots[0][0].shape[0] == 22
+
+
+@needs_cuda
 @pytest.mark.parametrize("tree", [None, Tree((-1, 0, 0, 1, 1, 3))])
 def test_greedy_triforce_over_an_offloaded_cache_equals_plain_on_cuda(tree):
     model = tiny_llama(4, dtype=torch.float32, weight_scale=8.0)
@@ -313,7 +335,8 @@ def test_a_growing_cache_reserves_no_room_past_the_plans_context(kind):
 
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "a growing buffer's view", "8-bit rows", "transposed"])
+@pytest.mark.parametrize("layout", ["contiguous", "a growing buffer's view", "8-bit rows", "offset in its storage",
+                                    "one head", "transposed"])
 def test_head_rows_copies_each_heads_kept_rows_as_gather_would(layout):
     """Retrieval rebuilds copy whole rows (`head_rows`) where gather read an index per element."""
     from specchat.core.kv.cache import head_rows
@@ -322,9 +345,13 @@ def test_head_rows_copies_each_heads_kept_rows_as_gather_would(layout):
     buffer = torch.randn(3, 50, 16, generator=generator)
     stored = {"contiguous": buffer[:, :40], "a growing buffer's view": buffer[:, :37],
               "8-bit rows": torch.randint(-128, 127, (3, 40, 20), dtype=torch.int8, generator=generator),
+              "offset in its storage": buffer[:, 7:47],  # a slab's tensor, a window of a buffer
+              "one head": buffer[1:2].expand(3, -1, -1)[:1, :40],
               "transposed": torch.randn(40, 3, 16, generator=generator).transpose(0, 1)}[layout]  # by gather
-    kept = torch.sort(torch.stack([torch.randperm(stored.shape[1], generator=generator)[:9] for _ in range(3)])).values
+    heads = stored.shape[0]
+    kept = torch.sort(torch.stack([torch.randperm(stored.shape[1], generator=generator)[:9]
+                                   for _ in range(heads)])).values
     expected = stored.gather(1, kept[..., None].expand(-1, -1, stored.shape[-1]))
     assert torch.equal(head_rows(stored, kept), expected)
-    out = torch.empty(27, stored.shape[-1], dtype=stored.dtype)
-    assert torch.equal(head_rows(stored, kept, out), expected) and torch.equal(out.view(3, 9, -1), expected)
+    out = torch.empty(heads * 9, stored.shape[-1], dtype=stored.dtype)
+    assert torch.equal(head_rows(stored, kept, out), expected) and torch.equal(out.view(heads, 9, -1), expected)

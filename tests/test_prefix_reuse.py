@@ -101,6 +101,22 @@ def test_only_the_cache_handed_out_stays_on_the_device_the_others_are_set_aside(
     assert store.take([9, 9]) is None and len(store) == 2
 
 
+def test_a_cache_with_sliding_window_layers_is_never_set_aside():
+    """Such a layer keeps a window and its own count of positions, which a copy would not carry:
+    it stays where it is, as every cache did before setting aside."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                         sliding_window=8, max_window_layers=0)
+    model = TransformersLM(Qwen2ForCausalLM(config).double())
+    cache = filled_cache(model, list(range(20)))
+    assert not cache.movable and cache.length == 20
+    store = PrefixStore(UNLIMITED, host="meta", aside=("cpu",))
+    store.put(list(range(20)), cache)
+    assert store.take([50, 51]) is None and store._entries[0].cache is cache and on("cpu", cache)
+
+
 def test_a_set_aside_conversation_comes_back_to_its_devices_as_it_was(tiny):
     """What setting aside and bringing back copy, a layer at a time (`copy_to`): the same entries,
     bit for bit, independent of the original, full and 8-bit."""
@@ -177,6 +193,20 @@ def test_a_stopped_prefill_is_picked_up_where_it_stopped(tiny_engine_parts):
     again, _ = run(engine, conversation("")[:1], max_new_tokens=8)
     fresh, _ = run(engine_with(tiny_engine_parts), conversation("")[:1], max_new_tokens=8)
     assert again.stats.reused_prompt_tokens == 16 and again.token_ids == fresh.token_ids
+
+
+def test_an_answer_stopped_inside_its_first_chunk_leaves_nothing_behind(tiny_engine_parts):
+    """Stopped between two layers of the first chunk, a cache holds no position and some layers
+    that never ran: nothing to keep, and nothing the next answer's setting aside trips on."""
+    model, tokenizer = tiny_engine_parts
+    store = PrefixStore(UNLIMITED, host="meta", aside=("cpu",))
+    engine = Engine(model, tokenizer, "tiny", prefixes=store)
+    stop = threading.Event()
+    stop.set()
+    events = list(engine.generate(engine.chat_ids(conversation("")[:1]), Request(8, SamplingParams(), "plain"), stop))
+    assert events[-1].result.finish_reason == "cancelled" and len(store) == 0
+    again, _ = run(engine, conversation("")[:1], max_new_tokens=8)
+    assert again.token_ids == run(engine_with(tiny_engine_parts), conversation("")[:1], max_new_tokens=8)[0].token_ids
 
 
 def test_conversations_share_memory_under_the_budget(tiny_engine_parts):

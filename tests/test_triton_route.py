@@ -11,10 +11,16 @@ from specchat.core.triton_route import TritonRoute
 CUDA, CPU, BF16, FP16 = torch.device("cuda", 0), torch.device("cpu"), torch.bfloat16, torch.float16
 
 
-def test_without_its_module_nothing_runs_and_the_fallback_says_why():
-    route = TritonRoute(".no_such_kernel", "bitsandbytes")
+def test_without_triton_nothing_runs_and_the_fallback_says_why(monkeypatch):
+    def no_triton(name, package=None):
+        raise ModuleNotFoundError("No module named 'triton'", name="triton")
+    monkeypatch.setattr(triton_route.importlib, "import_module", no_triton)
+    route = TritonRoute(".nf4_kernel", "bitsandbytes")
     assert route.kernel is None and not route.runs_on(CUDA, BF16)
     assert route.describe(CUDA, BF16) == "bitsandbytes: Triton is not installed"
+    monkeypatch.undo()
+    missing_part = TritonRoute(".no_such_kernel", "bitsandbytes")  # anything else missing is a broken install
+    assert missing_part.kernel is None and "could not be loaded (ModuleNotFoundError" in missing_part.describe(CUDA, BF16)
 
 
 def test_a_triton_that_fails_to_load_leaves_the_fallback_with_the_reason(monkeypatch, caplog):

@@ -214,8 +214,16 @@ class FullCache:
 
     @property
     def devices(self) -> list[torch.device]:
-        """The device of each layer's keys and values."""
-        return [layer.keys.device for layer in self.transformers_cache.layers]
+        """The device of each layer's keys and values (of the layers that hold any)."""
+        return [layer.keys.device for layer in self.transformers_cache.layers if layer.is_initialized]
+
+    @property
+    def movable(self) -> bool:
+        """Whether `copy_to` gives back exactly this cache's state: every layer a `GrowingLayer`
+        holding entries (a sliding-window layer keeps its own count of positions, which a copy
+        would not carry)."""
+        return all(isinstance(layer, GrowingLayer) and layer.is_initialized
+                   for layer in self.transformers_cache.layers)
 
     def copy_to(self, devices: list[torch.device], length: int | None = None) -> FullCache:
         """An independent copy of the first `length` positions (all by default) as stored, layer i

@@ -67,6 +67,7 @@ class OffloadedCache:
         # overlap=False copies each layer when it is needed (TriForce's reference): a baseline.
         self._streamer = _Streamer(self, shape, stored_dtype, overlap) if on_gpu and self.streamed else None
         self._chunk_means: ChunkMeans | None = None  # the retrieval stage's, once it asks (`chunk_means`)
+        self._staging: _Staging | None = None  # a retrieval rebuild's rows on their way to the GPU
         self.transformers_cache = _StreamedKV(self)
 
     @property
@@ -200,19 +201,20 @@ class OffloadedCache:
     def gather(self, positions: torch.Tensor, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys, values) [1, kv_heads, kept, head_dim] on `device` of the positions
         [layers, kv_heads, kept] (CPU, ascending per head): only they cross to the device, from
-        page-locked staging, so no layer's copy waits for the host (PyTorch keeps each staging
-        block until its copy is done, then reuses it)."""
+        host memory through page-locked staging (`_Staging`), so the host does not wait for each
+        layer's copy."""
         self._settle()
         device = torch.device(device)
-
-        def moved(stored: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-            staging = None
-            if stored.device.type == "cpu" and device.type == "cuda":
-                staging = torch.empty(kept.numel(), stored.shape[-1], dtype=stored.dtype, pin_memory=True)
-            return self._seen(head_rows(stored, kept, staging).to(device, non_blocking=True))[None]
-
-        return [(moved(stored_k, kept), moved(stored_v, kept))
-                for (stored_k, stored_v), kept in zip(self._rows, positions, strict=True)]
+        layers = []
+        for (stored_k, stored_v), kept in zip(self._rows, positions, strict=True):
+            if stored_k.device.type == "cpu" and device.type == "cuda":
+                if self._staging is None:
+                    self._staging = _Staging()
+                keys, values = self._staging.send(stored_k, stored_v, kept, device)
+            else:  # a resident layer, or the CPU's cache
+                keys, values = (head_rows(stored, kept).to(device) for stored in (stored_k, stored_v))
+            layers.append((self._seen(keys)[None], self._seen(values)[None]))
+        return layers
 
     def _attend(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a forward's new entries [1, kv_heads, n, head_dim] of `layer`; return all of the
@@ -233,6 +235,37 @@ class OffloadedCache:
         if layer == self.num_layers - 1:
             self._length = end
         return self._seen(result[0]), self._seen(result[1])
+
+
+class _Staging:
+    """Two page-locked slots for a retrieval rebuild's rows on their way from host memory to a GPU,
+    used in turn: a slot is refilled once the copies from it (two layers back, long done) have
+    finished, so a rebuild pins two layers' chosen rows whatever the model's depth (a staging
+    block per layer would keep the whole retrieval cache's size page-locked)."""
+
+    def __init__(self):
+        self._slots: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = []
+        self._turn = 0
+
+    def send(self, stored_k: torch.Tensor, stored_v: torch.Tensor, kept: torch.Tensor,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows `kept` [kv_heads, k] of host `stored_k`, `stored_v` [kv_heads, capacity, width],
+        as new [kv_heads, k, width] tensors on `device`, copied asynchronously."""
+        rows, width = kept.numel(), stored_k.shape[-1]
+        if not self._slots or self._slots[0][0].shape[0] < rows or self._slots[0][0].shape[1] != width \
+                or self._slots[0][0].dtype != stored_k.dtype:
+            for _, _, done in self._slots:
+                done.synchronize()
+            self._slots = [(torch.empty(rows, width, dtype=stored_k.dtype, pin_memory=True),
+                            torch.empty(rows, width, dtype=stored_k.dtype, pin_memory=True), torch.cuda.Event())
+                           for _ in range(2)]
+        key_slot, value_slot, done = self._slots[self._turn]
+        self._turn ^= 1
+        done.synchronize()  # an event never recorded returns at once
+        keys = head_rows(stored_k, kept, key_slot[:rows]).to(device, non_blocking=True)
+        values = head_rows(stored_v, kept, value_slot[:rows]).to(device, non_blocking=True)
+        done.record(torch.cuda.current_stream(device))
+        return keys, values
 
 
 def streamed_layers(layers: int, resident: int) -> tuple[int, ...]:

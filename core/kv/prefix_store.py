@@ -96,7 +96,10 @@ class PrefixStore:
         return None
 
     def _set_aside(self, entry: _Entry) -> None:
-        """`entry`'s cache copied to the host, a layer at a time, where it is elsewhere."""
+        """`entry`'s cache copied to the host, a layer at a time, where it is elsewhere (and a
+        copy would be exact: else it stays, as every cache did before)."""
+        if not entry.cache.movable:
+            return
         devices = entry.cache.devices
         if not any(device.type in self.aside for device in devices):
             return
@@ -113,6 +116,8 @@ class PrefixStore:
         entries until the store fits its budget. A cache larger than the whole budget is dropped."""
         if len(ids) != cache.length:
             raise ValueError(f"{len(ids)} token ids for a cache of {cache.length} positions")
+        if not ids:  # an answer stopped inside its first prompt chunk: nothing to reuse
+            return
         entry = _Entry(list(ids), cache, cache.nbytes)
         # An entry whose ids start another's is superseded by it: the longer one serves both.
         self._entries = [old for old in self._entries if common_prefix_length(old.ids, entry.ids) < len(old.ids)]
