@@ -125,7 +125,11 @@ def test_chunk_means_choose_each_kv_heads_own_chunks_too():
                        torch.arange(64).expand(2, 64))
 
 
-def test_an_offloaded_cache_s_chunk_means_follow_every_change_and_recompute_only_those():
+@pytest.mark.parametrize("span_positions", [8192, 8])  # 8: two chunks read at a time
+def test_an_offloaded_cache_s_chunk_means_follow_every_change_and_recompute_only_those(span_positions, monkeypatch):
+    from specchat.core.kv import chunk_means
+
+    monkeypatch.setattr(chunk_means, "SPAN_POSITIONS", span_positions)
     model = tiny_llama(3)
     cache = OffloadedCache(model.config, 64, "cpu", model.dtype)
     ids = torch.arange(3, 63) % 97
@@ -296,6 +300,10 @@ def test_an_offloaded_gather_reaches_the_gpu_through_two_staging_slots():
             assert torch.equal(keys[0].cpu(), stored_k.gather(1, at[..., None].expand(-1, -1, 8)))
             assert torch.equal(values[0].cpu(), stored_v.gather(1, at[..., None].expand(-1, -1, 8)))
     assert len(cache._staging._slots) == 2 and cache._staging._slots[0][0].shape[0] == 22
+    # The chunk means the rebuild scores with, read from pinned memory a head at a time.
+    for means, (keys, _) in zip(cache.chunk_means(4, "cuda"), cache.layers(), strict=True):
+        expected = keys[0, :, :44].reshape(2, 11, 4, 8).mean(2)
+        torch.testing.assert_close(means.cpu(), expected.cpu())
 
 
 @needs_cuda

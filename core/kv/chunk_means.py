@@ -13,6 +13,10 @@ from collections.abc import Callable
 
 import torch
 
+# Positions of one layer's keys read at once: after a 128K prefill of an 8B model, 8K positions
+# are 16 MB of bf16 keys (32 MB as float32) on the GPU, where the whole layer was 256 MB (768 MB).
+SPAN_POSITIONS = 8192
+
 
 class ChunkMeans:
     """Per layer [kv_heads, chunks, head_dim] chunk means in `dtype` on `device` (as the plan
@@ -37,11 +41,24 @@ class ChunkMeans:
         offloaded cache: only the chunks not yet valid are read); `exact` turns stored keys (8-bit
         rows, say) into their float32 values."""
         size, complete = self.chunk_size, length // self.chunk_size
+        span = max(1, SPAN_POSITIONS // size)  # chunks read at once: bounded memory on the device
         if complete > self.valid:
             for means, keys in zip(self.means, layer_keys, strict=True):
-                block = exact(keys[:, self.valid * size:complete * size].to(self.device, non_blocking=True))
-                kv_heads, _, head_dim = block.shape
-                chunks = block.reshape(kv_heads, complete - self.valid, size, head_dim).mean(2)
-                means[:, self.valid:complete] = chunks.to(means.dtype)
+                for first in range(self.valid, complete, span):
+                    last = min(first + span, complete)
+                    block = exact(self._moved(keys[:, first * size:last * size]))
+                    kv_heads, _, head_dim = block.shape
+                    means[:, first:last] = block.reshape(kv_heads, last - first, size, head_dim).mean(2).to(means.dtype)
             self.valid = complete
         return [means[:, :complete] for means in self.means]
+
+    def _moved(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` [kv_heads, n, width] on the device. From host memory a head at a time: each
+        head's rows are one contiguous block there (pinned: the copies are asynchronous), where
+        the whole slice is not (a copy of it would first be gathered in pageable memory)."""
+        if rows.device == self.device:
+            return rows
+        moved = torch.empty(rows.shape, dtype=rows.dtype, device=self.device)
+        for head in range(rows.shape[0]):
+            moved[head].copy_(rows[head], non_blocking=True)
+        return moved
