@@ -1,7 +1,8 @@
 """Where one of this project's Triton kernels runs: a CUDA GPU of compute capability 8.0 or more
 (RTX 30 series on) where Triton is installed and loads (PyTorch's CUDA wheels bring it on Linux;
-on Windows the one-click installer adds triton-windows), once the kernel module's `self_check` passed there for that dtype, and
-nowhere again on a device type where it once failed to build, run or check, with the reason kept.
+on Windows the one-click installer adds triton-windows), once the kernel module's `self_check`
+passed there for that dtype, and nowhere again on a device type where it once failed to build,
+run or check, with the reason kept.
 The caller then takes its fallback path. The self-check guards losslessness on GPUs and drivers
 no test ran on: a kernel that builds but computes wrongly would change answers silently. Tests
 add "cpu" to `devices`, where the kernel runs in Triton's interpreter (tests/conftest.py)."""
