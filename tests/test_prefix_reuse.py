@@ -115,6 +115,10 @@ def test_a_cache_with_sliding_window_layers_is_never_set_aside():
     store = PrefixStore(UNLIMITED, host="meta", aside=("cpu",))
     store.put(list(range(20)), cache)
     assert store.take([50, 51]) is None and store._entries[0].cache is cache and on("cpu", cache)
+    # Nor copied in part: its layers hold the window, not positions 0..n, so only a follow-up of
+    # the whole conversation reuses it.
+    assert store.best_length(list(range(10)) + [60]) == 0 and store.take(list(range(10)) + [60]) is None
+    assert store.take(list(range(21))) == (cache, 20)
 
 
 def test_a_set_aside_conversation_comes_back_to_its_devices_as_it_was(tiny):

@@ -56,7 +56,9 @@ class PrefixStore:
         return max((self._reusable(entry, prompt_ids) for entry in self._entries), default=0)
 
     def _reusable(self, entry: _Entry, prompt_ids: list[int]) -> int:
-        return min(common_prefix_length(entry.ids, prompt_ids), len(prompt_ids) - 1)
+        length = min(common_prefix_length(entry.ids, prompt_ids), len(prompt_ids) - 1)
+        # A cache that a copy would not reproduce (a sliding window's) is only continued whole.
+        return length if length == len(entry.ids) or entry.cache.movable else 0
 
     def take(self, prompt_ids: list[int]) -> tuple[FullCache, int] | None:
         """The stored cache sharing the longest prefix with `prompt_ids`, trimmed to that prefix,
