@@ -2,10 +2,13 @@
 
 `F.linear` and the weight-first product (cpu_linear.py) compute the same thing through different
 BLAS kernels, and which is faster was found to flip between two machines of the same kind (issue
-42). So when a model is loaded for the CPU, both are timed at its own linear shapes for every row
-count and the faster is kept: about a second for the embedded model, once, then read from a file
-kept with the machine's other calibration (hardware.cache_dir / machine key / cpu-linear), keyed
-by the set of shapes and the dtype (the kernels' speed depends on both).
+42). So when a model is loaded for the CPU, both are timed in the model's own forwards of 1..FEW_ROWS
+tokens and the faster is kept per token count: about five seconds for the embedded model, once,
+then read from a file kept with the machine's other calibration (hardware.cache_dir / machine
+key / cpu-linear), keyed by the set of shapes and the dtype (the kernels' speed depends on both).
+Whole forwards, not the layers timed apart: F.linear's time per byte depends on the matrix's size
+and on what ran before it, so samples of the layers chose F.linear for 6-8 rows on a machine where
+those forwards ran 1.1-1.6x faster weight-first (bench/notes/cpu-linear-choice.md).
 
 `SPECCHAT_CALIBRATE=0` measures nothing: a choice measured before is still used, else plain
 `F.linear` everywhere, the path torch itself takes, that is never much slower than the other;
@@ -24,31 +27,27 @@ from datetime import date
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from .cpu_linear import FEW_ROWS, cpu_linears, use_few_row_linear, weight_first
+from .cpu_linear import FEW_ROWS, cpu_linears, use_few_row_linear
 from .files import write_atomically
 
-VERSION = 1  # of the choice files; bump when a field changes meaning
+# Of the choice files; bump when a field changes meaning or the measurement what it finds
+# (2: whole forwards instead of samples of the layers, 2026-11-29).
+VERSION = 2
 PATHS = ("F.linear", "weight-first")
-PRODUCTS = {"F.linear": F.linear, "weight-first": weight_first}
-# Weights timed per shape: whole layers of that shape up to this many bytes (a larger layer, an
-# output head, a slice of its rows, scaled up). Five shapes of it are more than the 32 MB L3 of
-# this project's machines, so each pass reads its weights from memory, as a forward does.
-SAMPLE_BYTES = 12 * 2**20
-REPEATS = 5  # interleaved rounds; their median rides out a noisy spell on a shared machine
+REPEATS = 3  # interleaved rounds; their median rides out a noisy spell on a shared machine
 # Weight-first must be this much faster to be used: F.linear is torch's own path, and a smaller
 # gain is within what a noisy median can show.
 MARGIN = 0.95
-# A measurement past this is not trusted: the sample bounds a pass's bytes whatever the model, so
-# it takes a second or two on a quiet machine, and ten times that only when other work holds the
-# cores (seen on a shared 2-core machine: per-unit times swinging tenfold, either path "winning").
+# A measurement past this is not trusted (seen on a shared 2-core machine: times swinging tenfold,
+# either path "winning"), nor begun for a model whose forwards would not fit in it (fp32 weights
+# only come to the CPU for small models: larger ones load in bf16, which has kernels of its own).
 # Then F.linear is used this time and nothing is kept, so the next load measures again.
-MAX_SECONDS = 5.0
+MAX_SECONDS = 10.0
 CHOSEN_ATTRIBUTE = "specchat_cpu_linear"  # on the model: its layers' choice, made once
 
-# (path, rows) -> seconds of one pass over the model's linears, a figure per shape
-TimePass = Callable[[str, int], list[float]]
+# (path, rows) -> seconds of one forward of `rows` tokens through that path
+TimePass = Callable[[str, int], float]
 
 
 @dataclass(frozen=True)
@@ -91,8 +90,8 @@ def choose_cpu_linear(model: torch.nn.Module, time_pass: TimePass | None = None)
     path = choice_path(layers)
     name = Path(str(getattr(getattr(model, "config", None), "name_or_path", "") or "model")).name
     choice = read_choice(path)
-    if choice is None and calibration_enabled():
-        choice = measure_choice(layers, name, time_pass)
+    if choice is None and calibration_enabled() and _all_on_cpu(model):
+        choice = measure_choice(name, time_pass or forward_timer(model))
         if choice is not None:
             write_atomically(path, json.dumps({"version": VERSION, **choice.__dict__}))
     if choice is None:
@@ -102,20 +101,20 @@ def choose_cpu_linear(model: torch.nn.Module, time_pass: TimePass | None = None)
     return choice
 
 
-def measure_choice(layers: list[torch.nn.Linear], name: str, time_pass: TimePass | None = None,
-                   repeats: int = REPEATS) -> LinearChoice | None:
+def measure_choice(name: str, time_pass: TimePass, repeats: int = REPEATS) -> LinearChoice | None:
     """Time both paths for 1..FEW_ROWS rows in interleaved rounds (each round alternates which
     path goes first, so drift touches both alike) and keep weight-first where its median is
-    under MARGIN of F.linear's. Each shape is timed apart and its median taken apart: a unit of
-    a few ms that the scheduler interrupts is one outlier among its repeats, where a whole
-    pass would carry every interruption of its shapes. None: past MAX_SECONDS, not trusted."""
-    time_pass = time_pass or pass_timer(layers)
-    deadline = time.perf_counter() + MAX_SECONDS
-    for path in PATHS:  # untimed: pages the sampled weights in, first-call setup of both kernels
+    under MARGIN of F.linear's. None: past MAX_SECONDS, or sure to be, not trusted."""
+    start = time.perf_counter()
+    deadline = start + MAX_SECONDS
+    for path in PATHS:  # untimed: pages the weights in, first-call setup of both kernels
         for rows in (1, 2):
             time_pass(path, rows)
-    seconds: dict[tuple[str, int], list[list[float]]] = {(path, rows): [] for path in PATHS
-                                                         for rows in range(1, FEW_ROWS + 1)}
+    timed_calls = repeats * FEW_ROWS * len(PATHS)
+    if (time.perf_counter() - start) / 4 * timed_calls > MAX_SECONDS:
+        return None
+    seconds: dict[tuple[str, int], list[float]] = {(path, rows): [] for path in PATHS
+                                                   for rows in range(1, FEW_ROWS + 1)}
     for round_ in range(repeats):
         for rows in range(1, FEW_ROWS + 1):
             for path in PATHS if (round_ + rows) % 2 else PATHS[::-1]:
@@ -123,46 +122,33 @@ def measure_choice(layers: list[torch.nn.Linear], name: str, time_pass: TimePass
             if time.perf_counter() > deadline:
                 return None
 
-    def pass_seconds(path: str, rows: int) -> float:
-        return sum(statistics.median(shape) for shape in zip(*seconds[path, rows]))
+    def median(path: str, rows: int) -> float:
+        return statistics.median(seconds[path, rows])
 
-    ratios = tuple(pass_seconds("weight-first", rows) / pass_seconds("F.linear", rows) for rows in range(1, FEW_ROWS + 1))
+    ratios = tuple(median("weight-first", rows) / median("F.linear", rows) for rows in range(1, FEW_ROWS + 1))
     return LinearChoice(tuple(rows for rows, ratio in enumerate(ratios, 1) if ratio < MARGIN),
                         tuple(round(ratio, 3) for ratio in ratios), name, date.today().isoformat())
 
 
-def pass_timer(layers: list[torch.nn.Linear]) -> TimePass:
-    """A timer of one pass over `layers` as a forward runs them: for each shape, a sample of its
-    layers (SAMPLE_BYTES) timed and scaled to all of that shape, so the pass costs a fraction
-    of a forward while its weights still come from memory. Returns the seconds per shape."""
-    samples = []  # (in_features, [(weight, bias)], scale)
-    for members in _by_shape(layers).values():
-        out_features, in_features = members[0].weight.shape
-        layer_bytes = members[0].weight.numel() * members[0].weight.element_size()
-        if layer_bytes > SAMPLE_BYTES:  # a slice of the rows: the same kernel, the same input
-            kept = max(1, SAMPLE_BYTES * out_features // layer_bytes)
-            bias = members[0].bias
-            pairs = [(members[0].weight[:kept], None if bias is None else bias[:kept])]
-            scale = len(members) * out_features / kept
-        else:
-            pairs = [(layer.weight, layer.bias) for layer in members[:max(1, SAMPLE_BYTES // layer_bytes)]]
-            scale = len(members) / len(pairs)
-        samples.append((in_features, pairs, scale))
-    inputs = {(rows, width): torch.randn(1, rows, width) for rows in range(1, FEW_ROWS + 1)
-              for width in {width for width, _, _ in samples}}
+def forward_timer(model: torch.nn.Module) -> TimePass:
+    """A timer of `model`'s own forward of `rows` tokens with no past (its linears are most of
+    it, the output head's rows included, as in a verification) through the given path."""
+    ids = torch.randint(model.config.vocab_size, (1, FEW_ROWS), generator=torch.Generator().manual_seed(0))
+    every_row = set(range(1, FEW_ROWS + 1))
 
     @torch.inference_mode()
-    def time_pass(path: str, rows: int) -> list[float]:
-        product, times = PRODUCTS[path], []
-        for width, pairs, scale in samples:
-            x = inputs[rows, width]
-            start = time.perf_counter()
-            for weight, bias in pairs:
-                product(x, weight, bias)
-            times.append((time.perf_counter() - start) * scale)
-        return times
+    def time_pass(path: str, rows: int) -> float:
+        use_few_row_linear(model, every_row if path == "weight-first" else set())
+        start = time.perf_counter()
+        model(input_ids=ids[:, :rows], use_cache=False)
+        return time.perf_counter() - start
 
     return time_pass
+
+
+def _all_on_cpu(model: torch.nn.Module) -> bool:
+    """Whether a forward of `model` times only the CPU (a model split across devices keeps F.linear)."""
+    return all(parameter.device.type == "cpu" for parameter in model.parameters())
 
 
 def choice_path(layers: list[torch.nn.Linear]) -> Path:
@@ -194,13 +180,6 @@ def saved_choices(machine_folder: Path) -> list[LinearChoice]:
     """The choices measured on the machine of `machine_folder` (for `specchat profile`)."""
     found = (read_choice(path) for path in sorted((machine_folder / "cpu-linear").glob("*.json")))
     return [choice for choice in found if choice is not None]
-
-
-def _by_shape(layers: list[torch.nn.Linear]) -> dict[tuple, list[torch.nn.Linear]]:
-    groups: dict[tuple, list[torch.nn.Linear]] = {}
-    for layer in layers:
-        groups.setdefault((*layer.weight.shape, layer.bias is not None), []).append(layer)
-    return groups
 
 
 def _rows_text(rows) -> str:

@@ -25,12 +25,11 @@ def own_cache(tmp_path, monkeypatch):
 
 def fake_timer(faster_rows, calls=None):
     """A measurement where weight-first takes half F.linear's time for `faster_rows`, twice it
-    for the others (per shape: two shapes of 1 ms and 2 ms)."""
+    for the others."""
     def time_pass(path, rows):
         if calls is not None:
             calls.append((path, rows))
-        factor = 1.0 if path == "F.linear" else 0.5 if rows in faster_rows else 2.0
-        return [0.001 * factor, 0.002 * factor]
+        return 0.001 * (1.0 if path == "F.linear" else 0.5 if rows in faster_rows else 2.0)
     return time_pass
 
 
@@ -89,7 +88,7 @@ def test_only_plain_fp32_cpu_linears_are_switched_and_switched_back():
 
 @pytest.mark.parametrize("faster", [{1, 2, 5}, set(), set(range(1, FEW_ROWS + 1))])
 def test_the_model_takes_the_path_the_measurement_found_faster(faster, monkeypatch):
-    monkeypatch.setattr(linear_choice, "pass_timer", lambda layers: fake_timer(faster))
+    monkeypatch.setattr(linear_choice, "forward_timer", lambda model: fake_timer(faster))
     lm = TransformersLM(tiny_fp32_llama())
     assert weight_first_rows(lm.hf) == faster
     used = []
@@ -103,7 +102,7 @@ def test_the_model_takes_the_path_the_measurement_found_faster(faster, monkeypat
 
 def test_the_ratios_come_from_medians_of_interleaved_rounds():
     calls = []
-    choice = measure_choice([], "m", fake_timer({3}, calls), repeats=3)
+    choice = measure_choice("m", fake_timer({3}, calls), repeats=3)
     assert choice.weight_first_rows == (3,)
     assert choice.ratios == tuple(0.5 if rows == 3 else 2.0 for rows in range(1, FEW_ROWS + 1))
     timed = calls[4:]  # after the untimed warm-up
@@ -113,8 +112,29 @@ def test_the_ratios_come_from_medians_of_interleaved_rounds():
 
     def time_pass(path, rows):
         noisy.append(path)
-        return [9.0 if path == "weight-first" and 4 < len(noisy) <= 4 + 2 * FEW_ROWS else 1.0]
-    assert measure_choice([], "m", time_pass, repeats=3).ratios == (1.0,) * FEW_ROWS
+        return 9.0 if path == "weight-first" and 4 < len(noisy) <= 4 + 2 * FEW_ROWS else 1.0
+    assert measure_choice("m", time_pass, repeats=3).ratios == (1.0,) * FEW_ROWS
+
+
+def test_the_paths_are_timed_in_the_model_s_own_forwards(monkeypatch):
+    """Whole forwards: the layers timed apart misjudged 6-8 rows on one machine (F.linear's time
+    per byte depends on the matrix's size and on what ran before it)."""
+    model = tiny_fp32_llama()
+    used = []
+    monkeypatch.setattr(cpu_linear, "weight_first", lambda *args: used.append(args) or weight_first(*args))
+    time_pass = linear_choice.forward_timer(model)
+    assert time_pass("weight-first", 6) > 0 and len(used) == len(cpu_linear.cpu_linears(model))
+    assert all(x.shape[-2] == 6 for x, _, _ in used)  # the forward's 6 rows, the output head's included
+    used.clear()
+    assert time_pass("F.linear", 6) > 0 and not used
+
+
+def test_a_model_not_all_on_the_cpu_is_not_timed(tmp_path):
+    """A forward of a model split across devices would time the other device too: F.linear."""
+    model = tiny_fp32_llama()
+    model.model.embed_tokens.to("meta")
+    assert choose_cpu_linear(model, time_pass=refused).weight_first_rows == ()
+    assert not list(tmp_path.rglob("*.json"))
 
 
 def test_a_choice_is_kept_and_read_back_without_measuring(tmp_path):
@@ -155,7 +175,7 @@ def test_a_measurement_past_its_deadline_is_not_trusted(tmp_path, monkeypatch):
 
 def test_a_layer_skip_draft_keeps_its_target_s_choice(monkeypatch):
     calls = []
-    monkeypatch.setattr(linear_choice, "pass_timer", lambda layers: fake_timer({1}, calls))
+    monkeypatch.setattr(linear_choice, "forward_timer", lambda model: fake_timer({1}, calls))
     lm = TransformersLM(tiny_fp32_llama())
     measured = len(calls)
     draft = lm.truncated(1)  # shares the target's layers: they must not switch under it
