@@ -156,8 +156,8 @@ def _curves_from_dict(data: dict) -> ModelCurves:
 # Bump when the forward's kernels change what t(n) is, so curves measured before are measured
 # again (2: cpu_linear.py's single rows and 5-8 rows, 2026-11-23; 3: one-query attention folded on
 # the CPU, kv/queries.py, 2026-11-24; 4: the few-row CPU linear path measured per machine,
-# linear_choice.py, 2026-11-28; 5: that measurement's samples made faithful, which sends 6-8
-# rows weight-first on machines where they went through F.linear, 2026-11-29).
+# linear_choice.py, 2026-11-28; 5: that path timed in whole forwards, which sends 6-8 rows
+# weight-first on machines where they went through F.linear, 2026-11-29).
 FORWARD_KERNELS = 5
 
 

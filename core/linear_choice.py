@@ -107,11 +107,11 @@ def measure_choice(name: str, time_pass: TimePass, repeats: int = REPEATS) -> Li
     under MARGIN of F.linear's. None: past MAX_SECONDS, or sure to be, not trusted."""
     start = time.perf_counter()
     deadline = start + MAX_SECONDS
-    for path in PATHS:  # untimed: pages the weights in, first-call setup of both kernels
-        for rows in (1, 2):
-            time_pass(path, rows)
+    warm_ups = [(path, rows) for path in PATHS for rows in (1, 2)]
+    for path, rows in warm_ups:  # untimed: pages the weights in, first-call setup of both kernels
+        time_pass(path, rows)
     timed_calls = repeats * FEW_ROWS * len(PATHS)
-    if (time.perf_counter() - start) / 4 * timed_calls > MAX_SECONDS:
+    if (time.perf_counter() - start) / len(warm_ups) * timed_calls > MAX_SECONDS:
         return None
     seconds: dict[tuple[str, int], list[float]] = {(path, rows): [] for path in PATHS
                                                    for rows in range(1, FEW_ROWS + 1)}
