@@ -16,7 +16,6 @@ import contextlib
 import copy
 import dataclasses
 import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -27,7 +26,8 @@ from . import chat_versions as versions
 from .chat_list import ConversationList
 from .chat_view import Settings, View, problem_text
 from .context_meter import Meter, describe, measure
-from .answer_job import Started, answer_job, opening_document
+from .answer_job import answer_job, opening_document
+from .answer_stream import STARTING, answer_views
 from .conversation import (LEFT_OUT, PASTED_NAME, Conversation, attachment_label, model_messages, shown_messages,
                            title_from)
 from .documents import read_document
@@ -35,13 +35,9 @@ from .engine_handle import EngineHandle
 from .engine_queue import Ticket
 from .history import HistoryStore
 from .parts_clock import Pace
-from .read_progress import ReadProgress
 from .safe_markdown import inert_markdown
-from .speculation_view import colored_tokens, stage_table, stats_line
 
-SAVE_EVERY_SECONDS = 2.0  # while an answer streams; bounds what a crash can lose of it
 LOADING_POLL_SECONDS = 0.5
-STARTING = "⏳ *Starting…*"
 
 
 class ChatLogic:
@@ -291,7 +287,8 @@ class ChatLogic:
             if ahead:
                 waiting = f"Waiting for the engine: {ahead} answer{'s' if ahead > 1 else ''} before yours…"
                 yield View(conversation=conversation, streaming=True, status=waiting, pending=f"⏳ *{waiting}*")
-            yield from self._stream(conversation, reply, ticket, start)
+            result = yield from answer_views(conversation, reply, ticket, self.store, start)
+            self.pace = (Pace.of(result) if result else None) or self.pace  # what summarizing in parts is estimated by
             if reply["partial"]:  # stopped while it waited in line: no answer, the question stays
                 conversation.messages[:] = restore
                 reply["partial"] = False
@@ -319,45 +316,6 @@ class ChatLogic:
         except SpecchatError as error:
             return problem_text(error)
         return ""
-
-    def _stream(self, conversation, reply, events, start: str = "") -> Iterator[View]:
-        """The answer's events written into `reply`, after `start` (a continued answer's text so far)."""
-        from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
-
-        mode, pending = "", STARTING
-        reading = ReadProgress()
-        saved_at = time.monotonic()
-        for event in events:
-            if isinstance(event, Started):
-                mode = reply["mode"] = event.mode
-            elif isinstance(event, PrefillProgress):
-                pending = reading.update(event.done, event.total, time.monotonic())
-                yield View(conversation=conversation, streaming=True, status="", pending=pending)
-            elif isinstance(event, Notice):
-                yield View(conversation=conversation, streaming=True, status=f"ℹ️ {event.text}", pending=pending)
-            elif isinstance(event, TextDelta):
-                reply["content"] += event.text
-                reply["origins"].extend([text, origin] for text, origin in event.pieces if text)
-                reply["stats"] = dataclasses.asdict(event.stats)
-                if time.monotonic() - saved_at > SAVE_EVERY_SECONDS:
-                    self.store.save(conversation)
-                    saved_at = time.monotonic()
-                yield View(conversation=conversation, streaming=True, status="",
-                           stats=stats_line(reply["stats"], mode), stages=stage_table(reply["stats"]),
-                           tokens=colored_tokens(reply["origins"]))
-            elif isinstance(event, Finished):
-                result = event.result
-                self.pace = Pace.of(result) or self.pace  # what summarizing in parts is estimated by
-                earlier = (reply.get("new_tokens") or 0) if start else 0
-                if start and result.text:
-                    reply["continued"] = reply.get("continued", 0) + 1
-                reply.update(content=start + result.text, partial=False, stats=dataclasses.asdict(result.stats),
-                             finish_reason=result.finish_reason, context_full=result.context_full,
-                             new_tokens=earlier + result.new_tokens, mode=result.mode)
-                self.store.save(conversation)
-                # The list again as the answer ends (its time moved): the one drawn as it began can
-                # be overdrawn by a slower event's (CI once kept a list without the conversation).
-                yield View(conversation=conversation, status="", conversations_changed=True, **versions.figures(reply))
 
     # --- conversations: `chat_list` -------------------------------------------------------------
 

@@ -141,6 +141,46 @@ def test_errors_of_a_job_reach_its_consumer_and_the_line_serves_on(handle):
     assert len(list(handle.submit(counting(2)))) == 2
 
 
+def test_batches_hand_over_every_event_in_order_at_most_one_list_per_interval(handle):
+    handed = []  # (seconds, the list)
+    for batch in handle.submit(counting(60)).batches(0.2):  # about 0.6-1 s of events
+        handed.append((time.monotonic(), batch))
+    assert [i for _, batch in handed for _, i, _ in batch] == list(range(60))
+    gaps = [later - earlier for (earlier, _), (later, _) in zip(handed, handed[1:])]
+    assert len(handed) >= 3 and min(gaps[:-1]) >= 0.19, gaps  # the last list: the end, handed at once
+    assert len(handed) <= (handed[-1][0] - handed[0][0]) / 0.2 + 2
+
+
+def test_batches_hand_over_the_end_and_an_error_at_once(handle):
+    def two_then_end(engine, cancel):
+        yield 0
+        time.sleep(0.05)
+        yield 1
+
+    started = time.monotonic()
+    assert list(handle.submit(two_then_end).batches(5.0)) == [[0], [1]]
+    assert time.monotonic() - started < 2  # not held for the 5 s interval
+
+    def failing(engine, cancel):
+        yield 1
+        time.sleep(0.05)
+        raise SpecchatError("the job failed")
+
+    batches = handle.submit(failing).batches(5.0)
+    assert next(batches) == [1]
+    with pytest.raises(SpecchatError, match="the job failed"):
+        next(batches)
+
+
+def test_leaving_the_batches_early_cancels_the_job(handle):
+    seen = []
+    for _ in handle.submit(counting(1000, seen=seen)).batches(0.05):
+        break  # closing the batches cancels the job, as leaving the events does
+    started = time.monotonic()
+    assert [i for _, i, _ in handle.submit(counting(1))] == [0]
+    assert time.monotonic() - started < 2 and seen == ["cancelled"]
+
+
 def test_a_full_line_refuses_with_the_count(handle):
     gate, started = threading.Event(), threading.Event()
     running = handle.submit(counting(1, gate, started))

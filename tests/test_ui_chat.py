@@ -36,8 +36,13 @@ def test_a_question_is_saved_before_its_answer_and_the_answer_when_it_ends(logic
 
 
 def test_stop_keeps_the_answer_so_far(logic):
-    views = logic.send("Tell me a story", None, "", None, SETTINGS)
-    streamed = [next(views) for _ in range(6)]  # the question, the start, the prompt, a few tokens
+    long = Settings(**{**SETTINGS.__dict__, "max_new_tokens": 160})  # far from its end when stopped
+    views = logic.send("Tell me a story", None, "", None, long)
+    streamed = []
+    for view in views:  # the question, the start, the prompt, then the first batch of tokens
+        streamed.append(view)
+        if view.stats:
+            break
     views.close()  # what the page's Stop does to the handler
     reply = saved(logic).messages[-1]
     assert reply["content"] and reply["role"] == "assistant" and not reply["partial"]
