@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import sys
 import threading
 import time
@@ -122,8 +123,7 @@ class Ticket:
         return self._iterate()
 
     def _iterate(self) -> Iterator:
-        ended = False
-        try:
+        with self._closed_if_left():
             while True:
                 with self._lock:
                     event = self._take()
@@ -131,22 +131,14 @@ class Ticket:
                         self._lock.wait()
                         event = self._take()
                 if event is _END:
-                    ended = True
                     return
                 yield event
-        except BaseException:
-            ended = ended or self._ended  # the job's own error: it has ended already
-            raise
-        finally:
-            if not ended:
-                self.close()
 
     def batches(self, every: float) -> Iterator[list]:
         """The events as lists, at most one list every `every` seconds: each holds whatever arrived
         meanwhile, and the job's end is handed over at once. For a consumer whose work per hand-over
         (a page redrawn) would otherwise take CPU from the engine at every step."""
-        ended = False
-        try:
+        with self._closed_if_left():
             due = 0.0
             while True:
                 with self._lock:
@@ -161,22 +153,14 @@ class Ticket:
                 if finished:
                     with self._lock:
                         self._take()  # `_END`, or the job's error raised
-                    ended = True
                     return
-        except BaseException:
-            ended = ended or self._ended
-            raise
-        finally:
-            if not ended:
-                self.close()
 
     def __aiter__(self):
         return self._aiterate()
 
     async def _aiterate(self):
         loop = asyncio.get_running_loop()
-        ended = False
-        try:
+        with self._closed_if_left():
             while True:
                 woken = asyncio.Event()
                 with self._lock:
@@ -187,14 +171,18 @@ class Ticket:
                     await woken.wait()
                     continue
                 if event is _END:
-                    ended = True
                     return
                 yield event
-        except BaseException:
-            ended = ended or self._ended
-            raise
+
+    @contextlib.contextmanager
+    def _closed_if_left(self) -> Iterator[None]:
+        """Around a consumer's loop: leaving it before the job has ended (break, an exception,
+        GeneratorExit, CancelledError) closes the ticket, which cancels the job. The job's own
+        error ends the job first."""
+        try:
+            yield
         finally:
-            if not ended:
+            if not self._ended:
                 self.close()
 
 
