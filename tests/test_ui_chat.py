@@ -5,6 +5,7 @@ code through the page."""
 import dataclasses
 import re
 import threading
+import time
 
 import pytest
 
@@ -33,6 +34,19 @@ def test_a_question_is_saved_before_its_answer_and_the_answer_when_it_ends(logic
     assert "".join(text for text, _ in reply["origins"]) == reply["content"]
     # The list is drawn as the question is saved and again as the answer ends (its time moved).
     assert first.conversations_changed and rest[-1].conversations_changed
+
+
+def test_a_streaming_answer_redraws_the_page_a_few_times_a_second_not_per_step(logic):
+    from specchat.app.answer_stream import STREAM_UPDATE_SECONDS
+
+    started = time.monotonic()
+    views = run(logic.send("Tell me a story", None, "", None, Settings(**{**SETTINGS.__dict__, "max_new_tokens": 160})))
+    seconds = time.monotonic() - started
+    reply = saved(logic).messages[-1]
+    drawn = [view for view in views if view.stats]  # the answer's text and figures while it streams
+    assert reply["stats"]["target_forwards"] > len(drawn) >= 1
+    assert len(drawn) <= seconds / STREAM_UPDATE_SECONDS + 2
+    assert views[-1].conversation.messages[-1]["content"] == reply["content"]  # the end drawn whole
 
 
 def test_stop_keeps_the_answer_so_far(logic):
