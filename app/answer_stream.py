@@ -35,30 +35,31 @@ def answer_views(conversation, reply: dict, ticket: Ticket, store: HistoryStore,
     reading = ReadProgress()
     saved_at = time.monotonic()
     for batch in ticket.batches(STREAM_UPDATE_SECONDS):
-        view, wrote = None, False
+        view, status, wrote = None, "", False
         for event in batch:
             if isinstance(event, Started):
                 mode = reply["mode"] = event.mode
             elif isinstance(event, PrefillProgress):
                 pending = reading.update(event.done, event.total, time.monotonic())
-                view = View(conversation=conversation, streaming=True, status="", pending=pending)
+                view = View(conversation=conversation, streaming=True, status=status, pending=pending)
             elif isinstance(event, Notice):
-                view = View(conversation=conversation, streaming=True, status=f"ℹ️ {event.text}", pending=pending)
+                status = f"ℹ️ {event.text}"  # stays shown with the batch's text
+                view = View(conversation=conversation, streaming=True, status=status, pending=pending)
             elif isinstance(event, TextDelta):
                 reply["content"] += event.text
                 reply["origins"].extend([text, origin] for text, origin in event.pieces if text)
                 reply["stats"] = dataclasses.asdict(event.stats)
                 wrote = True
-                status = view.status if view is not None and view.status else ""  # a notice of this batch stays
-                view = View(conversation=conversation, streaming=True, status=status,
-                            stats=stats_line(reply["stats"], mode), stages=stage_table(reply["stats"]),
-                            tokens=colored_tokens(reply["origins"]))
             elif isinstance(event, Finished):
                 result = event.result
                 view = _finished(conversation, reply, result, store, start)
-        if wrote and result is None and time.monotonic() - saved_at > SAVE_EVERY_SECONDS:
-            store.save(conversation)
-            saved_at = time.monotonic()
+        if wrote and result is None:  # drawn once per batch: the figures and tokens cover the whole answer
+            view = View(conversation=conversation, streaming=True, status=status,
+                        stats=stats_line(reply["stats"], mode), stages=stage_table(reply["stats"]),
+                        tokens=colored_tokens(reply["origins"]))
+            if time.monotonic() - saved_at > SAVE_EVERY_SECONDS:
+                store.save(conversation)
+                saved_at = time.monotonic()
         if view is not None:
             yield view
     return result
