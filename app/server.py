@@ -17,7 +17,8 @@ from .engine_handle import EngineHandle
 from .history import HistoryStore, default_folder
 from .security import Guard
 from .slow_clients import HeadDeadlineProtocol
-from .ui import APP_CSS, build_ui  # first: it turns Gradio's analytics off before Gradio loads
+from .page_head import PageHead
+from .ui import APP_CSS, SLOW_LONG_ANIMATION_LOOPS, build_ui  # first: it turns Gradio's analytics off before Gradio loads
 
 import gradio as gr  # noqa: E402
 
@@ -41,6 +42,7 @@ def build_app(handle: EngineHandle, store: HistoryStore, registry_file: str | No
     # Gradio checks that a file an event receives was uploaded (processing_utils._check_allowed)
     # only once `launch()` has marked the app launched, which a mounted app never is: mark it.
     demo.has_launched = True
+    app.add_middleware(PageHead, script=SLOW_LONG_ANIMATION_LOOPS)
     return Guard(app, api_key, host, allowed_hosts)
 
 

@@ -63,6 +63,29 @@ table td, table th, table td *, table th *, #pairs span.text {
 #exported .file-name, #exported a { word-break: break-all; white-space: normal; }
 #version-label { flex: 0 0 auto !important; width: auto !important; align-self: center; }
 """
+# Gradio 6.31's status tracker leaves a 60 Hz requestAnimationFrame loop running for the page's life
+# (and runs one per output of an event while it runs): an idle page took ~15% of a core, and 7-14% of
+# the engine's decode on a 2-core machine (bench/notes/page-streaming.md). So an animation loop that
+# has run for a second goes on at 4 frames a second; one-off frames and short animations are untouched.
+SLOW_LONG_ANIMATION_LOOPS = """<script>
+(() => {
+  const frame = window.requestAnimationFrame.bind(window), cancelFrame = window.cancelAnimationFrame.bind(window);
+  const waiting = new Map();
+  let last = 0, loopStart = null;  // the start of the loop whose frame is running
+  window.requestAnimationFrame = (callback) => {
+    const id = ++last, start = loopStart ?? performance.now();
+    const run = (time) => { waiting.delete(id); loopStart = start;
+                            try { callback(time); } finally { loopStart = null; } };
+    waiting.set(id, performance.now() - start > 1000
+      ? [clearTimeout, setTimeout(() => run(performance.now()), 250)] : [cancelFrame, frame(run)]);
+    return id;
+  };
+  window.cancelAnimationFrame = (id) => {
+    const handle = waiting.get(id);
+    if (handle) { waiting.delete(id); handle[0](handle[1]); }
+  };
+})();
+</script>"""
 RESTORE_DARK_MODE_JS = """() => { const saved = localStorage.getItem('specchat-dark');
   if (saved !== null) document.body.classList.toggle('dark', saved === '1'); }"""
 # Escape stops the answer, as in other chat apps: a click on Stop, which does nothing when none runs.

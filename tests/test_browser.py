@@ -290,6 +290,25 @@ def test_dark_mode_and_the_models_tab(page):
     page.locator("#dark-mode").click()
 
 
+def test_an_idle_page_asks_for_a_few_frames_a_second_not_sixty(page, playwright_browser):
+    """Gradio 6.31's status tracker leaves a 60 Hz animation loop running in every page, about 15% of
+    a core; the page's first script slows loops that have run for a second to 4 frames a second."""
+    counting = playwright_browser.new_context(viewport={"width": 1200, "height": 1100})
+    counting.add_init_script("""(() => { const frame = window.requestAnimationFrame.bind(window);
+      window.framesAsked = 0; window.requestAnimationFrame = (callback) => (window.framesAsked++, frame(callback)); })();""")
+    idle = counting.new_page()
+    try:
+        idle.goto(page.url)
+        idle.locator("#message textarea").wait_for(timeout=60_000)
+        time.sleep(3)  # the page's first animations end
+        before, started = idle.evaluate("window.framesAsked"), time.monotonic()
+        time.sleep(3)
+        per_second = (idle.evaluate("window.framesAsked") - before) / (time.monotonic() - started)
+        assert per_second < 15, f"{per_second:.0f} frames a second asked by an idle page"
+    finally:
+        counting.close()
+
+
 def choose_preset(page, preset):
     """Open the list and click the preset until the box shows it. An update that lands while the
     list is open redraws it and detaches the option under the click (official CI waited 30 s on a
