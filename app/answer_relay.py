@@ -1,9 +1,9 @@
 """A handler's views drawn by three Gradio events in a row, so that a streaming answer redraws a few
 components instead of all of them.
 
-Gradio rebuilds every output component of an event at each redraw, the unchanged ones too (about
-11 ms for the chat's 40 outputs against 1 ms for 6), and the page runs a status timer for each
-output while the event runs (bench/notes/page-streaming.md). So an answer is drawn by:
+Gradio rebuilds every output component of an event at each redraw, the unchanged ones too, and
+the page runs a status timer for each output while the event runs (bench/notes/page-streaming.md).
+So an answer is drawn by:
 1. `start` (every output): the views until the answer streams, the first streaming view included;
 2. `stream` (`STREAM_FIELDS` only): the streaming views that change nothing else;
 3. `end` (every output): the first other view (the answer's end, an error) and the rest.

@@ -64,9 +64,9 @@ table td, table th, table td *, table th *, #pairs span.text {
 #version-label { flex: 0 0 auto !important; width: auto !important; align-self: center; }
 """
 # Gradio 6.31's status tracker leaves a 60 Hz requestAnimationFrame loop running for the page's life
-# (and runs one per output of an event while it runs): an idle page took ~15% of a core, and 7-14% of
-# the engine's decode on a 2-core machine (bench/notes/page-streaming.md). So an animation loop that
-# has run for a second goes on at 4 frames a second; one-off frames and short animations are untouched.
+# (and runs one per output of an event while it runs), CPU taken from the engine on a small machine
+# (bench/notes/page-streaming.md). So an animation loop that has run for a second goes on at 4 frames
+# a second; one-off frames and short animations are untouched. Put first in the page (`page_head`).
 SLOW_LONG_ANIMATION_LOOPS = """<script>
 (() => {
   const frame = window.requestAnimationFrame.bind(window), cancelFrame = window.cancelAnimationFrame.bind(window);
