@@ -19,7 +19,6 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 
 from . import chat_over_limit as over_limit  # noqa: E402
-from .answer_relay import AnswerRelay, guarded  # noqa: E402
 from .chat_drafts import kept as kept_draft  # noqa: E402
 from .chat_drafts import restored as restored_draft  # noqa: E402
 from .chat_view import Settings, View, problem_text  # noqa: E402
@@ -29,15 +28,13 @@ from .model_notice import ModelNotice  # noqa: E402
 from .presets import PRESETS  # noqa: E402
 from .security import uploaded_file  # noqa: E402
 from .ui_chat import ChatLogic  # noqa: E402
-from .ui_chat_page import ChatPage, chat_page, render, render_streaming  # noqa: E402
+from .ui_chat_page import ChatPage, chat_page, render  # noqa: E402
 
 if TYPE_CHECKING:
     from .ui_models import PairDownload
 
 MODEL_LINE_SECONDS = 2.0  # how often the Chat tab's model line is read again (loading, switching)
 QUIET = {"show_progress": "hidden"}  # the status line and the streaming text show progress
-# Answers streaming side by side wait in the engine's line, where the page says so and Stop reaches them.
-STREAMING = {"show_progress": "hidden", "concurrency_id": "streaming", "concurrency_limit": 8}
 LIGHT = {"show_progress": "hidden", "concurrency_id": "light", "concurrency_limit": 4}  # never behind an answer
 # One count at a time, in the order asked: a slow count of an earlier text (a long document
 # just replaced) finishing after the newer one would leave the meter showing what is gone.
@@ -66,18 +63,19 @@ table td, table th, table td *, table th *, #pairs span.text {
 # Gradio 6.31's status tracker leaves a 60 Hz requestAnimationFrame loop running for the page's life
 # (and runs one per output of an event while it runs), CPU taken from the engine on a small machine
 # (bench/notes/page-streaming.md). So an animation loop that has run for a second goes on at 4 frames
-# a second; one-off frames and short animations are untouched. Put first in the page (`page_head`).
+# a second; one-off frames and short animations are untouched, and a hidden tab keeps the browser's
+# own pause of frames. Put first in the page (`page_head`).
 SLOW_LONG_ANIMATION_LOOPS = """<script>
 (() => {
   const frame = window.requestAnimationFrame.bind(window), cancelFrame = window.cancelAnimationFrame.bind(window);
   const waiting = new Map();
-  let last = 0, loopStart = null;  // the start of the loop whose frame is running
+  let last = 0, loopStart = null;  // when the loop whose frame is running first ran; null outside frames
   window.requestAnimationFrame = (callback) => {
-    const id = ++last, start = loopStart ?? performance.now();
-    const run = (time) => { waiting.delete(id); loopStart = start;
+    const id = ++last, inherited = loopStart;
+    const run = (time) => { waiting.delete(id); loopStart = inherited ?? performance.now();
                             try { callback(time); } finally { loopStart = null; } };
-    waiting.set(id, performance.now() - start > 1000
-      ? [clearTimeout, setTimeout(() => run(performance.now()), 250)] : [cancelFrame, frame(run)]);
+    const slowed = inherited !== null && !document.hidden && performance.now() - inherited > 1000;
+    waiting.set(id, slowed ? [clearTimeout, setTimeout(() => run(performance.now()), 250)] : [cancelFrame, frame(run)]);
     return id;
   };
   window.cancelAnimationFrame = (id) => {
@@ -115,27 +113,23 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
 
 class _ChatHandlers:
     """The chat tab's event handlers: each draws its `View`s onto `page.outputs` (`render`), and an
-    error becomes a line in the page. A handler that answers is drawn by three events in a row
-    (`answer_relay`): `streamed`, then `streaming` on the few outputs an answer changes as it
-    streams, then `ending`."""
+    error becomes a line in the page."""
 
     def __init__(self, page: ChatPage, logic: ChatLogic):
         self.page, self.logic = page, logic
-        self.relay = AnswerRelay()
 
     def draw(self, view: View) -> dict:
         return render(self.page, view, self.logic.conversation_choices)
 
-    def streamed(self, session: str, views):
-        """A handler's views until its answer streams, rendered; `streaming` and `ending` draw the rest."""
-        for view in self.relay.start(session, guarded(views)):
-            yield self.draw(view)
-
-    def streaming(self, request: gr.Request):
-        yield from _at_least_once(render_streaming(self.page, view) for view in self.relay.stream(request.session_hash))
-
-    def ending(self, request: gr.Request):
-        yield from _at_least_once(self.draw(view) for view in self.relay.end(request.session_hash))
+    def streamed(self, views):
+        """A handler's stream of views, rendered; an error ends it as a line in the page, and an
+        over-limit panel shown before it goes (its choices were for what failed)."""
+        try:
+            with contextlib.closing(views()) as stream:
+                for view in stream:
+                    yield self.draw(view)
+        except Exception as error:
+            yield self.draw(View(status=problem_text(error), over_limit=""))
 
     def once(self, handler):
         """A one-shot handler's view, rendered; an error becomes a line in the page."""
@@ -170,7 +164,7 @@ class _ChatHandlers:
                     typed(box), attached if chosen.attachment is None else chosen.attachment,
                     pasted_text if chosen.pasted is None else chosen.pasted, chosen.conversation or chat,
                     settings, request.session_hash)
-            yield from self.streamed(request.session_hash, views)
+            yield from self.streamed(views)
         return run
 
     def settings_of(self, values) -> Settings:
@@ -186,7 +180,7 @@ class _ChatHandlers:
             yield dropped
             yield from self.logic.send(typed(box), dropped.attachment or attached, pasted_text, chat,
                                        self.settings_of(values), request.session_hash)
-        yield from self.streamed(request.session_hash, views)
+        yield from self.streamed(views)
 
     def attach_dropped(self, box) -> View:
         """A file put in the message box (📎 or dropped) becomes the attachment; the box keeps the text."""
@@ -202,26 +196,19 @@ class _ChatHandlers:
     def again(self, handler):
         """An answer to the conversation as it stands: Retry (`logic.regenerate`), Continue."""
         def run(request: gr.Request, chat, *values):
-            yield from self.streamed(request.session_hash,
-                                     lambda: handler(chat, self.settings_of(values), request.session_hash))
+            yield from self.streamed(lambda: handler(chat, self.settings_of(values), request.session_hash))
         return run
 
     def edit(self, request: gr.Request, edited: gr.EditData, chat, *values):
-        yield from self.streamed(request.session_hash, lambda: self.logic.edit(
-            chat, edited.index, str(edited.value), self.settings_of(values), request.session_hash))
+        yield from self.streamed(lambda: self.logic.edit(chat, edited.index, str(edited.value),
+                                                         self.settings_of(values), request.session_hash))
 
     def summarize_in_parts(self, request: gr.Request, box, attached, pasted_text, chat, *values):
-        yield from self.streamed(request.session_hash, lambda: over_limit.summarize_in_parts(
+        yield from self.streamed(lambda: over_limit.summarize_in_parts(
             self.logic, typed(box), attached, pasted_text, chat, self.settings_of(values), request.session_hash))
 
     def stop_answer(self, request: gr.Request):
         self.logic.stop(request.session_hash)
-
-    def leave_answer(self, request: gr.Request):
-        """The page moved to another conversation: its answer stops, and what waited between two
-        of its events is closed (saved as it stood)."""
-        self.logic.stop(request.session_hash)
-        self.relay.discard(request.session_hash)
 
     def pasted_chip(self, attached, pasted_text):
         """The attachment line for pasted text; an attached file's line stays."""
@@ -255,12 +242,8 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     answering += [button.click(on.choose_then_send(choose), send_inputs, outputs, **QUIET)
                   for button, choose in choices.items()]
     answering.append(page.in_parts.click(on.summarize_in_parts, send_inputs, outputs, **QUIET))
-    chains = []
-    for event in answering:  # each drawn by three events (`answer_relay`), then the meter recounted
-        streaming = event.then(on.streaming, None, page.stream_outputs, **STREAMING)
-        ending = streaming.then(on.ending, None, outputs, **QUIET)
-        ending.then(on.update_meter, meter_inputs, page.meter, **METERING)
-        chains += [event, streaming, ending]
+    for event in answering:
+        event.then(on.update_meter, meter_inputs, page.meter, **METERING)
     for button, step in ((page.older, -1), (page.newer, 1)):  # paging a version saves: never behind an answer
         button.click(on.once(functools.partial(logic.page_version, step=step)), page.conversation, outputs,
                      **LIGHT).then(on.update_meter, meter_inputs, page.meter, **METERING)
@@ -283,7 +266,7 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     page.preset.change(_preset_chosen, [page.preset, page.message, page.conversation],
                        [page.system, page.message, page.temperature, page.top_p, page.repetition_penalty])
     # A file still being read when another conversation opens would land there when read.
-    return [*chains, reading]
+    return [*answering, reading]
 
 
 def _wire_conversations(demo: gr.Blocks, page: ChatPage, logic: ChatLogic, on: _ChatHandlers,
@@ -308,11 +291,11 @@ def _wire_conversations(demo: gr.Blocks, page: ChatPage, logic: ChatLogic, on: _
     page.undo.click(on.moving(logic.undelete), [*leaving, page.deleted], moved, **LIGHT).then(
         on.update_meter, meter_inputs, page.meter, **METERING)
     page.export.click(_exporter(logic), page.conversation, [page.exported, page.status])
-    # Leaving a running answer (new, open, delete) cancels its Gradio events, which abandons the
+    # Leaving a running answer (new, open, delete) cancels its Gradio event, which abandons the
     # answer without closing it: cancel its ticket too, so the engine moves on at once instead of
-    # after the line's stall backstop, and close what waited between two of its events.
+    # after the line's stall backstop.
     for leave in (page.new.click, page.chatbot.clear, page.conversations.input, page.delete.click):
-        leave(on.leave_answer, None, None, queue=False)
+        leave(on.stop_answer, None, None, queue=False)
         # Another conversation's export files are not this one's: they go.
         leave(lambda: gr.update(value=None, visible=False), None, page.exported, **LIGHT)
     demo.load(on.once(logic.newest), None, outputs).then(on.update_meter, meter_inputs, page.meter, **METERING)
@@ -335,18 +318,6 @@ def _wire_model_line(page: ChatPage, model_status: ModelNotice, downloads: PairD
 
     page.get_pair.click(get_recommended, None, page.status, **LIGHT).then(
         model_state, None, [page.model_line, page.get_pair], **LIGHT)
-
-
-def _at_least_once(drawn):
-    """An event's drawings, or one that changes nothing: Gradio 6.31 blanks every output of a
-    generator event that yields nothing (the settings' sliders then fail every later event)."""
-    nothing = True
-    with contextlib.closing(drawn):  # an event cancelled (the page left) closes the answer at once
-        for values in drawn:
-            nothing = False
-            yield values
-    if nothing:
-        yield gr.skip()
 
 
 def typed(box) -> str:

@@ -301,13 +301,10 @@ class ChatLogic:
             also = self._save_after_error(conversation)
             yield View(conversation=conversation, status=" ".join(filter(None, [problem_text(error), also])))
         finally:
-            # An error, or the page went away mid-answer: the engine is freed now, what was said
-            # kept; with nothing said, the messages are as they were (the question stays, to retry).
+            # An error, or the page went away mid-answer: the engine is freed now, what was said kept.
             if ticket is not None:
                 self.release(session, ticket)
             if reply["partial"]:
-                if reply["content"] == start:
-                    conversation.messages[:] = restore
                 reply.update(partial=False, finish_reason="cancelled")
                 self._save_after_error(conversation)
 

@@ -107,11 +107,6 @@ class ChatPage:
                 self.conversations, self.search, self.title, self.system, self.preset, *self.kept_settings.values(),
                 self.deleted, self.undo]
 
-    @property
-    def stream_outputs(self) -> list:
-        """What a streaming answer changes (`answer_relay.STREAM_FIELDS`): its event draws only these."""
-        return [self.conversation, self.chatbot, self.status, self.stats, self.stages, self.tokens]
-
 
 def render(page: ChatPage, view: View, choices: Callable[[], list[tuple[str, str]]]) -> dict:
     """The view drawn onto the page: a value for each of `page.outputs`, keyed by component;
@@ -157,12 +152,6 @@ def render(page: ChatPage, view: View, choices: Callable[[], list[tuple[str, str
     if view.deleted is not None:
         drawn[page.undo] = gr.update(visible=bool(view.deleted))
     return drawn
-
-
-def render_streaming(page: ChatPage, view: View) -> dict:
-    """A view that `answer_relay.streams_only`, drawn onto `page.stream_outputs`."""
-    drawn = render(page, view, list)  # such a view never redraws the conversations' list
-    return {component: drawn[component] for component in page.stream_outputs}
 
 
 def _answer_controls(page: ChatPage, chat, streaming: bool) -> dict:

@@ -92,9 +92,8 @@ def test_a_choice_that_fails_says_why_in_the_page_and_the_stale_choices_go(logic
 def test_a_choice_that_works_sends_the_question_as_it_left_it(logic, handlers):
     document = (DATA / "apache-2.0.txt").read_text()[:3000].strip()  # about 600 tokens
     cut = handlers.choose_then_send(lambda *args: over_limit.cut(logic, "end", *args))
-    request = SimpleNamespace(session_hash="s")
-    drawn = list(cut(request, {"text": "What is this?", "files": []}, None, document, None, *page_values(SETTINGS)))
-    drawn += [*handlers.streaming(request), *handlers.ending(request)]  # the events that follow it in the page
+    drawn = list(cut(SimpleNamespace(session_hash="s"), {"text": "What is this?", "files": []}, None, document,
+                     None, *page_values(SETTINGS)))
     (question, answer) = saved(logic).messages
     assert "from the end" in question["document"]["note"] and answer["content"]
     assert not any(str(value).startswith("⚠️") for value in drawn[-1].values())
