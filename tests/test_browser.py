@@ -291,8 +291,9 @@ def test_dark_mode_and_the_models_tab(page):
 
 
 def test_an_idle_page_asks_for_a_few_frames_a_second_not_sixty(page, playwright_browser):
-    """Gradio 6.31's status tracker leaves a 60 Hz animation loop running in every page, about 15% of
-    a core; the page's first script slows loops that have run for a second to 4 frames a second."""
+    """Gradio 6.31's status tracker leaves a 60 Hz animation loop running in every page, browser CPU
+    spent on nothing (bench/notes/page-streaming.md); the page's first script slows loops that have
+    run for a second to 4 frames a second."""
     counting = playwright_browser.new_context(viewport={"width": 1200, "height": 1100})
     counting.add_init_script("""(() => { const frame = window.requestAnimationFrame.bind(window);
       window.framesAsked = 0; window.requestAnimationFrame = (callback) => (window.framesAsked++, frame(callback)); })();""")
