@@ -99,8 +99,8 @@ def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | Non
     model_status = ModelNotice(handle, registry_file, downloads)
     with gr.Blocks(title="specchat") as demo:
         page = chat_page(model_status.line)
-        with gr.Tab("Models & hardware"):
-            build_models_tab(handle, registry_file, downloads)
+        with gr.Tab("Models & hardware") as models_tab:
+            build_models_tab(handle, registry_file, downloads, shown_by=(models_tab, [page.tab]))
         handlers = _ChatHandlers(page, logic)
         cancelled_by_leaving = _wire_answers(page, logic, handlers)
         _wire_conversations(demo, page, logic, handlers, cancelled_by_leaving)

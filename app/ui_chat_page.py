@@ -28,6 +28,7 @@ class ChatPage:
     deleted: gr.State  # the conversation just deleted, for Undo
     drafts: gr.State  # what was typed, attached and pasted in each conversation and not sent (`chat_drafts`)
     dark: gr.Button
+    tab: gr.Tab  # the Chat tab, so other tabs can tell when they are left
     new: gr.Button
     undo: gr.Button
     preset: gr.Dropdown
@@ -175,7 +176,7 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
     with gr.Row():
         gr.Markdown("## specchat\nLong-document chat, sped up by lossless speculative decoding.")
         dark = gr.Button("🌓 Dark mode", size="sm", scale=0, elem_id="dark-mode")
-    with gr.Tab("Chat"):
+    with gr.Tab("Chat") as tab:
         with gr.Row(elem_id="chat-row"):
             with gr.Column(scale=1, min_width=220, elem_id="sidebar"):
                 new = gr.Button("+ New conversation", size="sm", elem_id="new-conversation")
@@ -259,7 +260,7 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
                           LEAVE_OUT_OLDEST), ("Ask me first", ASK_FIRST)],
                         value=LEAVE_OUT_OLDEST, label="When a follow-up does not fit", elem_id="follow-up-room")
     return ChatPage(
-        conversation=conversation, attachment=attachment, deleted=deleted, drafts=drafts, dark=dark, new=new,
+        conversation=conversation, attachment=attachment, deleted=deleted, drafts=drafts, dark=dark, tab=tab, new=new,
         undo=undo, preset=preset, conversations=conversations, search=search, title=title, rename=rename,
         delete=delete, export=export,
         exported=exported, model_line=shown_model, get_pair=get_pair, chatbot=chatbot, older=older,

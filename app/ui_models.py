@@ -30,6 +30,8 @@ from .plan_cmd import plan_markdown, profile_markdown
 from .selftest_cmd import report_markdown
 
 if TYPE_CHECKING:
+    import gradio as gr
+
     from ..core.engine import Engine
 
 POLL_SECONDS = 1.0
@@ -340,9 +342,12 @@ class ModelsPanel:
 # ---- the Gradio wiring ------------------------------------------------------------------------
 
 
-def build_models_tab(handle: EngineHandle, registry_file: str | None, downloads: PairDownload | None = None) -> None:
+def build_models_tab(handle: EngineHandle, registry_file: str | None, downloads: PairDownload | None = None,
+                     shown_by: tuple[gr.Tab, list[gr.Tab]] | None = None) -> None:
     """The tab's components and events, inside the caller's `gr.Tab`. `downloads` defaults to
-    downloads from the Hub huggingface_hub is configured for (tests pass a stand-in's)."""
+    downloads from the Hub huggingface_hub is configured for (tests pass a stand-in's). With
+    `shown_by` (this `gr.Tab` and the tabs beside it) the tab polls only while shown; without it,
+    the tab is the page and always polls."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     import gradio as gr
 
@@ -384,7 +389,14 @@ def build_models_tab(handle: EngineHandle, registry_file: str | None, downloads:
         return *values, rows, now
 
     outputs = [status, progress, plan, profile, table, shown]
-    gr.Timer(POLL_SECONDS).tick(refresh, [shown, technical], outputs, show_progress="hidden")
+    poll = gr.Timer(POLL_SECONDS, active=shown_by is None)
+    poll.tick(refresh, [shown, technical], outputs, show_progress="hidden")
+    if shown_by is not None:  # a hidden tab's poll would cost the browser and the server a redraw a second
+        tab, others = shown_by
+        tab.select(lambda: gr.Timer(active=True), None, poll, queue=False, show_progress="hidden").then(
+            refresh, [shown, technical], outputs, show_progress="hidden")
+        for other in others:
+            other.select(lambda: gr.Timer(active=False), None, poll, queue=False, show_progress="hidden")
     technical.change(panel.pair_table, technical, table, show_progress="hidden")
     # After a button, poll at once rather than within the second.
     for button, action, inputs in ((download, panel.download, picker), (cancel, panel.downloads.cancel, None),

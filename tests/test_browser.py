@@ -293,19 +293,35 @@ def test_dark_mode_and_the_models_tab(page):
 def test_an_idle_page_asks_for_a_few_frames_a_second_not_sixty(page, playwright_browser):
     """Gradio 6.31's status tracker leaves a 60 Hz animation loop running in every page, browser CPU
     spent on nothing (bench/notes/page-streaming.md); the page's first script slows loops that have
-    run for a second to 4 frames a second."""
+    run for a second to 4 frames a second. The Models tab polls (once a second) only while shown:
+    the Chat tab's one timer (the model line, every 2 s) is all an idle chat asks of the server."""
     counting = playwright_browser.new_context(viewport={"width": 1200, "height": 1100})
     counting.add_init_script("""(() => { const frame = window.requestAnimationFrame.bind(window);
       window.framesAsked = 0; window.requestAnimationFrame = (callback) => (window.framesAsked++, frame(callback)); })();""")
     idle = counting.new_page()
+    events = []
+    idle.on("request", lambda request: events.append(time.monotonic()) if "/queue/join" in request.url else None)
+
+    def events_in(seconds):  # Playwright's own wait: its events are delivered while it runs, not in a sleep
+        started = time.monotonic()
+        idle.wait_for_timeout(seconds * 1000)
+        return sum(started <= moment for moment in events)
+
     try:
         idle.goto(page.url)
         idle.locator("#message textarea").wait_for(timeout=60_000)
         time.sleep(3)  # the page's first animations end
         before, started = idle.evaluate("window.framesAsked"), time.monotonic()
-        time.sleep(3)
+        chat_events = events_in(3)
         per_second = (idle.evaluate("window.framesAsked") - before) / (time.monotonic() - started)
         assert per_second < 15, f"{per_second:.0f} frames a second asked by an idle page"
+        assert chat_events <= 2, f"{chat_events} events in 3 s from an idle chat"
+        idle.get_by_role("tab", name="Models & hardware").click()
+        idle.wait_for_timeout(500)
+        assert events_in(3) >= 3, "the shown Models tab stopped polling"
+        idle.get_by_role("tab", name="Chat").click()
+        idle.wait_for_timeout(500)
+        assert events_in(3) <= 2, "the Models tab polls after it was left"
     finally:
         counting.close()
 
