@@ -58,7 +58,7 @@ def answer_views(conversation, reply: dict, ticket: Ticket, store: HistoryStore,
                         stats=stats_line(reply["stats"], mode), stages=stage_table(reply["stats"]),
                         tokens=colored_tokens(reply["origins"]))
             if time.monotonic() - saved_at > SAVE_EVERY_SECONDS:
-                store.save(conversation)
+                store.save_answer(conversation, reply)
                 saved_at = time.monotonic()
         if view is not None:
             yield view
@@ -73,7 +73,7 @@ def _finished(conversation, reply: dict, result, store: HistoryStore, start: str
     reply.update(content=start + result.text, partial=False, stats=dataclasses.asdict(result.stats),
                  finish_reason=result.finish_reason, context_full=result.context_full,
                  new_tokens=earlier + result.new_tokens, mode=result.mode)
-    store.save(conversation)
+    store.save_answer(conversation, reply)
     # The list again as the answer ends (its time moved): the one drawn as it began can be
     # overdrawn by a slower event's (CI once kept a list without the conversation).
     return View(conversation=conversation, status="", conversations_changed=True, **versions.figures(reply))

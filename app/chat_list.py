@@ -7,10 +7,10 @@ import collections
 import time
 
 from ..core.errors import InputError
-from .chat_view import KEPT_SETTINGS, View
+from .chat_view import KEPT_SETTINGS, View, problem_text
 from .conversation import Conversation
 from .exports import write_export
-from .history import HistoryStore, Summary
+from .history import ConversationChanged, HistoryStore, Summary
 from .chat_versions import figures
 
 
@@ -54,6 +54,22 @@ class ConversationList:
                     settings={name: value for name, value in conversation.settings.items() if name in KEPT_SETTINGS},
                     **(figures(last) if last else {"stats": "", "stages": "", "tokens": ""}))
 
+    def as_saved(self, conversation: Conversation | None) -> View | None:
+        """None when the tab's copy is the conversation as saved; else the view that shows it as
+        saved, refusing the action (Retry, Continue, an edit) asked on turns the tab showed."""
+        if conversation is None:
+            return None
+        try:
+            saved = self.store.current(conversation)
+        except ConversationChanged as gone:
+            return View(status=problem_text(gone))
+        if saved is conversation:
+            return None
+        view = self.open(conversation.id)
+        view.status = ("This conversation had changed since it was shown (another tab, or an answer that ended "
+                       "later): here it is as saved; try again.")
+        return view
+
     def newest(self) -> View:
         problems = self.store.take_problems()
         choices = self.choices()
@@ -65,9 +81,8 @@ class ConversationList:
     def rename(self, conversation: Conversation | None, title: str) -> View:
         if conversation is None:
             raise InputError("start the conversation before naming it")
-        self.store.rename(conversation.id, title)
-        conversation.title = title.strip()
-        return View(conversation=conversation, conversations_changed=True, status=f"Renamed to “{conversation.title}”.")
+        renamed = self.store.rename(conversation.id, title)  # the tab's copy becomes the file's latest
+        return View(conversation=renamed, conversations_changed=True, status=f"Renamed to “{renamed.title}”.")
 
     def delete(self, conversation: Conversation | None) -> View:
         """Delete the conversation; it can be brought back (`undelete`) until the app restarts."""

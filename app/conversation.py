@@ -14,7 +14,8 @@ one's place among all of them (`chat_versions`).
 Either kind may carry "left_out": True: the user chose to leave it out of what the model reads, to
 make room (it stays in the chat; a left-out question's document is still read).
 `settings`: the sampling and decoding settings the conversation last answered with, restored when
-it is reopened (names as in `chat_view.Settings`).
+it is reopened (names as in `chat_view.Settings`). `revision`: how many times it was written, so
+that a copy read before the last write is known as stale (`history`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import json
 import math
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from .documents import user_turn
 from .safe_markdown import inert_markdown
@@ -50,6 +51,7 @@ class Conversation:
     preset: str = "free"
     messages: list[dict] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
+    revision: int = 0
 
 
 def model_messages(conversation: Conversation) -> list[dict]:
@@ -183,8 +185,10 @@ def from_json(text: str) -> Conversation:
         raise ValueError("nested too deeply to be a conversation") from None
     if not isinstance(data, dict):
         raise ValueError("a conversation is a JSON object")
+    # A field this version does not know (a newer specchat wrote it) is left out, as within messages.
+    known = {known_field.name for known_field in fields(Conversation)}
     try:
-        conversation = Conversation(**data)
+        conversation = Conversation(**{name: value for name, value in data.items() if name in known})
     except TypeError as error:
         raise ValueError(f"not a conversation: {error}") from None
     _check_types(conversation)
@@ -243,13 +247,14 @@ def _escape_markdown(text: str) -> str:
 
 # Stats fields the views format as numbers (speculation_view): a string there would fail each render.
 NUMERIC_STATS = ("target_forwards", "drafted_tokens", "accepted_draft_tokens", "mean_accepted_per_forward",
-                 "tokens_per_second", "prefill_seconds", "reused_prompt_tokens")
+                 "tokens_per_second", "prefill_seconds", "reused_prompt_tokens", "decode_seconds")
+OPTIONAL_STATS = ("predicted_tokens_per_second",)  # a number, or null where there is no prediction
 
 
 def _check_types(conversation: Conversation) -> None:
     """Reject a record whose fields the views would trip over later, so it fails here, once."""
     fields = {"id": str, "title": str, "created": (int, float), "updated": (int, float),
-              "system": str, "preset": str, "messages": list, "settings": dict}
+              "system": str, "preset": str, "messages": list, "settings": dict, "revision": int}
     for name, kind in fields.items():
         if not isinstance(getattr(conversation, name), kind) or isinstance(getattr(conversation, name), bool):
             raise ValueError(f"field {name!r} has the wrong type")
@@ -295,7 +300,8 @@ def _check_answer(message: dict) -> None:
     stats = message.get("stats")
     if stats is None:
         return
-    if not isinstance(stats, dict) or not all(_is_number(stats[key]) for key in NUMERIC_STATS if key in stats):
+    if not isinstance(stats, dict) or not all(_is_number(stats[key]) for key in NUMERIC_STATS if key in stats) \
+            or not all(stats.get(key) is None or _is_number(stats[key]) for key in OPTIONAL_STATS):
         raise ValueError("an answer's stats hold numbers")
     stages = stats.get("stages", {})
     if not (isinstance(stages, dict) and all(

@@ -5,10 +5,16 @@ not a conversation (binary, not UTF-8, truncated, nested too deeply, wrong types
 `<id>.json.corrupt`; one that cannot be touched safely (a folder with a conversation's name, a file
 over `CONVERSATION_FILE`, one we may not read) is left where it is and skipped. Either way it is
 reported once through `take_problems`.
+
+Each tab holds its own copy of a conversation, so every file carries a revision and the store
+writes only the copy that is the file's latest: a stale copy (another tab wrote since, or an answer
+ended after the copy was opened) or a deleted conversation is refused (`ConversationChanged`)
+instead of silently overwriting newer turns; an answer being written merges into the newer copy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import re
@@ -32,6 +38,17 @@ STALE_TEMPORARY_S = 60.0
 class SaveFailed(SpecchatError):
     """A conversation could not be written (disk full, no permission); the file on disk is the
     previous version, untouched."""
+
+
+class ConversationChanged(SpecchatError):
+    """The copy being saved is no longer the conversation on disk (written or deleted since it was
+    read); nothing was written."""
+
+
+DELETED = ("this conversation was deleted meanwhile (here or in another tab), so nothing more of it was "
+           "saved: Undo, in the tab that deleted it, brings it back")
+CHANGED = ("this conversation changed meanwhile (in another tab, or an answer ended after it was opened), "
+           "so nothing was saved: open it again to see it as saved")
 
 
 class _Unreadable(Exception):
@@ -68,6 +85,8 @@ class HistoryStore:
         # every answer, and rereading every document each time would grow with the history.
         self._summaries: dict[str, tuple[tuple[int, int], Summary]] = {}
         self._reported: set[str] = set()  # problems already reported about files left in place
+        self._revisions: dict[str, tuple[tuple[int, int], int]] = {}  # by id: (mtime, size) -> revision
+        self._deleted: set[str] = set()  # in the bin: no copy still open anywhere may write it again
         self._remove_stale_temporaries()
         self._empty_the_bin()
 
@@ -78,14 +97,51 @@ class HistoryStore:
                             system=system, preset=preset)
 
     def save(self, conversation: Conversation) -> None:
-        """Write `conversation` (bumping `updated`); one without messages leaves no file (and
-        takes away the file of a question saved while the model loaded, then taken back)."""
+        """Write `conversation` (bumping `updated` and `revision`); one without messages leaves no
+        file (and takes away the file of a question saved while the model loaded, then taken back).
+        `ConversationChanged` when the copy is stale or the conversation was deleted."""
+        if conversation.id in self._deleted:
+            raise ConversationChanged(DELETED)
+        if self._saved_revision(conversation.id) not in (None, conversation.revision):
+            raise ConversationChanged(CHANGED)
         if not conversation.messages:
             self._path(conversation.id).unlink(missing_ok=True)
             self._summaries.pop(conversation.id, None)
             return
         conversation.updated = time.time()
         self._write(conversation)
+
+    def save_answer(self, conversation: Conversation, answer: dict) -> None:
+        """Save while `answer`, one of the conversation's messages, is being written. When the
+        conversation moved on meanwhile but still holds the turns before the answer (renamed,
+        another tab asked after it), the answer goes into the newer copy, which `conversation`
+        becomes; `ConversationChanged` when those turns changed or it was deleted."""
+        try:
+            self.save(conversation)
+            return
+        except ConversationChanged:
+            if conversation.id in self._deleted:
+                raise
+        place = next(index for index, message in enumerate(conversation.messages) if message is answer)
+        newer = self.load(conversation.id)
+        if newer.messages[:place] != conversation.messages[:place]:
+            raise ConversationChanged(CHANGED) from None
+        after = newer.messages[place:]
+        if after and after[0]["role"] == "assistant":  # the answer as saved before: replaced
+            after = after[1:]
+        conversation.messages[:] = [*newer.messages[:place], answer, *after]
+        conversation.title, conversation.settings = newer.title, newer.settings
+        conversation.revision = newer.revision
+        self.save(conversation)
+
+    def current(self, conversation: Conversation) -> Conversation:
+        """The conversation as saved: `conversation` itself when nothing wrote it since the copy was
+        read (or it was never saved), else the newer copy; `ConversationChanged` when deleted."""
+        if conversation.id in self._deleted:
+            raise ConversationChanged(DELETED)
+        if self._saved_revision(conversation.id) in (None, conversation.revision):
+            return conversation
+        return self.load(conversation.id)
 
     def load(self, conversation_id: str) -> Conversation:
         path = self._path(conversation_id)
@@ -109,13 +165,15 @@ class HistoryStore:
                     summaries.append(summary)
         return sorted(summaries, key=lambda summary: summary.updated, reverse=True)
 
-    def rename(self, conversation_id: str, title: str) -> None:
+    def rename(self, conversation_id: str, title: str) -> Conversation:
+        """The conversation as saved, renamed."""
         title = one_line(title)
         if not title:
             raise InputError("a conversation needs a title: type at least one character")
         conversation = self.load(conversation_id)
         conversation.title = title
         self._write(conversation)  # renaming is not activity: the list order stays
+        return conversation
 
     def delete(self, conversation_id: str) -> None:
         """Take the conversation out of the list; `undelete` brings it back until the next start
@@ -123,13 +181,16 @@ class HistoryStore:
         path = self._path(conversation_id)
         if path.exists():
             os.replace(path, path.with_name(path.name + DELETED_SUFFIX))
+        self._deleted.add(conversation_id)
         self._summaries.pop(conversation_id, None)
 
     def undelete(self, conversation_id: str) -> None:
-        deleted = self._path(conversation_id).with_name(f"{conversation_id}.json{DELETED_SUFFIX}")
-        if not deleted.exists():
+        path = self._path(conversation_id)
+        deleted = path.with_name(f"{conversation_id}.json{DELETED_SUFFIX}")
+        if not deleted.exists() or path.exists():  # gone, or saved again since (never overwritten)
             raise InputError("that conversation can no longer be brought back")
-        os.replace(deleted, self._path(conversation_id))
+        os.replace(deleted, path)
+        self._deleted.discard(conversation_id)
 
     def take_problems(self) -> list[str]:
         """Messages about files set aside since the last call, for the UI to show once."""
@@ -142,11 +203,14 @@ class HistoryStore:
 
     def _write(self, conversation: Conversation) -> None:
         path = self._path(conversation.id)
-        text = to_json(conversation)
+        text = to_json(dataclasses.replace(conversation, revision=conversation.revision + 1))
         # Written larger than the limit, it could never be opened again.
         CONVERSATION_FILE.check(len(text.encode("utf-8")), f"the conversation {conversation.title!r}")
         try:
             write_atomically(path, text)  # on failure the old file stays and the temporary goes
+            conversation.revision += 1
+            info = path.stat()
+            self._revisions[conversation.id] = ((info.st_mtime_ns, info.st_size), conversation.revision)
         except OSError as error:
             if error.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise SaveFailed(f"the disk is full: {self.folder} has no room for {human_size(len(text))}; "
@@ -194,9 +258,26 @@ class HistoryStore:
                               "it was skipped") from None
         _check_size(path, len(data))
         try:
-            return from_json(data.decode("utf-8"))
+            conversation = from_json(data.decode("utf-8-sig"))  # -sig: a file saved again by Notepad
         except ValueError:  # UnicodeDecodeError is a ValueError too
             raise _Unreadable(self._set_aside(path)) from None
+        self._revisions[path.stem] = ((info.st_mtime_ns, info.st_size), conversation.revision)
+        return conversation
+
+    def _saved_revision(self, conversation_id: str) -> int | None:
+        """The revision of the file on disk (None: no file, or one that cannot be read)."""
+        path = self._path(conversation_id)
+        try:
+            info = path.stat()
+            cached = self._revisions.get(conversation_id)
+            if cached and cached[0] == (info.st_mtime_ns, info.st_size):
+                return cached[1]
+            return self._read(path).revision
+        except OSError:
+            return None
+        except _Unreadable as unreadable:  # written over: what could be kept of it was set aside
+            self._report(unreadable.problem)
+            return None
 
     def _set_aside(self, path: Path) -> str:
         """Move a broken file out of the list's way; the line that reports it."""

@@ -33,7 +33,7 @@ from .conversation import (LEFT_OUT, PASTED_NAME, Conversation, attachment_label
 from .documents import read_document
 from .engine_handle import EngineHandle
 from .engine_queue import Ticket
-from .history import HistoryStore
+from .history import ConversationChanged, HistoryStore
 from .parts_clock import Pace
 from .safe_markdown import inert_markdown
 
@@ -136,11 +136,22 @@ class ChatLogic:
         if not question and attachment is None and not (pasted or "").strip():
             yield View(status="Type a question or attach a document.")
             return
+        changed = ""
+        if conversation is not None:  # this tab's copy may be older than the file: the question follows the file
+            try:
+                saved = self.store.current(conversation)
+            except ConversationChanged as gone:
+                yield View(status=problem_text(gone), message=question)
+                return
+            if saved is not conversation:
+                conversation, changed = saved, ("ℹ️ This conversation had changed since it was shown (another tab, or "
+                                                "an answer that ended later): your question follows its saved turns.")
         if self.handle.status() == "loading":
             loaded = yield from self._wait_for_the_model(question, attachment, pasted, conversation, settings, session)
             if not loaded:
                 return
         attachment = self.with_pasted(attachment, pasted)
+        kept = [*conversation.messages] if conversation else []  # what a failed save puts back
         meter = self.meter(conversation, attachment, "", question, settings)
         left_out = follow_up.make_room(self, conversation, attachment, question, settings) if meter.over else ""
         if meter.over and not left_out:
@@ -154,10 +165,15 @@ class ChatLogic:
         if not conversation.messages:
             conversation.title = title_from(question, attachment)
         conversation.messages.append({"role": "user", "content": question, "document": attachment})
-        self.store.save(conversation)  # the question is on disk before the answer starts
+        try:
+            self.store.save(conversation)  # the question is on disk before the answer starts
+        except SpecchatError:  # not saved: the question stays in the box, and only there
+            conversation.messages[:] = kept
+            raise
+        note = " ".join(filter(None, [changed, left_out]))
         yield View(conversation=conversation, message="", clear_attachment=True, pasted="", over_limit="",
-                   conversations_changed=True, status=left_out)
-        yield from follow_up.noted(self._answer(conversation, settings, session), left_out)
+                   conversations_changed=True, status=note)
+        yield from follow_up.noted(self._answer(conversation, settings, session), note)
 
     def _wait_for_the_model(self, question: str, attachment: dict | None, pasted: str, conversation: Conversation | None,
                             settings: Settings, session: str) -> Iterator[View]:
@@ -179,6 +195,8 @@ class ChatLogic:
                            pending="⏳ *Loading the model, then this answer starts…* " + inert_markdown(progress))
                 stopped.wait(LOADING_POLL_SECONDS)
         # The disk as it was: the conversation itself, or no file for a new one.
+        if conversation is not None:
+            conversation.revision = asked.revision  # the copy just written over its file is this conversation
         self._save_after_error(conversation if conversation else dataclasses.replace(asked, messages=[]))
         back = View(conversation=conversation, clear_conversation=conversation is None, message=question)
         if stopped.is_set():
@@ -212,6 +230,9 @@ class ChatLogic:
 
     def regenerate(self, conversation: Conversation | None, settings: Settings, session: str = "") -> Iterator[View]:
         """A new version of the last answer; the earlier ones stay, to page through (`chat_versions`)."""
+        if (stale := self.conversations.as_saved(conversation)) is not None:
+            yield stale
+            return
         if conversation is None or not conversation.messages:
             yield View(status="Nothing to regenerate yet.")
             return
@@ -227,6 +248,9 @@ class ChatLogic:
                         session: str = "") -> Iterator[View]:
         """Carry the last answer on from its last word, in the same message: one cut at the answer
         limit, or stopped (`chat_versions.can_continue`)."""
+        if (stale := self.conversations.as_saved(conversation)) is not None:
+            yield stale
+            return
         if not versions.can_continue(conversation):
             yield View(status="Only an answer cut off at the answer limit, or stopped, can be continued.")
             return
@@ -236,6 +260,8 @@ class ChatLogic:
 
     def page_version(self, conversation: Conversation | None, step: int) -> View:
         """Show another version of the last answer (the conversation goes on from the one shown)."""
+        if (stale := self.conversations.as_saved(conversation)) is not None:
+            return stale
         answer = versions.last_answer(conversation)
         if answer is None or not answer.get("versions"):
             return View(status="This answer has no other version.")
@@ -247,6 +273,9 @@ class ChatLogic:
              session: str = "") -> Iterator[View]:
         """Replace the question at `index` (its document stays) and answer it again; the turns
         after it go, as in any chat app that edits a question."""
+        if (stale := self.conversations.as_saved(conversation)) is not None:
+            yield stale
+            return
         if conversation is None or not 0 <= index < len(conversation.messages) \
                 or conversation.messages[index]["role"] != "user":
             yield View(conversation=conversation, status="Only your own messages can be edited.")
@@ -298,7 +327,7 @@ class ChatLogic:
             if reply["content"] == start:  # nothing said is no answer: the question stays, to retry
                 conversation.messages[:] = restore
             reply["partial"] = False
-            also = self._save_after_error(conversation)
+            also = "" if isinstance(error, ConversationChanged) else self._save_after_error(conversation, reply)
             yield View(conversation=conversation, status=" ".join(filter(None, [problem_text(error), also])))
         finally:
             # An error, or the page went away mid-answer: the engine is freed now, what was said kept.
@@ -306,13 +335,17 @@ class ChatLogic:
                 self.release(session, ticket)
             if reply["partial"]:
                 reply.update(partial=False, finish_reason="cancelled")
-                self._save_after_error(conversation)
+                self._save_after_error(conversation, reply)
 
-    def _save_after_error(self, conversation: Conversation) -> str:
+    def _save_after_error(self, conversation: Conversation, answer: dict | None = None) -> str:
         """Save on a path that is already ending badly: a failure here (a full disk) becomes a
-        line for the page instead of a second error over the first; "" when the save worked."""
+        line for the page instead of a second error over the first; "" when the save worked.
+        `answer`: the message being written, merged into a newer copy if there is one."""
         try:
-            self.store.save(conversation)
+            if any(message is answer for message in conversation.messages):
+                self.store.save_answer(conversation, answer)
+            else:
+                self.store.save(conversation)
         except SpecchatError as error:
             return problem_text(error)
         return ""

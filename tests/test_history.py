@@ -21,7 +21,7 @@ from specchat.app import history
 from specchat.app.conversation import (LEFT_OUT, PASTED_NAME, Conversation, from_json, model_messages, shown_messages,
                                        title_from, to_json, to_markdown)
 from specchat.app.documents import user_turn
-from specchat.app.history import HistoryStore, SaveFailed, default_folder
+from specchat.app.history import ConversationChanged, HistoryStore, SaveFailed, default_folder
 from specchat.core.errors import InputError
 from specchat.core.files import human_size
 from specchat.core.limits import CONVERSATION_FILE
@@ -236,6 +236,83 @@ def test_delete_can_be_undone_until_the_next_start(tmp_path):
         restarted.undelete(conversation.id)
 
 
+def test_a_field_of_a_newer_version_or_a_byte_order_mark_keeps_the_conversation(tmp_path):
+    """A newer specchat sharing the folder, or Notepad saving a file again, must not push
+    conversations out of the list as corrupt."""
+    store = HistoryStore(tmp_path)
+    newer, noted = (tmp_path / f"{name * 32}.json" for name in "ab")
+    newer.write_text(json.dumps({**GOOD, "colour": "red"}), encoding="utf-8")
+    noted.write_text(json.dumps({**GOOD, "updated": GOOD["updated"] + 1}), encoding="utf-8-sig")
+    assert [summary.id for summary in store.list()] == ["b" * 32, "a" * 32]
+    assert store.load("a" * 32).messages == GOOD["messages"] == store.load("b" * 32).messages
+    assert store.take_problems() == []
+
+
+def test_a_stale_copy_never_writes_over_newer_turns(tmp_path):
+    """Two tabs on one conversation each hold a copy: the one read before the other's write is
+    refused, and `current` gives the file's latest to carry on from."""
+    store = HistoryStore(tmp_path)
+    first = store.new()
+    first.messages.append(user("Question zero"))
+    store.save(first)
+    tab_a, tab_b = store.load(first.id), store.load(first.id)
+    tab_a.messages.append(user("From tab A"))
+    store.save(tab_a)
+    assert store.current(tab_a) is tab_a
+    tab_b.messages.append(user("From tab B"))
+    with pytest.raises(ConversationChanged, match="changed meanwhile"):
+        store.save(tab_b)
+    assert [m["content"] for m in store.load(first.id).messages] == ["Question zero", "From tab A"]
+    latest = store.current(store.load(first.id))
+    assert store.current(tab_b) is not tab_b and asdict(store.current(tab_b)) == asdict(latest)
+    assert HistoryStore(tmp_path).current(tab_a) is tab_a  # the revision is in the file, not only in memory
+
+
+def test_an_answer_goes_into_the_newer_copy_when_the_turns_before_it_stayed(tmp_path):
+    """Renamed, or asked again in another tab while an answer was written: the answer is merged in
+    its place; with the turns before it changed, or the conversation deleted, nothing is written."""
+    store = HistoryStore(tmp_path)
+    answering = store.new()
+    answering.messages.append(user("Tell me a story"))
+    store.save(answering)
+    reply = assistant("Once", partial=True)
+    answering.messages.append(reply)
+    store.save_answer(answering, reply)
+    other = store.load(answering.id)
+    other.messages.append(user("And then?"))
+    store.save(other)
+    store.rename(answering.id, "Stories")
+    reply.update(content="Once upon a time", partial=False)
+    store.save_answer(answering, reply)
+    saved = store.load(answering.id)
+    assert saved.title == "Stories" == answering.title
+    assert [m["content"] for m in saved.messages] == ["Tell me a story", "Once upon a time", "And then?"]
+    assert asdict(saved) == asdict(answering)
+
+    edited = store.load(answering.id)
+    edited.messages[:] = [user("Tell me a poem")]
+    store.save(edited)
+    reply["content"] += " there was"
+    with pytest.raises(ConversationChanged, match="changed meanwhile"):
+        store.save_answer(answering, reply)
+    store.delete(answering.id)
+    with pytest.raises(ConversationChanged, match="deleted meanwhile"):
+        store.save_answer(edited, edited.messages[0])
+    assert not (tmp_path / f"{answering.id}.json").exists()
+
+
+def test_undo_never_puts_a_deleted_copy_over_a_newer_file(tmp_path):
+    store = HistoryStore(tmp_path)
+    conversation = saved(store)
+    store.delete(conversation.id)
+    conversation.messages.append(user("Saved again"))  # by another specchat on the same folder
+    (tmp_path / f"{conversation.id}.json").write_text(to_json(conversation), encoding="utf-8")
+    with pytest.raises(InputError, match="no longer"):
+        store.undelete(conversation.id)
+    assert store.load(conversation.id).messages == conversation.messages
+    assert (tmp_path / f"{conversation.id}.json.deleted").exists()
+
+
 def test_unreadable_files_are_set_aside_and_reported_once(tmp_path):
     store = HistoryStore(tmp_path)
     good = store.new()
@@ -374,7 +451,8 @@ BROKEN = {
     "time-of-400-digits": json.dumps({**GOOD, "updated": 10 ** 400}).encode(),
     "time-past-year-9999": json.dumps({**GOOD, "updated": 1e300}).encode(),
     "stat-of-400-digits": with_message(stats={"tokens_per_second": 10 ** 400}).encode(),
-    "unknown-field": json.dumps({**GOOD, "colour": "red"}).encode(),
+    "decode-seconds-a-word": with_message(stats={"decode_seconds": "slow"}).encode(),
+    "predicted-speed-a-word": with_message(stats={"predicted_tokens_per_second": "fast"}).encode(),
 }
 
 

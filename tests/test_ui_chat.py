@@ -382,3 +382,67 @@ def test_leaving_a_conversation_cancels_a_file_still_being_read(tmp_path):
         moving = [event for event in config["dependencies"]
                   if target in map(tuple, event["targets"]) and event["cancels"]]
         assert moving and all(reading <= set(event["cancels"]) for event in moving), target
+
+
+def test_two_tabs_on_one_conversation_never_write_over_each_other(logic):
+    """Each tab holds its own copy: a question from a tab that has not seen the other's turn
+    follows the saved turns (and says so); Retry on a stale copy shows the conversation as saved
+    instead of retrying an answer the user no longer sees as the last."""
+    first = run(logic.send("Question zero", None, "", None, SETTINGS))[-1].conversation
+    tab_a, tab_b = logic.open(first.id).conversation, logic.open(first.id).conversation
+    run(logic.send("From tab A", None, "", tab_a, SETTINGS, session="A"))
+    views = run(logic.send("From tab B", None, "", tab_b, SETTINGS, session="B"))
+    assert "had changed since it was shown" in views[0].status
+    questions = [m["content"] for m in saved(logic).messages if m["role"] == "user"]
+    assert questions == ["Question zero", "From tab A", "From tab B"]
+    assert views[-1].conversation.messages == saved(logic).messages
+    (refused,) = run(logic.regenerate(tab_a, SETTINGS, session="A"))
+    assert "here it is as saved" in refused.status and refused.conversation.messages == saved(logic).messages
+    assert len(saved(logic).messages) == 6
+
+
+def test_an_answer_left_streaming_ends_in_the_copy_the_tab_reopened(logic, monkeypatch):
+    """Reopening the conversation whose answer still streams loads it mid-answer; the answer then
+    ends (saved); a follow-up from the reopened copy keeps the ended answer, not the stale one."""
+    from specchat.app import answer_stream
+
+    monkeypatch.setattr(answer_stream, "SAVE_EVERY_SECONDS", 0.0)
+    views = logic.send("Tell me a long story", None, "", None, Settings(**{**SETTINGS.__dict__, "max_new_tokens": 160}),
+                       session="S")
+    conversation = next(view.conversation for view in views if view.stats)
+    reopened = logic.open(conversation.id).conversation
+    assert reopened.messages[-1]["partial"]
+    views.close()  # the page left it: stopped and saved
+    ended = saved(logic).messages[-1]
+    run(logic.send("And then?", None, "", reopened, SETTINGS, session="S"))
+    assert saved(logic).messages[1] == ended and ended["finish_reason"] == "cancelled"
+
+
+def test_deleting_a_conversation_while_it_answers_keeps_it_deleted(logic):
+    views = logic.send("Tell me a long story", None, "", None, Settings(**{**SETTINGS.__dict__, "max_new_tokens": 160}),
+                       session="S")
+    conversation = next(view.conversation for view in views if view.stats)
+    deleted = logic.delete(conversation)
+    views.close()  # the handler of the answer it cancelled closes, and saves no more
+    assert logic.store.list() == [] and deleted.deleted == conversation.id
+    logic.conversations.undelete(conversation.id)
+    assert [m["content"] for m in saved(logic).messages][0] == "Tell me a long story"
+
+
+def test_a_question_that_could_not_be_saved_is_only_in_the_box(logic, monkeypatch):
+    """The page says to free space and send again: sending again must not ask it twice."""
+    from specchat.app import history
+    from specchat.core.errors import SpecchatError
+
+    conversation = run(logic.send("First question", None, "", None, SETTINGS))[-1].conversation
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(history, "write_atomically", full_disk)
+    with pytest.raises(SpecchatError, match="disk is full"):
+        run(logic.send("Second question", None, "", conversation, SETTINGS))
+    assert [m["content"] for m in conversation.messages if m["role"] == "user"] == ["First question"]
+    monkeypatch.undo()
+    run(logic.send("Second question", None, "", conversation, SETTINGS))
+    assert [m["content"] for m in saved(logic).messages if m["role"] == "user"] == ["First question", "Second question"]
