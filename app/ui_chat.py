@@ -28,9 +28,10 @@ from .chat_view import Settings, View, problem_text
 from .context_meter import Meter, describe, measure
 from .answer_job import answer_job, opening_document
 from .answer_stream import STARTING, answer_views
-from .conversation import (LEFT_OUT, PASTED_NAME, Conversation, attachment_label, model_messages, shown_messages,
+from .conversation import (PASTED_NAME, Conversation, attachment_label, model_messages, shown_messages,
                            title_from)
 from .documents import read_document
+from .edited_question import edited_question
 from .engine_handle import EngineHandle
 from .engine_queue import Ticket
 from .history import ConversationChanged, HistoryStore
@@ -280,10 +281,8 @@ class ChatLogic:
                 or conversation.messages[index]["role"] != "user":
             yield View(conversation=conversation, status="Only your own messages can be edited.")
             return
-        # The chat shows questions made inert (images as links, HTML as text): an edit that kept
-        # that text as shown keeps the question as it was written.
-        unchanged = text == shown_messages(conversation)[index]["content"]
-        content = conversation.messages[index]["content"] if unchanged else _without_attachment_line(text).strip()
+        content = edited_question(conversation.messages[index]["content"],
+                                  shown_messages(conversation)[index]["content"], text)
         edited = dict(conversation.messages[index], content=content)
         edited.pop("left_out", None)  # a question asked again is read again
         conversation.messages[index:] = [edited]
@@ -388,10 +387,3 @@ def _document_text(attachment: dict | None, pasted: str | None) -> str:
     if attachment is not None:
         return attachment["text"]
     return (pasted or "").strip()
-
-
-def _without_attachment_line(text: str) -> str:
-    """An edited question arrives as shown, attachment line (and left-out mark) included: drop them."""
-    text = text.removesuffix(LEFT_OUT).rstrip()
-    lines = text.split("\n")
-    return "\n".join(lines[1:]).lstrip("\n") if lines and lines[0].startswith("📎") else text
