@@ -2,7 +2,8 @@
 question included), the attached document and the pasted text. Each conversation keeps its own
 while the page is open (a `gr.State`, keyed by conversation id; nothing of it is saved): leaving a
 conversation keeps its draft, coming back brings it back, and a new conversation starts with
-nothing but the chosen preset's question, so that nothing attached elsewhere goes out with it."""
+nothing attached elsewhere: the draft left in a new conversation when another was opened, else the
+chosen preset's question. New, clicked on a new conversation, starts afresh."""
 
 from __future__ import annotations
 
@@ -24,18 +25,21 @@ def kept(drafts: dict | None, conversation: Conversation | None, message: str, a
     return drafts
 
 
-def restored(view: View, drafts: dict, preset_question: str) -> View:
-    """The view with the draft of the conversation it shows in the box: that conversation's own,
-    or for a new one (always started afresh) the preset's question; a view that shows no other
-    conversation is left as it is."""
+def restored(view: View, drafts: dict, preset_question: str, left_new: bool) -> tuple[View, dict]:
+    """The view with the draft of the conversation it shows in the box, and the drafts kept. For a
+    new conversation: the draft left in one, taken out of `drafts` (the box holds it now), unless
+    the page was on a new conversation already (`left_new`: New starts afresh); else the preset's
+    question. A view that shows no other conversation is left as it is."""
     if view.clear_conversation:
-        draft = {"message": preset_question}
+        drafts = dict(drafts)
+        left_in_new = drafts.pop(NEW, None)
+        draft = left_in_new if left_in_new and not left_new else {"message": preset_question}
     elif view.conversation is not None:
         draft = drafts.get(view.conversation.id, {})
     else:
-        return view
+        return view, drafts
     attachment = draft.get("attachment")
     # The status line spoke of the conversation left ("Attached notes.txt."): it goes unless the view has its own.
     return dataclasses.replace(view, message=draft.get("message", ""), attachment=attachment,
                                clear_attachment=attachment is None, pasted=draft.get("pasted", ""),
-                               status="" if view.status is None else view.status)
+                               status="" if view.status is None else view.status), drafts

@@ -146,7 +146,8 @@ class _ChatHandlers:
         def run(drafts, chat, box, attached, pasted_text, preset, *args):
             drafts = kept_draft(drafts, chat, typed(box), attached, pasted_text)
             try:
-                view = restored_draft(handler(*args), drafts, PRESETS.get(preset, PRESETS["free"]).question)
+                view, drafts = restored_draft(handler(*args), drafts, PRESETS.get(preset, PRESETS["free"]).question,
+                                              left_new=chat is None)
             except Exception as error:
                 view = View(status=problem_text(error))
             return {**self.draw(view), self.page.drafts: drafts}

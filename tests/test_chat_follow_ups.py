@@ -117,6 +117,22 @@ def test_what_is_typed_attached_and_pasted_stays_with_its_conversation(logic, ha
     assert new[page.message]["text"] == "Summarize this document." and new[page.attachment] is None
     again = handlers.moving(logic.open)(new[page.drafts], None, {"text": ""}, None, "", "summarize", second.id)
     assert again[page.message]["text"] == "Typed" and again[page.attachment] == notes
+    # What was started in a new conversation comes back to a new one (a 100-page PDF attached, then
+    # a look at an older conversation), once: sent or not, the box holds it from then on.
+    typed_new = handlers.moving(lambda: View(clear_conversation=True))(again[page.drafts], second, {"text": ""},
+                                                                       None, "", "free")
+    looked = handlers.moving(logic.open)(typed_new[page.drafts], None, {"text": "About the report?"}, notes, "",
+                                         "free", first.id)
+    back_new = handlers.moving(lambda: View(clear_conversation=True))(looked[page.drafts], first, {"text": ""},
+                                                                      None, "", "free")
+    assert back_new[page.message]["text"] == "About the report?" and back_new[page.attachment] == notes
+    afresh = handlers.moving(lambda: View(clear_conversation=True))(back_new[page.drafts], None, {"text": "x"},
+                                                                    notes, "", "free")
+    assert afresh[page.message]["text"] == "" and afresh[page.attachment] is None  # New on a new one: afresh
+    reopened = handlers.moving(lambda: View(clear_conversation=True))(
+        handlers.moving(logic.open)(afresh[page.drafts], None, {"text": ""}, None, "", "free", first.id)[page.drafts],
+        first, {"text": ""}, None, "", "free")
+    assert reopened[page.message]["text"] == "" and reopened[page.attachment] is None
 
 
 def test_a_chosen_preset_sets_its_repetition_penalty_and_an_opened_conversations_own_stays(logic):
