@@ -104,14 +104,17 @@ class ChatLogic:
         return attachment_label(document)
 
     def attach(self, name: str, text: str, note: str = "") -> dict:
-        """A document's text as the attachment a question carries, its tokens counted."""
-        engine = self.handle.get()
-        return {"name": name, "text": text, "tokens": engine.count_tokens(text), "note": note}
+        """A document's text as the attachment a question carries, its tokens counted; while no
+        model is ready (loading, or failed) not yet: never wait for a model to attach a file."""
+        tokens = self.handle.get().count_tokens(text) if self.handle.status() == "ready" else None
+        return {"name": name, "text": text, "tokens": tokens, "note": note}
 
     def with_pasted(self, attachment: dict | None, pasted: str | None) -> dict | None:
-        """The attachment, or pasted text made one (an uploaded file wins)."""
+        """The attachment, or pasted text made one (an uploaded file wins), its tokens counted."""
         if attachment is None and pasted and pasted.strip():
             return self.attach(PASTED_NAME, pasted.strip())
+        if attachment is not None and attachment.get("tokens") is None:  # attached while the model loaded
+            return self.attach(attachment["name"], attachment["text"], attachment.get("note", ""))
         return attachment
 
     def meter(self, conversation: Conversation | None, attachment: dict | None, pasted: str, message: str,

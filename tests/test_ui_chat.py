@@ -246,6 +246,21 @@ def test_a_question_sent_while_the_model_loads_is_answered_and_saved_once(loadin
     assert answered[1]["content"] == rest[-1].conversation.messages[-1]["content"] and rest[-1].status == ""
 
 
+def test_a_file_attached_while_the_model_loads_attaches_at_once_and_is_counted_when_sent(loading_logic, tmp_path):
+    logic, release = loading_logic
+    notes = tmp_path / "notes.txt"
+    notes.write_text("Some notes about the launch.")
+    started = time.monotonic()
+    attached = logic.attach_file(str(notes)).attachment
+    assert time.monotonic() - started < 5 and attached["tokens"] is None  # not behind the model's load
+    views = logic.send("What do they say?", attached, "", None, SETTINGS, "tab")
+    next(views)
+    release.set()
+    run(views)
+    (question, _) = saved(logic).messages
+    assert question["document"]["tokens"] == logic.handle.get().count_tokens("Some notes about the launch.")
+
+
 def test_stop_while_the_model_loads_puts_the_question_back_and_keeps_the_conversation_as_it_was(loading_logic):
     logic, _ = loading_logic
     earlier = logic.store.new()
