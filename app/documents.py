@@ -8,7 +8,9 @@ with a time and memory limit (document_worker.py).
 
 from __future__ import annotations
 
+import codecs
 import os
+import re
 from pathlib import Path
 
 from ..core.errors import InputError
@@ -42,8 +44,10 @@ def read_document(path: str | Path) -> str:
 
 
 def html_bytes_text(data: bytes, path: Path) -> str:
-    """An HTML file's visible text (decoded in the reader's process too)."""
-    return html_text(_decode(data, path), path)
+    """An HTML file's visible text (decoded in the reader's process too), in the encoding its
+    `<meta charset>` declares where it is not UTF-8 (older pages are often windows-1252)."""
+    declared = HTML_CHARSET.search(data[:HTML_CHARSET_BYTES])
+    return html_text(_decode(data, path, declared.group(1).decode("ascii") if declared else None), path)
 
 
 def read_document_or_text(path: str | Path) -> str:
@@ -58,14 +62,39 @@ def read_text_file(path: str | Path) -> str:
     return _decode(read_bytes(path, DOCUMENT_TEXT), path)
 
 
-def _decode(data: bytes, path: Path) -> str:
+def _decode(data: bytes, path: Path, declared: str | None = None) -> str:
+    """Text by its byte-order mark (Windows Notepad's "Unicode" is UTF-16), else UTF-8, else the
+    encoding the file declares (`declared`, HTML's)."""
+    for mark, codec in BYTE_ORDER_MARKS:
+        if data.startswith(mark):
+            try:
+                return data[len(mark):].decode(codec)
+            except UnicodeDecodeError as error:
+                raise InputError(f"{path} starts as {codec} text but is not (bad bytes at offset "
+                                 f"{error.start + len(mark)}): save it as UTF-8 and try again") from None
     if b"\x00" in data:
-        raise InputError(f"{path} looks like a binary file: give a plain-text file (.txt or .md)")
+        raise InputError(f"{path} looks like a binary file, not text: give a text file (UTF-8 or UTF-16)")
     try:
-        return data.decode("utf-8-sig")
+        return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise InputError(f"{path} is not UTF-8 text (bad byte at offset {error.start}): "
-                         "save it as UTF-8 and try again") from None
+        problem = f"{path} is not UTF-8 text (bad byte at offset {error.start})"
+    if declared and declared.lower().replace("_", "-") not in ("utf-8", "utf8"):
+        try:
+            return data.decode(declared)
+        except LookupError:
+            problem += f", and it declares an encoding unknown here ({declared})"
+        except UnicodeDecodeError as error:
+            problem = f"{path} is not {declared} text as it declares (bad byte at offset {error.start})"
+    raise InputError(f"{problem}: save it as UTF-8 and try again")
+
+
+# Longest first: UTF-32's little-endian mark starts with UTF-16's.
+BYTE_ORDER_MARKS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"), (codecs.BOM_UTF8, "utf-8"),
+                    (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
+# <meta charset="x"> or <meta http-equiv="Content-Type" content="text/html; charset=x">, where
+# browsers look for it: near the top.
+HTML_CHARSET = re.compile(rb"""<meta[^>]*?charset\s*=\s*["']?\s*([A-Za-z0-9._:-]{1,40})""", re.IGNORECASE)
+HTML_CHARSET_BYTES = 4096
 
 
 def read_bytes(path: Path, limit: Limit) -> bytes:

@@ -74,6 +74,29 @@ def test_html_keeps_visible_text_only(tmp_path):
                                    "alpha\nbeta\xa0gamma\n\n  indented\n    code")
 
 
+@pytest.mark.parametrize("codec", ["utf-16", "utf-16-be", "utf-32", "utf-8-sig"])
+def test_text_with_a_byte_order_mark_reads_in_its_encoding(tmp_path, codec):
+    """Windows Notepad's "Unicode" is UTF-16 with a byte-order mark: it is text, not binary."""
+    text = "Café, naïve, 東京: plain text."
+    (tmp_path / "notes.txt").write_bytes(text.encode(codec) if codec != "utf-16-be" else b"\xfe\xff" + text.encode(codec))
+    (tmp_path / "page.html").write_bytes(f"<p>{text}</p>".encode(codec) if codec != "utf-16-be"
+                                         else b"\xfe\xff" + f"<p>{text}</p>".encode(codec))
+    assert read_document(tmp_path / "notes.txt") == text and read_document(tmp_path / "page.html") == text
+
+
+def test_html_reads_in_the_encoding_it_declares(tmp_path):
+    page = tmp_path / "old.html"
+    for declaration in ('<meta charset="windows-1252">', '<META HTTP-EQUIV="Content-Type" CONTENT="text/html; charset=ISO-8859-1">'):
+        page.write_bytes(f"<html><head>{declaration}</head><body><p>Caf\u00e9 \u00e0 la carte</p></body></html>".encode("cp1252"))
+        assert read_document(page) == "Caf\u00e9 \u00e0 la carte"
+    page.write_bytes("<p>\u201cquoted\u201d</p>".encode("cp1252"))  # declared nowhere: never guessed
+    with pytest.raises(InputError, match="not UTF-8 text .*save it as UTF-8"):
+        read_document(page)
+    page.write_bytes('<meta charset="x-unheard-of"><p>Caf\u00e9</p>'.encode("cp1252"))
+    with pytest.raises(InputError, match=r"declares an encoding unknown here \(x-unheard-of\)"):
+        read_document(page)
+
+
 def test_htm_is_html(tmp_path):
     path = tmp_path / "page.htm"
     path.write_text("<p>a &lt; b</p>", encoding="utf-8")
