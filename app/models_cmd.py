@@ -95,7 +95,8 @@ def plan_fit(pair: ModelPair, profile: HardwareProfile, registry: Registry | Non
                          registry=registry)
     except PlanRefused as refusal:
         shorter = next((alternative.context for alternative in refusal.alternatives
-                        if alternative.pair_id == pair.id and alternative.quantization is None), None)
+                        if alternative.pair_id == pair.id and alternative.quantization is None
+                        and alternative.precision is None), None)
         verdict = "does not fit" + (f" (up to {shorter // 1024}K tokens)" if shorter else "")
         plain = "Too big for this computer" + (
             f" at its full length; it would fit for documents up to about {shorter * 3 // 4:,} words." if shorter

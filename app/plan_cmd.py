@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 
@@ -25,7 +26,7 @@ def add_parsers(commands, add_models_file_option) -> None:
                       help="tokens of prompt and answer: 32768, 32K or 128K")
     plan.add_argument("--profile", metavar="FILE",
                       help="plan for a saved or synthetic profile (`specchat profile --json`) instead of this machine")
-    plan.add_argument("--precision", metavar="exact|auto",
+    plan.add_argument("--precision", metavar="exact|auto", default=argparse.SUPPRESS,
                       help="auto (default): the fastest placement, 4-bit weights and an 8-bit KV included; exact: "
                            "the model's own weights and KV dtype, quantized only where nothing else fits "
                            "(default: $SPECCHAT_PRECISION, else auto)")

@@ -21,6 +21,7 @@ from specchat.core.planning import (
     RAM_MARGIN_SHARE,
     VRAM_MARGIN_SHARE,
     Overrides,
+    Plan,
     PlanRefused,
     kv8_bytes_per_token,
     make_plan,
@@ -166,8 +167,19 @@ def _check_refusal(profile, refusal, precision="auto"):
     assert f"nearest that fits: {refusal.alternatives[0].summary}" in message
     for alternative in refusal.alternatives:  # each alternative plans
         plan = make_plan(profile, REGISTRY.get(alternative.pair_id), alternative.context,
-                         Overrides(quantization=alternative.quantization, precision=precision))
+                         Overrides(quantization=alternative.quantization, precision=alternative.precision or precision))
         _check_memory(profile, plan)
+
+
+def test_an_exact_refusal_offers_the_automatic_precision_first_where_it_fits():
+    """A user who asked for the model's own precision learns that the quantized placement fits
+    the context asked, before being offered a shorter one."""
+    refusal = _plan_or_refusal(PROFILES["laptop-rtx4060-8gb"], "llama3.1-8b", 131072, EXACT)
+    first = refusal.alternatives[0]
+    assert (first.pair_id, first.context, first.precision) == ("llama3.1-8b", 131072, "auto")
+    assert "nearest that fits: llama3.1-8b at 131,072 tokens with --precision auto" in str(refusal)
+    assert all(alternative.precision is None for alternative in refusal.alternatives[1:])
+    assert isinstance(_plan_or_refusal(PROFILES["laptop-rtx4060-8gb"], "llama3.1-8b", 131072), Plan)
 
 
 def test_what_each_machine_gets():
@@ -441,8 +453,21 @@ def test_plan_command_refusal_json_exits_2(capsys):
     assert run_plan(args) == 2
     data = json.loads(capsys.readouterr().out)
     assert "does not fit" in data["refused"]
-    assert [(alternative["pair_id"], alternative["context"] < 131072) for alternative in data["alternatives"]] == \
-        [("qwen3-8b", True), ("qwen2.5-7b", False)]  # a shorter context, or a smaller pair
+    assert [(alternative["pair_id"], alternative["context"] < 131072, alternative["precision"])
+            for alternative in data["alternatives"]] == \
+        [("qwen3-8b", False, "auto"), ("qwen3-8b", True, None), ("qwen2.5-7b", False, None)]
+    # the automatic precision at this context, a shorter context, or a smaller pair
+
+
+def test_precision_before_the_subcommand_reaches_the_plan(capsys, monkeypatch):
+    """`specchat --precision exact plan ...` planned with auto: plan's own option overwrote it."""
+    monkeypatch.delenv("SPECCHAT_PRECISION", raising=False)
+    from specchat.app.cli import build_parser
+
+    profile = str(DATA / "profiles" / "laptop-rtx4060-8gb.json")
+    args = build_parser().parse_args(["--precision", "exact", "plan", "--pair", "qwen3-8b", "--context", "128K",
+                                      "--profile", profile, "--json"])
+    assert args.precision == "exact" and run_plan(args) == 2
 
 
 def test_plan_command_bad_input_is_an_input_error(tmp_path):

@@ -174,9 +174,14 @@ def _plans(profile: HardwareProfile, pair: ModelPair, context: int, overrides: O
 
 def _alternatives(profile: HardwareProfile, pair: ModelPair, context: int, overrides: Overrides,
                   registry: Registry | None) -> tuple[Alternative, ...]:
-    """What does plan, nearest first: 4-bit weights at this context (when the user fixed a finer
-    quantization), the longest context this pair fits, a smaller pair of the registry."""
+    """What does plan, nearest first: the automatic precision at this context (when the user asked
+    for the exact one), 4-bit weights at this context (when the user fixed a finer quantization),
+    the longest context this pair fits, a smaller pair of the registry."""
     found = []
+    if overrides.precision == "exact" and _plans(profile, pair, context, replace(overrides, precision="auto")):
+        found.append(Alternative(pair.id, context, overrides.quantization,
+                                 f"{pair.id} at {context:,} tokens with --precision auto (quantized weights or KV: "
+                                 "the answers of the quantized model)", precision="auto"))
     if overrides.quantization not in (None, "nf4") and _plans(profile, pair, context, replace(overrides, quantization="nf4")):
         found.append(Alternative(pair.id, context, "nf4", f"{pair.id} at {context:,} tokens with 4-bit (nf4) weights"))
     shorter = _longest_context(profile, pair, min(context, pair.context_length + 1) - 1, overrides)

@@ -36,12 +36,14 @@ class Overrides:
 
 @dataclass(frozen=True)
 class Alternative:
-    """A request that plans: the same pair at a shorter context or in 4-bit, or another pair."""
+    """A request that plans: the same pair at a shorter context, in 4-bit or at another precision
+    (`precision`: None when as asked), or another pair."""
 
     pair_id: str
     context: int
     quantization: str | None
     summary: str
+    precision: str | None = None
 
 
 @dataclass(frozen=True)
