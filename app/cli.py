@@ -15,6 +15,7 @@ import os
 import sys
 from typing import NoReturn
 
+from ..core.env_settings import SWITCH_ON, env_switch
 from ..core.errors import InputError, SpecchatError, first_line
 from ..core.modes import REQUEST_MODES
 from .presets import PRESETS
@@ -127,7 +128,7 @@ def _add_model_option(parser: argparse.ArgumentParser) -> None:
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=argparse.SUPPRESS,
                         help="address to bind (default 127.0.0.1: this computer only)")
-    parser.add_argument("--port", type=int, default=argparse.SUPPRESS, help="port (default 7860)")
+    parser.add_argument("--port", type=_port, default=argparse.SUPPRESS, help="port (default 7860)")
     parser.add_argument("--no-browser", action="store_true", default=argparse.SUPPRESS,
                         help="do not open a browser tab")
     parser.add_argument("--api-key", default=argparse.SUPPRESS,
@@ -139,6 +140,13 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
                              "default: $SPECCHAT_ALLOWED_HOSTS, comma-separated; localhost and IP addresses "
                              "always; other names are refused against DNS rebinding)")
     _add_model_option(parser)
+
+
+def _port(text: str) -> int:
+    """A TCP port a server can listen on (argparse turns the error into its line and exit 2)."""
+    if not (text.isdigit() and 1 <= int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535, got {text!r}")
+    return int(text)
 
 
 def _add_generation_options(parser: argparse.ArgumentParser, mode: bool = True) -> None:
@@ -193,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _set_vram_limit(args)
         _set_precision(args)
+        env_switch("SPECCHAT_CALIBRATE", True)  # a bad value fails here, before anything loads
         settle_preset(args)
         context_of(args)  # a bad --context fails here, before anything loads
         if args.command == "generate":
@@ -214,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
             from .models_cmd import run_models
             return run_models(args, registry(args))
         if args.command == "chat":
+            from .generate_cmd import checked_options
             from .terminal import run_chat, read_chat_document
-            document = read_chat_document(args)  # a bad file fails before the model loads
-            return run_chat(load(args), args, document)
+            triforce = checked_options(args)  # bad options and a bad file fail before the model loads
+            document = read_chat_document(args)
+            return run_chat(load(args), args, document, triforce=triforce)
         from .key_attempts import checked_api_key
 
         hosts = allowed_hosts(args)  # a bad name, registry or --models-file fails here, before the server
@@ -246,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specchat: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader went away (`specchat profile | head -1`): nothing to tell it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush stays quiet
+        return EXIT_FAILURE
     except Exception as error:  # the last line of defence: one line, never a traceback
-        if os.environ.get("SPECCHAT_DEBUG"):
+        if os.environ.get("SPECCHAT_DEBUG", "").strip().lower() in SWITCH_ON:
             raise
         print(f"specchat: unexpected error: {type(error).__name__}: {for_terminal(first_line(error))} "
               "(set SPECCHAT_DEBUG=1 for details)", file=sys.stderr)

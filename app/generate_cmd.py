@@ -19,8 +19,7 @@ def run(args) -> int:
 
     # Check everything the user typed before the model loads: bad input fails in a second.
     params = sampling_params(args)
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    triforce = checked_options(args)
     question = args.prompt if args.prompt is not None else \
         read_text_file(args.prompt_file) if args.prompt_file is not None else preset_question(args)
     document = read_document_or_text(args.document) if args.document else None
@@ -31,13 +30,6 @@ def run(args) -> int:
 
     if args.draft_layers is not None and args.mode != "tree":
         raise InputError("--draft-layers goes with --mode tree")
-    if args.dsi_workers is not None and args.mode != "dsi":
-        raise InputError("--dsi-workers goes with --mode dsi")
-    if args.dsi_workers is not None and not 1 <= args.dsi_workers <= MAX_DSI_WORKERS:
-        raise InputError(f"--dsi-workers must be between 1 and {MAX_DSI_WORKERS}, got {args.dsi_workers}")
-    if args.dsi_always and args.mode != "dsi":
-        raise InputError("--dsi-always goes with --mode dsi")
-    triforce = triforce_settings(args)
     if args.cache_document and not (document and document.strip()):
         raise InputError("--cache-document needs a non-empty --document FILE")
     from ..core.engine import Finished, Notice, TextDelta
@@ -77,6 +69,27 @@ def run(args) -> int:
               f"{stats.mean_accepted_per_forward:.2f} tokens per target forward, mode {result.mode}"
               f"{cut_off_note(result)}]", file=sys.stderr)
     return 0
+
+
+def checked_options(args):
+    """The options `generate` and `chat` share, checked before the model loads (bad input fails
+    in a second, not after a load); TriForce's settings (`triforce_settings`)."""
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.dsi_workers is not None and args.mode != "dsi":
+        raise InputError("--dsi-workers goes with --mode dsi")
+    if args.dsi_workers is not None and not 1 <= args.dsi_workers <= MAX_DSI_WORKERS:
+        raise InputError(f"--dsi-workers must be between 1 and {MAX_DSI_WORKERS}, got {args.dsi_workers}")
+    if args.dsi_always and args.mode != "dsi":
+        raise InputError("--dsi-always goes with --mode dsi")
+    return triforce_settings(args)
+
+
+def triforce_options(engine, args, settings, context: int):
+    """TriForce's stages for requests whose mode can be TriForce (auto included), else None;
+    the options checked against the loaded model either way."""
+    checked = _check_triforce(engine, settings, args.triforce_verify, context)
+    return checked if args.mode in ("auto", "triforce") else None
 
 
 def triforce_settings(args):

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.env_settings import folder_setting
 from ..core.errors import InputError, SpecchatError
 from ..core.files import human_size, write_atomically
 from ..core.limits import CONVERSATION_FILE
@@ -71,7 +72,7 @@ def default_folder() -> Path:
     """$SPECCHAT_DATA_DIR/conversations, else the platform's user data folder."""
     override = os.environ.get("SPECCHAT_DATA_DIR")
     if override:
-        return Path(override) / "conversations"
+        return folder_setting("SPECCHAT_DATA_DIR", override) / "conversations"
     import platformdirs
 
     return Path(platformdirs.user_data_dir("specchat", appauthor=False)) / "conversations"

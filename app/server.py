@@ -7,16 +7,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import threading
 import webbrowser
 from typing import Callable, Iterable
 
 from ..core import limits
+from ..core.errors import InputError
 from .engine_handle import EngineHandle
 from .history import HistoryStore, default_folder
 from .security import Guard
-from .slow_clients import HeadDeadlineProtocol
+from .slow_clients import HeadDeadlineProtocol, head_seconds
 from .page_head import PageHead
 from .ui import APP_CSS, SLOW_LONG_ANIMATION_LOOPS, build_ui  # first: it turns Gradio's analytics off before Gradio loads
 
@@ -57,6 +59,19 @@ def _stop_as_ctrl_c(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _check_free(host: str, port: int) -> None:
+    """An `InputError` naming the address when nothing could listen there (another specchat, or
+    another program, holds the port; an address of no interface here)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no owner
+            probe.bind(address)
+    except OSError as error:
+        raise InputError(f"cannot listen on {host}:{port}: {error.strerror or error} (is specchat already "
+                         "running there? --port N chooses another port)") from None
+
+
 def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "embedded", registry_file: str | None = None,
            host: str = DEFAULT_HOST, port: int = 7860, open_browser: bool = True, api_key: str | None = None,
            allowed_hosts: Iterable[str] = ()) -> None:
@@ -74,6 +89,8 @@ def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "e
     # 'DynamicCache'" (its lazy module is then half set up). The loading thread starts next.
     from ..core import engine  # noqa: F401
 
+    _check_free(host, port)  # before the model loads and "ready" is printed
+    head_seconds()
     handle = EngineHandle(load, model)
     store = HistoryStore(default_folder())
     app = build_app(handle, store, registry_file, api_key, host, allowed_hosts)

@@ -42,8 +42,7 @@ class HeadDeadlineProtocol(H11Protocol):
 
     def _await_a_head(self) -> None:
         self._cancel_the_deadline()
-        seconds = env_number("SPECCHAT_HEADER_SECONDS", 10.0, wanted="a positive number of seconds")
-        self._head_deadline = self.loop.call_later(seconds, self._too_slow)
+        self._head_deadline = self.loop.call_later(head_seconds(), self._too_slow)
 
     def _cancel_the_deadline(self) -> None:
         if self._head_deadline is not None:
@@ -54,3 +53,9 @@ class HeadDeadlineProtocol(H11Protocol):
         self._head_deadline = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()
+
+
+def head_seconds() -> float:
+    """How long a client may take to send a request's head: $SPECCHAT_HEADER_SECONDS, else 10 s
+    (`launch` reads it first, so a bad value fails at start, not at each connection)."""
+    return env_number("SPECCHAT_HEADER_SECONDS", 10.0, wanted="a positive number of seconds")

@@ -24,10 +24,15 @@ def read_chat_document(args) -> str | None:
     return document
 
 
-def run_chat(engine, args, document: str | None = None, stdin=sys.stdin, stdout=sys.stdout) -> int:
+def run_chat(engine, args, document: str | None = None, stdin=sys.stdin, stdout=sys.stdout, triforce=None) -> int:
     """The conversation opens with `document` (if any) ahead of the first question; each turn
-    resends the whole conversation and the engine reuses the KV of what it has seen."""
+    resends the whole conversation and the engine reuses the KV of what it has seen. `triforce`:
+    the --triforce-* settings (`generate_cmd.checked_options`), sized for the opening's length."""
+    from .generate_cmd import triforce_options
+
     params = sampling_params(args)
+    opening = (engine.count_tokens(document) if document else 0) + args.max_new_tokens
+    options = triforce_options(engine, args, triforce, opening) if triforce is not None else None
     system = [{"role": "system", "content": args.system}] if args.system else []
     saved_tokens = document_tokens(engine, system, document) if document and args.cache_document else 0
     history: list[dict] = []
@@ -47,19 +52,19 @@ def run_chat(engine, args, document: str | None = None, stdin=sys.stdin, stdout=
             print("(conversation cleared" + ("; the document stays)" if document else ")"), file=stdout)
             continue
         turn = [{"role": "user", "content": user_turn(message, document) if not history else message}]
-        answer = _answer(engine, system + history + turn, args, params, stdout, saved_tokens)
+        answer = _answer(engine, system + history + turn, args, params, stdout, saved_tokens, options)
         if answer is not None:
             history += turn + [{"role": "assistant", "content": answer}]
 
 
-def _answer(engine, messages, args, params, stdout, saved_tokens: int = 0) -> str | None:
+def _answer(engine, messages, args, params, stdout, saved_tokens: int = 0, options=None) -> str | None:
     """Stream one answer; returns its text (partial if stopped), or None if it could not start.
     Any failure ends the turn, never the conversation."""
     text, reading = "", False
     stdout.write("specchat> ")
     events = None
     try:
-        events = engine.generate(engine.chat_ids(messages), request_from_args(args, params, saved_tokens))
+        events = engine.generate(engine.chat_ids(messages), request_from_args(args, params, saved_tokens, options))
         for event in events:
             if isinstance(event, TextDelta):
                 if reading:  # clear the progress note

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from .env_settings import folder_setting
 from .errors import ModelUnavailable
 
 EMBEDDED_ID = "embedded/SmolLM2-135M-Instruct"
@@ -28,7 +29,7 @@ def cache_root() -> Path:
     """Where specchat keeps converted models: $SPECCHAT_CACHE_DIR, else the platform's user cache."""
     override = os.environ.get("SPECCHAT_CACHE_DIR")
     if override:
-        return Path(override)
+        return folder_setting("SPECCHAT_CACHE_DIR", override)
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("specchat", appauthor=False))

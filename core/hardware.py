@@ -132,7 +132,25 @@ class HardwareProfile:
             raise ValueError(f"{path}: {error}") from None
 
 
+# What a profile's sizes and rates may be: beyond these a hand-written profile holds a typo (and
+# the plan's arithmetic would overflow or divide by nothing).
+MOST_BYTES = 2 ** 60
+RATES = (1e6, 1e15)  # bytes per second: a megabyte to a petabyte
+
+
 def _check(profile: HardwareProfile) -> None:
+    sizes = {"ram_total_bytes": profile.ram_total_bytes, "ram_available_bytes": profile.ram_available_bytes,
+             **{f"GPU {gpu.index}: {name}": getattr(gpu, name) for gpu in profile.gpus
+                for name in ("vram_total_bytes", "vram_free_bytes")}}
+    for name, size in sizes.items():
+        if not _is_real(size) or not 0 <= size <= MOST_BYTES:
+            raise ValueError(f"{name} must be a number of bytes from 0 to 2**60, got {size!r}")
+    for gpu in profile.gpus:
+        for name in ("host_to_device_bytes_per_s", "device_to_host_bytes_per_s", "memory_bytes_per_s"):
+            rate = getattr(gpu, name)
+            if rate is not None and not (_is_real(rate) and RATES[0] <= rate <= RATES[1]):
+                raise ValueError(f"GPU {gpu.index}: {name} must be bytes per second from 1e6 to 1e15 "
+                                 f"(or null: not measured), got {rate!r}")
     if profile.ram_total_bytes <= 0 or not 0 <= profile.ram_available_bytes <= profile.ram_total_bytes:
         raise ValueError("RAM sizes must be positive, available at most total")
     if profile.os not in (None, "linux", "windows", "darwin"):
@@ -143,6 +161,10 @@ def _check(profile: HardwareProfile) -> None:
         rates = (gpu.host_to_device_bytes_per_s, gpu.device_to_host_bytes_per_s, gpu.memory_bytes_per_s)
         if any(rate is not None and not rate > 0 for rate in rates):
             raise ValueError(f"GPU {gpu.index}: bandwidths must be positive (or null: not measured)")
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _curves_from_dict(data: dict) -> ModelCurves:

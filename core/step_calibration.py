@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from .env_settings import env_switch
 from .files import write_atomically
 from .hardware import FORMAT_VERSION, ModelCurves, cache_dir, curves_path, probe_key, read_curves
 from .speculative.forward_times import ForwardTimes, disturbed
@@ -40,7 +40,8 @@ def contexts_for(context_length: int) -> list[int]:
 
 
 def calibration_enabled() -> bool:
-    return os.environ.get("SPECCHAT_CALIBRATE", "1") != "0"
+    """$SPECCHAT_CALIBRATE, on unless switched off (0, off, no, false)."""
+    return env_switch("SPECCHAT_CALIBRATE", True)
 
 
 def calibrated_step_times(model, model_key: str, context_length: int,

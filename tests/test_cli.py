@@ -217,3 +217,44 @@ def test_calibrate_and_bench_on_a_tiny_model(tiny_model_dir, tmp_path, monkeypat
     assert runs["tree"]["stats"]["reused_from"] == "disk" and runs["tree"]["stats"]["reused_prompt_tokens"] > 0
     assert_bad_input(specchat("generate", "--prompt", "hi", "--mode", "chain", "--draft-layers", "2"),
                      "--mode tree")
+
+
+def test_settings_and_options_that_failed_late_or_silently_fail_first(tmp_path):
+    """Each of these once loaded the model first, printed a traceback, exited 1, or was ignored."""
+    assert_bad_input(specchat("chat", "--triforce-draft", "foo", "--mode", "triforce"), "--triforce-draft must be")
+    assert_bad_input(specchat("chat", "--max-new-tokens", "0"), "--max-new-tokens must be at least 1")
+    assert_bad_input(specchat("--port", "99999", "--no-browser"), "a port is a number from 1 to 65535")
+    quiet = {"SPECCHAT_DATA_DIR": str(tmp_path), "SPECCHAT_CACHE_DIR": str(tmp_path / "cache")}
+    for variable, value, fragment in (("SPECCHAT_CALIBRATE", "of", "SPECCHAT_CALIBRATE must be one of"),
+                                      ("SPECCHAT_HEADER_SECONDS", "abc", "SPECCHAT_HEADER_SECONDS must be"),
+                                      ("SPECCHAT_CACHE_DIR", str(DATA / "gpl-3.0.txt"), "a file, not a folder")):
+        assert_bad_input(run_with({**quiet, variable: value}, "--no-browser", "--port", "7859"), fragment)
+
+
+def run_with(environment, *args):
+    import os
+
+    return subprocess.run([SPECCHAT, *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **environment})
+
+
+def test_a_port_in_use_is_named_before_the_model_loads(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        completed = run_with({"SPECCHAT_DATA_DIR": str(tmp_path)}, "--no-browser", "--port", str(port))
+    assert_bad_input(completed, f"cannot listen on 127.0.0.1:{port}", "--port N chooses another port")
+    assert "ready:" not in completed.stderr  # the model never loaded
+
+
+def test_a_reader_that_goes_away_is_no_error():
+    """`specchat models list --json | head -c 1` printed "unexpected error: BrokenPipeError"."""
+    for _ in range(3):
+        listing = subprocess.Popen([SPECCHAT, "models", "list", "--json"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        listing.stdout.read(1)
+        listing.stdout.close()  # before the rest is written
+        assert listing.wait(timeout=600) in (0, 1) and listing.stderr.read() == ""

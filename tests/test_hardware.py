@@ -61,6 +61,11 @@ def test_round_trip_with_curves():
     lambda d: d["gpus"][0].update(host_to_device_bytes_per_s=0),
     lambda d: d["gpus"][0].update(colour="green"),
     lambda d: d.update(os="beos"),
+    lambda d: d.update(ram_total_bytes="34359738368"),  # a quoted number in a hand-written profile
+    lambda d: d.update(ram_total_bytes=1e309),
+    lambda d: d["gpus"][0].update(vram_total_bytes=True),
+    lambda d: d["gpus"][0].update(memory_bytes_per_s=float("inf")),
+    lambda d: d["gpus"][0].update(host_to_device_bytes_per_s=1e-300),
 ])
 def test_a_broken_profile_is_refused(change):
     data = json.loads(_synthetic().to_json())
