@@ -17,7 +17,7 @@ from .step_calibration import IdleCalibration, calibrated_step_times, saved_step
 from .errors import InputError, ModelUnavailable, first_line
 from .kv.document_store import DocumentStore
 from .memory_release import release_cached_memory
-from .model import TransformersLM
+from .model import TransformersLM, require_bitsandbytes
 from .placement import LoadOptions, draft_options, target_options
 from .registry import Registry, UnknownPair, load_registry
 
@@ -56,6 +56,8 @@ def load_engine(model_id: str = "embedded", progress: Callable[[str], None] = pr
         raise InputError(f"--context {context:,}: {pair.id} reads at most {pair.context_length:,} tokens")
     plan = _plan(pair, registry, context or pair.context_length)
     options = target_options(plan, pair.target)
+    if options.quantization is not None:
+        require_bitsandbytes(options.quantization)  # before a download of gigabytes it could not load
     if pair.source == "embedded":
         path, name = embedded.ensure_converted(progress), embedded.EMBEDDED_ID
         weights_key = f"{embedded.EMBEDDED_ID}@conversion-{embedded.CONVERSION_VERSION}"

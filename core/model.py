@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from .env_settings import env_choice
+from .errors import ModelUnavailable
 from .hardware import cap_cuda_allocator
 from .host_embedding import compute_device, embedding_on_cpu
 from .kv.cache import KVCache
@@ -69,8 +70,22 @@ class CausalLM(Protocol):
         ...
 
 
+def require_bitsandbytes(quantization: str) -> None:
+    """`ModelUnavailable` naming what to install when a plan's quantized weights need bitsandbytes
+    and it is missing (checked before a download; transformers would fail deep in the load)."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        bits = "4-bit" if quantization == "nf4" else "8-bit"
+        raise ModelUnavailable(f"this plan keeps the weights in {bits} with bitsandbytes, which is not installed: "
+                               "`pip install bitsandbytes` (the installers add it with an NVIDIA GPU), or choose "
+                               "a smaller pair or a shorter --context")
+
+
 def _bitsandbytes(quantization: str, compute_dtype: torch.dtype, quantize_head: bool):
     from transformers import BitsAndBytesConfig
+
+    require_bitsandbytes(quantization)
 
     # bitsandbytes skips the output head unless given its own (here empty) list of modules to skip.
     skip = [] if quantize_head else None
