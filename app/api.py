@@ -27,6 +27,7 @@ from ..core.engine import Finished, TextDelta
 from ..core.errors import InputError, SpecchatError
 from ..core.request import Request as AnswerRequest  # fastapi's Request is the HTTP one
 from ..core.sampling import MAX_COUNT_PENALTY, MAX_REPETITION_PENALTY, SamplingParams
+from .documents import has_unpaired_surrogate
 from .engine_handle import EngineHandle
 from .engine_queue import Busy
 from .stop_text import StopText
@@ -259,11 +260,14 @@ def _role(message) -> str:
 
 def _content(message: dict) -> str:
     content = message.get("content")
-    if isinstance(content, str):
-        return content
     if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" for part in content):
-        return "".join(str(part.get("text", "")) for part in content)
-    raise ApiError(400, "message content must be text (a string or a list of text parts)", param="messages")
+        content = "".join(str(part.get("text", "")) for part in content)
+    if not isinstance(content, str):
+        raise ApiError(400, "message content must be text (a string or a list of text parts)", param="messages")
+    if has_unpaired_surrogate(content):  # JSON's "\ud83d" alone: no character, and no tokenizer takes it
+        raise ApiError(400, "message content holds an unpaired surrogate (half a UTF-16 pair, such as \\ud83d "
+                            "alone): send valid Unicode text", param="messages")
+    return content
 
 
 # --- the response -----------------------------------------------------------------------------

@@ -119,6 +119,16 @@ def read_bytes(path: Path, limit: Limit) -> bytes:
         raise InputError(f"cannot read {path}: {error.strerror or error}") from None
 
 
+def well_formed(text: str) -> str:
+    """`text` with each unpaired surrogate as U+FFFD: a browser's string can hold half an emoji
+    (text cut inside one), and no tokenizer takes it."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def has_unpaired_surrogate(text: str) -> bool:
+    return any("\ud800" <= character <= "\udfff" for character in text)
+
+
 def user_turn(question: str, document: str | None) -> str:
     """The user message: the document first, then the question about it."""
     question = question.strip()

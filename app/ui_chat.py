@@ -30,7 +30,7 @@ from .answer_job import answer_job, opening_document
 from .answer_stream import STARTING, answer_views
 from .conversation import (PASTED_NAME, Conversation, attachment_label, model_messages, shown_messages,
                            title_from)
-from .documents import read_document
+from .documents import read_document, well_formed
 from .edited_question import edited_question
 from .engine_handle import EngineHandle
 from .engine_queue import Ticket
@@ -96,7 +96,8 @@ class ChatLogic:
 
     def pasted_chip(self, pasted: str) -> str:
         """The attachment line for pasted text, as a file gets one ("" when nothing is pasted)."""
-        if not (pasted or "").strip():
+        pasted = well_formed(pasted or "")
+        if not pasted.strip():
             return ""
         counted = self.handle.status() == "ready"
         document = {"name": PASTED_NAME, "text": pasted, "note": "",
@@ -106,6 +107,7 @@ class ChatLogic:
     def attach(self, name: str, text: str, note: str = "") -> dict:
         """A document's text as the attachment a question carries, its tokens counted; while no
         model is ready (loading, or failed) not yet: never wait for a model to attach a file."""
+        text = well_formed(text)
         tokens = self.handle.get().count_tokens(text) if self.handle.status() == "ready" else None
         return {"name": name, "text": text, "tokens": tokens, "note": note}
 
@@ -120,7 +122,7 @@ class ChatLogic:
     def meter(self, conversation: Conversation | None, attachment: dict | None, pasted: str, message: str,
               settings: Settings) -> Meter:
         engine = self.handle.get()
-        document, question = _document_text(attachment, pasted), message or ""
+        document, question = well_formed(_document_text(attachment, pasted)), well_formed(message or "")
         asked = _turn_in_preparation(conversation, document)
         if asked is not None:  # the question and its document are in the chat already: count them once
             conversation, question = asked
@@ -136,8 +138,8 @@ class ChatLogic:
 
     def send(self, message: str, attachment: dict | None, pasted: str, conversation: Conversation | None,
              settings: Settings, session: str = "") -> Iterator[View]:
-        question = (message or "").strip()
-        if not question and attachment is None and not (pasted or "").strip():
+        question, pasted = well_formed(message or "").strip(), well_formed(pasted or "")
+        if not question and attachment is None and not pasted.strip():
             yield View(status="Type a question or attach a document.")
             return
         changed = ""
@@ -285,7 +287,7 @@ class ChatLogic:
             yield View(conversation=conversation, status="Only your own messages can be edited.")
             return
         content = edited_question(conversation.messages[index]["content"],
-                                  shown_messages(conversation)[index]["content"], text)
+                                  shown_messages(conversation)[index]["content"], well_formed(text))
         edited = dict(conversation.messages[index], content=content)
         edited.pop("left_out", None)  # a question asked again is read again
         conversation.messages[index:] = [edited]

@@ -138,6 +138,7 @@ def sse_text(response: httpx.Response) -> tuple[str, list[dict]]:
     ({"messages": FRANCE, "stop": 3}, "stop", "non-empty string"),
     ({"messages": FRANCE, "stop": [""]}, "stop", "non-empty string"),
     ({"messages": FRANCE, "n": 2}, "n", "n = 1"),
+    (b'{"messages": [{"role": "user", "content": "half \\ud83d an emoji"}]}', "messages", "unpaired surrogate"),
 ])
 def test_malformed_requests_are_400s_in_openai_shape(server, body, param, words):
     error = refused(post(server, body))

@@ -461,3 +461,14 @@ def test_a_question_that_could_not_be_saved_is_only_in_the_box(logic, monkeypatc
     monkeypatch.undo()
     run(logic.send("Second question", None, "", conversation, SETTINGS))
     assert [m["content"] for m in saved(logic).messages if m["role"] == "user"] == ["First question", "Second question"]
+
+
+def test_half_an_emoji_from_the_page_is_a_replacement_character_not_an_error(logic):
+    """A browser's string can hold an unpaired surrogate (text cut inside an emoji); the tokenizer
+    raised TypeError on it, shown as "unexpected error"."""
+    broken = "Is this \ud83d fine?"
+    assert "tokens** (prompt + the answer limit)" in logic.meter_text(None, None, broken, broken, SETTINGS)
+    views = run(logic.send(broken, None, broken, None, SETTINGS))
+    (question, answer) = saved(logic).messages
+    assert question["content"] == "Is this \ufffd fine?" and question["document"]["text"] == "Is this \ufffd fine?"
+    assert answer["content"] and not views[-1].status
