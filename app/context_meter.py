@@ -101,19 +101,33 @@ def cut_document(tokenizer, text: str, remove_tokens: int, where: str) -> tuple[
         raise InputError(f"the document cannot be cut enough: it has {len(ids):,} tokens and "
                          f"{remove_tokens:,} must go, which leaves nothing worth keeping; start a new "
                          "conversation or choose a longer-context pair")
-    marker = cut_marker(cut)
     keep = len(ids) - cut
+    # Each edge moves (a token or three) to where no character's bytes are split, cutting more.
     if where == "start":
-        return f"{marker}\n\n{_decode(tokenizer, ids[cut:])}", cut
+        start = _whole_characters(tokenizer, ids, cut, 1)
+        return f"{cut_marker(start)}\n\n{_decode(tokenizer, ids[start:])}", start
     if where == "end":
-        return f"{_decode(tokenizer, ids[:keep])}\n\n{marker}", cut
-    head = (keep + 1) // 2
-    return f"{_decode(tokenizer, ids[:head])}\n\n{marker}\n\n{_decode(tokenizer, ids[head + cut:])}", cut
+        end = _whole_characters(tokenizer, ids, keep, -1)
+        return f"{_decode(tokenizer, ids[:end])}\n\n{cut_marker(len(ids) - end)}", len(ids) - end
+    head = _whole_characters(tokenizer, ids, (keep + 1) // 2, -1)
+    tail = _whole_characters(tokenizer, ids, (keep + 1) // 2 + cut, 1)
+    marker = cut_marker(tail - head)
+    return f"{_decode(tokenizer, ids[:head])}\n\n{marker}\n\n{_decode(tokenizer, ids[tail:])}", tail - head
+
+
+def _whole_characters(tokenizer, ids: list[int], index: int, step: int) -> int:
+    """`index` moved by `step` until the ids before it end on a whole character: byte-level
+    tokens can split a character (an emoji, a CJK one) over up to four tokens, and a slice ending
+    inside one decodes to U+FFFD, the character lost from both sides."""
+    for _ in range(4):
+        if not 0 < index < len(ids) or not tokenizer.decode(ids[max(0, index - 4):index]).endswith("\ufffd"):
+            break
+        index += step
+    return index
 
 
 def _decode(tokenizer, ids: list[int]) -> str:
-    """Text of a slice of ids; a slice can split a character's bytes, which decode as U+FFFD."""
-    return tokenizer.decode(ids).strip().strip("\ufffd").strip()
+    return tokenizer.decode(ids).strip()
 
 
 def split_document(tokenizer, text: str, part_tokens: int) -> list[str]:
@@ -128,6 +142,7 @@ def split_document(tokenizer, text: str, part_tokens: int) -> list[str]:
             cut = window.rfind("\n", len(window) * 3 // 4)
             if cut > 0:
                 end = start + len(tokenizer.encode(window[:cut], add_special_tokens=False))
+            end = _whole_characters(tokenizer, ids, end, 1)
         parts.append(_decode(tokenizer, ids[start:end]))
         start = end
     return [part for part in parts if part]

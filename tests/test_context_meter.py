@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from specchat.app.context_meter import CUTS, MIN_ANSWER, Meter, cut_document, cut_marker, describe, measure
+from specchat.app.context_meter import (CUTS, MIN_ANSWER, Meter, cut_document, cut_marker, describe, measure,
+                                        split_document)
 from specchat.core.engine import Engine
 from specchat.core.errors import InputError
 
@@ -134,6 +135,19 @@ def test_cutting_the_excess_makes_the_conversation_fit(tokenizer):
     for where in CUTS:
         shorter, _ = cut_document(tokenizer, DOCUMENT, over.excess, where)
         assert not measure(engine, "", HISTORY, shorter, "Q?", 256).over
+
+
+def test_parts_and_cuts_never_split_a_character(tokenizer):
+    """Emoji and CJK characters span several byte-level tokens: a part or a cut ending inside one
+    lost it from both sides (36 of 6,300 characters over 109 parts)."""
+    text = ("日本語の文章です。" * 200 + "\n") * 3 + "🙂🙃😀" * 300
+    characters = "".join(text.split())
+    parts = split_document(tokenizer, text, 100)
+    assert len(parts) > 50 and "".join("".join(parts).split()) == characters
+    for where in CUTS:
+        kept, removed = cut_document(tokenizer, text, 500, where)
+        assert "\ufffd" not in kept and removed >= 500
+        assert cut_marker(removed) in kept
 
 
 def test_nothing_to_remove_leaves_the_document_alone(tokenizer):
