@@ -459,6 +459,22 @@ def test_plan_command_refusal_json_exits_2(capsys):
     # the automatic precision at this context, a shorter context, or a smaller pair
 
 
+def test_a_pair_whose_weights_never_fit_is_not_searched_for_a_shorter_context(monkeypatch):
+    """A refusal on a small machine took 0.7 s (a binary search over every context for each pair
+    whose weights alone do not fit); the shortest context is tried first."""
+    from specchat.core.planning import plan as planning
+
+    profile = PROFILES["laptop-rtx4060-8gb"]
+    tiny = dataclasses.replace(profile, ram_total_bytes=4 * 2**30, ram_available_bytes=3 * 2**30, gpus=tuple(
+        dataclasses.replace(gpu, vram_total_bytes=2 * 2**30, vram_free_bytes=2 * 2**30) for gpu in profile.gpus))
+    tried = []
+    real = planning._plans
+    monkeypatch.setattr(planning, "_plans", lambda profile, pair, context, overrides:
+                        tried.append(context) or real(profile, pair, context, overrides))
+    assert planning._longest_context(tiny, REGISTRY.get("llama3.1-8b"), 131071, Overrides()) is None
+    assert tried == [1024]
+
+
 def test_precision_before_the_subcommand_reaches_the_plan(capsys, monkeypatch):
     """`specchat --precision exact plan ...` planned with auto: plan's own option overwrote it."""
     monkeypatch.delenv("SPECCHAT_PRECISION", raising=False)

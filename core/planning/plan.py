@@ -210,6 +210,10 @@ def _longest_context(profile: HardwareProfile, pair: ModelPair, most: int, overr
     """The longest whole number of 1,024-token blocks up to `most` that plans (binary search:
     memory only grows with the context), or None."""
     low, high = 0, most // 1024  # low plans (0 = none found), high + 1 does not
+    if high:  # the shortest first: where even it does not plan (the weights alone), no search
+        if not _plans(profile, pair, 1024, overrides):
+            return None
+        low = 1
     while low < high:
         middle = (low + high + 1) // 2
         if _plans(profile, pair, middle * 1024, overrides):
