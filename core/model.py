@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from .env_settings import env_choice
+from .env_settings import env_switch
 from .errors import ModelUnavailable
 from .hardware import cap_cuda_allocator
 from .host_embedding import compute_device, embedding_on_cpu
@@ -255,7 +255,7 @@ class TransformersLM:
         GPU; None on the CPU or with `SPECCHAT_CUDA_GRAPHS=off`. `set_step_graphs` sets it."""
         if self._graphs is None and self._graphs_wanted is None:
             self._graphs_wanted = (self.device.type == "cuda"
-                                   and env_choice("SPECCHAT_CUDA_GRAPHS", ("on", "off"), "on") == "on")
+                                   and env_switch("SPECCHAT_CUDA_GRAPHS", True))
             if self._graphs_wanted:
                 self._graphs = StepGraphs(self.hf, self._cache_argument, capture=True)
         return self._graphs
