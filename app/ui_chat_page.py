@@ -149,10 +149,24 @@ def render(page: ChatPage, view: View, choices: Callable[[], list[tuple[str, str
     if view.preset is not None and view.preset in PRESETS:
         drawn[page.preset] = view.preset
     saved = view.settings or {}
-    drawn |= {component: saved[name] for name, component in page.kept_settings.items() if name in saved}
+    drawn |= {component: saved[name] for name, component in page.kept_settings.items()
+              if name in saved and _takes(component, saved[name])}
     if view.deleted is not None:
         drawn[page.undo] = gr.update(visible=bool(view.deleted))
     return drawn
+
+
+def _takes(component, value) -> bool:
+    """Whether `component` takes `value`: a saved setting out of a slider's range or a radio's
+    choices (a file edited by hand, or saved by another version) would fail every later send in
+    Gradio's input check; such a setting keeps the page's value instead."""
+    if isinstance(component, gr.Radio):
+        return value in [choice for _, choice in component.choices]
+    if isinstance(component, (gr.Slider, gr.Number)):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            (component.minimum is None or value >= component.minimum) and \
+            (component.maximum is None or value <= component.maximum)
+    return value is None or isinstance(value, (str, int, float))  # the seed's box: blank, or a number
 
 
 def _answer_controls(page: ChatPage, chat, streaming: bool) -> dict:

@@ -199,3 +199,16 @@ def test_continue_says_why_it_cannot_go_on(logic):
     views = run(logic.continue_answer(conversation, GREEDY))
     assert views[-1].status.startswith("⚠️ the prompt is") and "reads at most 256" in views[-1].status
     assert saved(logic).messages[-1] == cut == conversation.messages[-1]
+
+
+def test_a_saved_setting_the_page_cannot_take_keeps_the_pages_value(logic):
+    """A conversation edited by hand, or saved by another version, with a value out of a slider's
+    range or a radio's choices: Gradio's input check would refuse every later send."""
+    with gr.Blocks():
+        page = chat_page(lambda: "")
+    conversation = run(logic.send("Hello", None, "", None, seeded(1)))[-1].conversation
+    settings = {"max_new_tokens": 100_000, "mode": "warp", "temperature": 0.7, "seed": "5", "top_k": -3}
+    drawn = render(page, View(conversation=conversation, settings=settings), list)
+    assert drawn[page.temperature] == 0.7 and drawn[page.seed] == "5"
+    for component in (page.max_new_tokens, page.mode, page.top_k):
+        assert drawn[component] == gr.update()
