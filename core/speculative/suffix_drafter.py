@@ -63,7 +63,8 @@ class SuffixDrafter(QueryBlind):
     """Both a `Drafter` (chain) and a `TreeDrafter`. It indexes the committed text incrementally:
     the prompt once per answer (or nothing new when a follow-up's prompt extends what it indexed),
     then each step's committed tokens. `history`, when given, is consulted too and wins when it
-    holds a longer match than the conversation.
+    holds a longer match than the conversation; not for a seeded sampled answer, whose random
+    numbers a draft that changed with the history would spend differently: it must repeat.
 
     Tree size follows the evidence (SuffixDecoding's spec factor): at most
     `drafts_per_matched_token` drafts per matched token, up to `max_nodes`, and no node whose
@@ -88,7 +89,7 @@ class SuffixDrafter(QueryBlind):
         above). Its kind: the matched length's power-of-two level, negative for a match in the
         history, so the cost model learns each kind's acceptance apart."""
         self._sync(state)
-        match = self._best_match(seq)
+        match = self._best_match(seq, state)
         path = self._most_frequent_path(match, max_tokens) if match.length and max_tokens > 0 else []
         if not path:
             return None
@@ -99,7 +100,7 @@ class SuffixDrafter(QueryBlind):
         """A deterministic tree (q=None) rooted at the last committed token, at most `budget - 1`
         levels deep so a step never commits more than `budget` tokens."""
         self._sync(state)
-        match = self._best_match(state.ids)
+        match = self._best_match(state.ids, state)
         if not match.length or budget < 2:
             return None
         drafts = min(self.max_nodes - 1, self.drafts_per_matched_token * match.length)
@@ -128,10 +129,11 @@ class SuffixDrafter(QueryBlind):
             self.index.extend(ids[done:].tolist())
         self._state, self._indexed = state, ids
 
-    def _best_match(self, seq: torch.Tensor) -> Match:
+    def _best_match(self, seq: torch.Tensor, state) -> Match:
         query = seq[-MAX_MATCH:].tolist()
         match = self.index.match(query)
-        if self.history is not None:
+        seeded = state.params.seed is not None and state.params.temperature > 0
+        if self.history is not None and not seeded:
             earlier = self.history.match(query)
             if earlier.length > match.length:
                 return earlier
