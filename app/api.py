@@ -148,9 +148,15 @@ def _job(options: Options):
 
 def _until_stop(events: Iterator, stop: StopText, cancel) -> Iterator:
     """The events with the text cut before the first stop string; generation is cancelled
-    once one is seen, and the answer then ends with finish_reason "stop"."""
+    once one is seen, and the answer then ends with finish_reason "stop", its tokens those
+    written until the stop string was complete: a speculative step commits several tokens at
+    once, and those past it would make the usage depend on the mode."""
+    written, starts = "", []  # the answer's text as written, and where each token's text starts
     for event in events:
         if isinstance(event, TextDelta):
+            for (text, _), _ in zip(event.pieces, event.token_ids):
+                starts.append(len(written))
+                written += text
             shown = stop.feed(event.text)
             if stop.matched:
                 cancel.set()
@@ -160,8 +166,13 @@ def _until_stop(events: Iterator, stop: StopText, cancel) -> Iterator:
             tail = stop.finish()
             if tail:
                 yield TextDelta(tail, [], event.result.stats)
-            reason = "stop" if stop.matched else event.result.finish_reason
-            yield Finished(replace(event.result, text=stop.text, finish_reason=reason))
+            result = replace(event.result, text=stop.text)
+            if stop.matched:
+                end = stop.end_in(written)
+                kept = sum(start < end for start in starts) if len(starts) == len(result.token_ids) else None
+                result = replace(result, finish_reason="stop", **({} if kept is None else {
+                    "token_ids": result.token_ids[:kept], "new_tokens": kept}))
+            yield Finished(result)
         else:
             yield event
 

@@ -29,6 +29,13 @@ class StopText:
         self._held = pending[len(pending) - held:] if held else ""
         return self._show(pending[:len(pending) - held])
 
+    def end_in(self, written: str) -> int:
+        """Where the stop string that ended the answer ends in `written`, the text the answer was
+        cut from (its length when none did)."""
+        cut = len(self.text)
+        ends = [cut + len(stop) for stop in self.stops if written.startswith(stop, cut)]
+        return min(ends, default=len(written))
+
     def finish(self) -> str:
         """The held text, once the answer has ended without a stop string."""
         held, self._held = self._held, ""

@@ -43,3 +43,36 @@ def test_any_split_gives_the_same_answer(cut):
     text = "one two three four"
     shown, stop = stream(["three", "our"], [text[:cut], text[cut:]])
     assert stop.text == "one two "
+
+
+def _answer(steps: list[list[str]], stops: list[str]):
+    """An answer streamed a step at a time (each step commits its tokens' texts at once), through
+    the API's stop strings; the result it ends with."""
+    import threading
+
+    from specchat.app.api import _until_stop
+    from specchat.core.engine import Finished, Result, Stats, TextDelta
+
+    def events():
+        ids = iter(range(1000))
+        committed = []
+        for step in steps:
+            step_ids = [next(ids) for _ in step]
+            committed += step_ids
+            yield TextDelta("".join(step), step_ids, Stats(), tuple((text, "draft") for text in step))
+        yield Finished(Result("".join(map("".join, steps)), committed, 3, len(committed), "chain", "length"))
+
+    *_, finished = _until_stop(events(), StopText(stops), threading.Event())
+    return finished.result
+
+
+def test_the_usage_counts_the_tokens_until_the_stop_string_whatever_a_step_committed_after():
+    """A speculative step commits several tokens at once: those past the stop string were counted,
+    so the same request reported other completion_tokens in each mode."""
+    one_at_a_time = _answer([["Hel"], ["lo"], [" wor"], ["ld"], ["!"]], ["wor"])
+    at_once = _answer([["Hel", "lo"], [" wor", "ld", "!"]], ["wor"])
+    assert one_at_a_time.text == at_once.text == "Hello "
+    assert one_at_a_time.new_tokens == at_once.new_tokens == 3 and at_once.token_ids == [0, 1, 2]
+    assert one_at_a_time.finish_reason == at_once.finish_reason == "stop"
+    unmatched = _answer([["Hel", "lo"], [" wor", "ld"]], ["xyz"])
+    assert unmatched.new_tokens == 4 and unmatched.finish_reason == "length"
