@@ -16,6 +16,8 @@ import threading
 import weakref
 from collections import OrderedDict
 
+from ..core.chat_text import inert_control_tokens
+
 KEPT = 4096  # counts kept per tokenizer: far more messages than a conversation within the limit holds
 # A conversation whose cut at special tokens must count as it does whole, or the cut is not used.
 PROBE = [{"role": "system", "content": " Be brief.  "},
@@ -58,7 +60,8 @@ class TokenCounter:
         return self._piecewise(text) if self._pieces_add_up else self.count(text)
 
     def _render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(inert_control_tokens(messages, self.tokenizer),
+                                                  add_generation_prompt=True, tokenize=False)
 
     def _piecewise(self, text: str) -> int:
         # re.split with a group alternates stretches (even places) and added tokens (odd places).

@@ -13,6 +13,7 @@ from typing import Callable, Generator, Iterator
 
 import torch
 
+from .chat_text import inert_control_tokens
 from .decoding import TriforceSettings, decode, make_decoder, prefill, triforce_decoder
 from .errors import InputError, SpecchatError
 from .interrupt import Cancelled
@@ -170,8 +171,10 @@ class Engine:
         return min(self.model.context_length, self.plan.context) if self.plan is not None else self.model.context_length
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation ([{"role", "content"}]) ready for the assistant's turn."""
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        """Token ids of a conversation ([{"role", "content"}]) ready for the assistant's turn; a
+        control token written in a message stays text (`chat_text`)."""
+        encoded = self.tokenizer.apply_chat_template(inert_control_tokens(messages, self.tokenizer),
+                                                     add_generation_prompt=True, tokenize=True)
         ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         return list(ids)
 
