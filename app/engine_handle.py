@@ -26,6 +26,8 @@ class EngineHandle:
         self._ready = threading.Event()
         self._engine = None
         self._error: Exception | None = None
+        self._loaded: str | None = None  # the model last loaded: what a failed switch goes back to
+        self._switch_failure = ""  # why the last switch failed, once it went back ("": none)
         self.model = model
         self._line = EngineLine(self.get, max_waiting, stall_seconds, idle_work=self._idle_work)
         self._start(model)
@@ -38,14 +40,26 @@ class EngineHandle:
         threading.Thread(target=self._load, args=(model, ready), daemon=True).start()
 
     def _load(self, model: str, ready: threading.Event) -> None:
-        engine, error = None, None
+        engine, error, failure_note = None, None, ""
         try:
             engine = self._load_model(model, lambda line: self._note(line, ready))
         except Exception as failure:  # shown in the app instead of killing the server
             error = failure
+        back = self._loaded
+        if error is not None and back not in (None, model):  # a failed switch: the chat keeps a model
+            self._note(f"could not load {model} ({error}); loading {back} again…", ready)
+            try:
+                engine = self._load_model(back, lambda line: self._note(line, ready))
+                failure_note = f"could not switch to {model}: {error}; back on {back}"
+                error, model = None, back
+            except Exception:  # the previous model does not load either: the first failure is the story
+                pass
         with self._lock:
             if self._ready is ready:  # a later switch supersedes this load
-                self._engine, self._error = engine, error
+                self._engine, self._error, self.model = engine, error, model
+                self._switch_failure = failure_note
+                if error is None:
+                    self._loaded = model
             ready.set()
         self._line.wake()  # its first calibration may wait for idle time
 
@@ -90,6 +104,11 @@ class EngineHandle:
             if not self._ready.is_set():
                 return "loading"
             return f"failed: {self._error}" if self._error is not None else "ready"
+
+    def switch_note(self) -> str:
+        """Why the last switch failed and the chat went back to the model before ("" when none)."""
+        with self._lock:
+            return f"⚠️ {self._switch_failure}" if self._switch_failure and self._ready.is_set() else ""
 
     def calibration_note(self) -> str:
         """While the first launch measures this machine's step times between answers, a few words

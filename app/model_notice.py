@@ -53,15 +53,16 @@ class ModelNotice:
         problem = self.downloads.start(pair)
         if problem:
             return problem
-        threading.Thread(target=self._switch_when_downloaded, args=(pair,), daemon=True,
+        threading.Thread(target=self._switch_when_downloaded, args=(pair, self.handle.model), daemon=True,
                          name=f"switch-to-{pair.id}").start()
         return ""
 
-    def _switch_when_downloaded(self, pair: ModelPair) -> None:
+    def _switch_when_downloaded(self, pair: ModelPair, in_use: str) -> None:
+        """Switch once the download ends, unless the user chose another model meanwhile."""
         while self.downloads.downloading(pair.id):
             threading.Event().wait(0.5)
         snapshot = self.downloads.snapshot()
-        if snapshot.pair_id == pair.id and snapshot.state == "downloaded":
+        if snapshot.pair_id == pair.id and snapshot.state == "downloaded" and self.handle.model == in_use:
             self.handle.switch(pair.id)
 
     def line(self) -> str:
@@ -73,7 +74,7 @@ class ModelNotice:
             return f"Model: {name} · ⏳ loading…" + (f" {progress}" if progress else "")
         if status != "ready":
             return f"⚠️ Model: {name} could not be loaded: {status.removeprefix('failed: ')}"
-        ready = " · ".join(["ready", *filter(None, [self.handle.calibration_note()])])
+        ready = " · ".join(["ready", *filter(None, [self.handle.switch_note(), self.handle.calibration_note()])])
         if self.handle.model != EMBEDDED:
             return f"Model: {name} · {ready}"
         advice = self._advice if self._advice is not None else "Checking which larger pair this machine runs…"

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..core.download import DownloadProgress, download_pair
+from ..core.download import DownloadCancelled, DownloadProgress, download_pair
 from ..core.model_cache import model_status
 from ..core.errors import SpecchatError, first_line
 from ..core.files import human_size
@@ -47,10 +47,6 @@ PAIR_COLUMN_WIDTHS = ["12%", "19%", "11%", "8%", "12%", "28%", "10%"]
 # ---- a download in the background -----------------------------------------------------------
 
 
-class DownloadCancelled(Exception):
-    """Raised from the progress callback to stop a download; its partial file stays, to resume."""
-
-
 @dataclass(frozen=True)
 class DownloadSnapshot:
     """The download panel at one moment."""
@@ -64,9 +60,9 @@ class DownloadSnapshot:
 class PairDownload:
     """One pair's download at a time, in a background thread; the page polls `snapshot()`.
 
-    download_pair has no stop of its own, but it reports progress between chunks: cancelling sets
-    a flag that the progress callback turns into `DownloadCancelled`, which ends the transfer
-    mid-file with the partial file kept, so the next download resumes it.
+    Cancelling sets the download's `cancel` event: the progress callback turns it into
+    `DownloadCancelled` between chunks, and download_pair checks it between tries and while a
+    stalled connection waits; the partial file is kept, so the next download resumes it.
     """
 
     def __init__(self, endpoint: str | None = None):
@@ -130,7 +126,7 @@ class PairDownload:
     def _download(self, pair: ModelPair) -> None:
         state, error = "downloaded", ""
         try:
-            download_pair(pair, self._report, endpoint=self.endpoint)
+            download_pair(pair, self._report, endpoint=self.endpoint, cancel=self._cancel)
         except DownloadCancelled:
             state = "cancelled"
         except SpecchatError as failure:  # DownloadError, NotDownloaded (offline): their sentence
@@ -231,8 +227,8 @@ def status_markdown(handle: EngineHandle, registry: Registry) -> str:
         progress = handle.progress()
         return f"Loading {label}…" + (f" {progress}" if progress else "")
     if status == "ready":
-        note = handle.calibration_note()
-        return f"Loaded: {label}" + (f" · {note}" if note else "")
+        notes = " · ".join(filter(None, [handle.switch_note(), handle.calibration_note()]))
+        return f"Loaded: {label}" + (f" · {notes}" if notes else "")
     return f"⚠️ {label} could not be loaded: {status.removeprefix('failed: ')}"
 
 

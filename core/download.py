@@ -20,6 +20,7 @@ import errno
 import hashlib
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,9 +57,17 @@ class DownloadProgress:
 ProgressCallback = Callable[[DownloadProgress], None]
 
 
+class DownloadCancelled(Exception):
+    """The download was cancelled (its `cancel` set, or its progress callback raised this); the
+    partial file stays, to resume."""
+
+
 def download_pair(pair: ModelPair, progress: ProgressCallback | None = None, token: str | None = None,
-                  offline: bool | None = None, endpoint: str | None = None) -> dict[str, Path]:
+                  offline: bool | None = None, endpoint: str | None = None,
+                  cancel: threading.Event | None = None) -> dict[str, Path]:
     """Make every model of a hub pair available locally: {"target": path, "draft": path}.
+    `cancel`: set, the download stops with `DownloadCancelled` (at once between tries, within
+    the Hub timeout when a connection stalls).
 
     A pair already downloaded and verified is returned from the cache without any request.
     Offline (the argument, or `HF_HUB_OFFLINE=1`) it only looks in the cache. Otherwise it lists
@@ -72,8 +81,9 @@ def download_pair(pair: ModelPair, progress: ProgressCallback | None = None, tok
     if offline or all(model_status(model).complete for model in roles.values()):
         # A complete, verified download needs no network: it loads while the Hub is down.
         return {role: local_model_path(model, pair.id) for role, model in roles.items()}
-    hub = _Hub(pair, token, endpoint)
+    hub = _Hub(pair, token, endpoint, cancel)
     plans = {role: _plan(model, hub) for role, model in roles.items()}
+    hub.stop_if_cancelled()
     _check_disk_space(sum(plan.missing_bytes for plan in plans.values()))
     counter = _ProgressCounter(progress, sum(plan.total_bytes for plan in plans.values()),
                                sum(plan.cached_bytes for plan in plans.values()))
@@ -86,9 +96,21 @@ class _Hub:
     pair: ModelPair
     token: str | None
     endpoint: str | None
+    cancel: threading.Event | None = None
 
     def call(self, model: ModelSpec, call):
         return _hub_call(call, model, self.pair)
+
+    def stop_if_cancelled(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise DownloadCancelled()
+
+    def pause(self, seconds: float) -> None:
+        """Wait before the next try; a cancel ends the wait at once."""
+        if self.cancel is None:
+            time.sleep(seconds)
+        elif self.cancel.wait(seconds):
+            raise DownloadCancelled()
 
 
 @dataclass(frozen=True)
@@ -211,6 +233,7 @@ def _transfer(model: ModelSpec, file: _RemoteFile, part: Path, hub: _Hub, counte
 
     url = hf_hub_url(model.repo, file.name, revision=model.revision, endpoint=hub.endpoint)
     for attempt, pause in enumerate(RETRY_PAUSES + (None,)):
+        hub.stop_if_cancelled()
         start = part.stat().st_size if part.exists() else 0
         if start >= file.size:
             return
@@ -231,13 +254,14 @@ def _transfer(model: ModelSpec, file: _RemoteFile, part: Path, hub: _Hub, counte
         except OSError as error:
             raise _write_error(error, model, file, part) from None
         except httpx2.TransportError as error:
+            hub.stop_if_cancelled()  # a stalled connection cancelled meanwhile: no "failed after N tries"
             if pause is None:
                 raise DownloadError(
                     f"downloading {model.repo} {file.name} failed after {attempt + 1} tries ({type(error).__name__}); "
                     f"{human_size(part.stat().st_size if part.exists() else 0)} are kept: run the download again to "
                     "resume") from None
         if pause is not None:
-            time.sleep(pause)
+            hub.pause(pause)
     raise DownloadError(f"downloading {model.repo} {file.name} kept ending early; run the download again to resume")
 
 

@@ -227,6 +227,27 @@ def test_a_model_that_failed_to_load_fails_each_job_with_its_reason():
         handle.close()
 
 
+def test_a_switch_that_fails_goes_back_to_the_model_before_and_says_why():
+    """"Use this pair" on one that cannot load (out of memory, broken weights) left the chat with
+    no model at all, a local model folder not even in the list to choose again."""
+    def load(model, progress):
+        if model == "broken":
+            raise OSError("CUDA out of memory")
+        return f"engine:{model}"
+
+    handle = EngineHandle(load, "./my-model")
+    try:
+        assert handle.get(WAIT) == "engine:./my-model" and handle.switch_note() == ""
+        handle.switch("broken")
+        assert handle.get(WAIT) == "engine:./my-model" and handle.model == "./my-model"
+        assert handle.status() == "ready"
+        assert handle.switch_note() == "⚠️ could not switch to broken: CUDA out of memory; back on ./my-model"
+        handle.switch("other")
+        assert handle.get(WAIT) == "engine:other" and handle.switch_note() == ""
+    finally:
+        handle.close()
+
+
 # --- the engine itself, on the tiny model -------------------------------------------------------
 
 @pytest.fixture(scope="module")

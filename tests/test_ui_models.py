@@ -227,6 +227,32 @@ def test_a_cancelled_download_keeps_its_part_and_resumes(hub, caches, models_fil
     assert ranges == [None, f"bytes={kept}-"]  # resumed from the kept part
 
 
+def test_cancel_ends_a_stalled_download_at_once_not_after_its_retries(hub, caches, models_file, tiny_model_dir,
+                                                                      tiny_pair, monkeypatch):
+    """With no byte arriving, the progress callback never ran: Cancel waited out every try (83 s
+    at the defaults) and the download then ended as "failed after 6 tries"."""
+    import time
+
+    from huggingface_hub import constants
+
+    from specchat.core import download
+
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)  # each stalled try times out in 1 s
+    monkeypatch.setattr(download, "RETRY_PAUSES", (30.0,) * 5)  # a pause a cancel must cut short
+    panel = panel_for(models_file, str(tiny_model_dir), endpoint=hub.endpoint)
+    size = len(tiny_pair.target.files["model.safetensors"])
+    hub.stall(TARGET_WEIGHTS, size // 3)
+    with hub_online():
+        panel.download("tiny")
+        hub.wait_for_bytes(TARGET_WEIGHTS, size // 3)
+        time.sleep(1.5)  # the first try timed out: the download pauses before the next
+        cancelled = time.monotonic()
+        assert panel.downloads.cancel() == ""
+        ended = wait_until_ended(panel.downloads, timeout=30)
+        assert ended.state == "cancelled" and time.monotonic() - cancelled < 5
+        hub.unstall(TARGET_WEIGHTS)
+
+
 def test_a_broken_download_reports_its_error(hub, caches, models_file, tiny_model_dir):
     panel = panel_for(models_file, str(tiny_model_dir), endpoint=hub.endpoint)
     hub.corrupt(TARGET_WEIGHTS)
@@ -379,6 +405,25 @@ def test_the_demonstration_model_says_so_and_one_click_downloads_the_recommended
     wait_for(lambda: handle.status() == "ready", timeout=30, what="the new pair")
     assert asked == ["embedded", "tiny"] and notice.line() == "Model: **Tiny test pair** · ready"
     assert not notice.offers_download()
+
+
+def test_a_download_that_ends_after_the_user_chose_another_model_switches_nothing(models_file):
+    """The one-click pair downloads in the background: a pair the user chose meanwhile ("Use this
+    pair") was replaced when the download ended."""
+    from specchat.app.model_notice import ModelNotice
+
+    handle = EngineHandle(lambda model, progress: f"engine:{model}", "embedded")
+    finished = SimpleNamespace(downloading=lambda pair_id: False,
+                               snapshot=lambda: SimpleNamespace(pair_id="tiny", state="downloaded"))
+    profile = HardwareProfile.load(PROFILES / "rtx4090-24gb.json")
+    notice = ModelNotice(handle, str(models_file), finished, profile=lambda: profile)
+    tiny = load_registry(models_file).get("tiny")
+    handle.get(10)
+    handle.switch("user-choice")  # while the download ran
+    notice._switch_when_downloaded(tiny, "embedded")
+    assert handle.model == "user-choice" and handle.get(10) == "engine:user-choice"
+    notice._switch_when_downloaded(tiny, "user-choice")  # nothing chosen meanwhile: it switches
+    assert handle.model == "tiny"
 
 
 def test_without_a_pair_that_runs_well_the_line_says_why():
