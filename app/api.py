@@ -41,9 +41,10 @@ UNSUPPORTED = ("tools", "functions", "logprobs", "response_format")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
+        self.status, self.kind, self.param, self.headers = status, kind, param, headers
 
 
 class ClientGone(Exception):
@@ -67,8 +68,15 @@ def add_api(app: FastAPI, handle: EngineHandle) -> None:
     @router.get("/models")
     async def models() -> dict:
         engine = await _engine(handle)
-        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": 0,
-                                            "owned_by": "specchat"}]}
+        return {"object": "list", "data": [_model(engine.name)]}
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        engine = await _engine(handle)
+        if model_id != engine.name:
+            raise ApiError(404, f"model {model_id!r} is not served here; this server runs {engine.name!r}",
+                           "not_found_error", "model")
+        return _model(engine.name)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -93,9 +101,20 @@ def add_api(app: FastAPI, handle: EngineHandle) -> None:
             if not streaming:
                 ticket.close()  # a no-op once the answer is complete
 
+    # Last: any other path or method under /v1 would reach the page's app (Gradio), whose 404 is
+    # not in the API's error shape.
+    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
+    async def elsewhere(path: str, request: Request):
+        methods = {"models": "GET", "chat/completions": "POST"}
+        if path.strip("/") in methods:
+            raise ApiError(405, f"{request.method} is not allowed on /v1/{path.strip('/')}: use "
+                                f"{methods[path.strip('/')]}", headers={"Allow": methods[path.strip("/")]})
+        raise ApiError(404, f"there is no /v1/{path}: this server answers GET /v1/models and POST "
+                            "/v1/chat/completions", "not_found_error")
+
     @app.exception_handler(ApiError)
     def api_error(_request, error: ApiError):
-        return _error(error.status, str(error), error.kind, error.param)
+        return _error(error.status, str(error), error.kind, error.param, error.headers)
 
     @app.exception_handler(SpecchatError)
     def specchat_error(_request, error: SpecchatError):
@@ -234,10 +253,13 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
     value = body.get(name)
     if value is None:
         return default
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not number or not (low < value if open_low else low <= value) or value > high:
+    # In range before isfinite: an integer too large for a float raised OverflowError there (a 500).
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not (low < value if open_low else low <= value) or value > high or not math.isfinite(value):
         interval = f"{'(' if open_low else '['}{low:g}, {high:g}]"
-        raise ApiError(400, f"{name} must be a number in {interval}, got {value!r}", param=name)
+        shown = repr(value) if not isinstance(value, int) or abs(value) < 10 ** 30 else "a number of {} digits".format(
+            len(str(abs(value))))
+        raise ApiError(400, f"{name} must be a number in {interval}, got {shown}", param=name)
     return float(value)
 
 
@@ -286,6 +308,10 @@ def _content(message: dict) -> str:
 def _error(status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status,
                         headers=headers)
+
+
+def _model(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "specchat"}
 
 
 def _completion_id() -> str:

@@ -47,7 +47,7 @@ def streamed_text(client, question: str, max_tokens: int = 12) -> str:
 
 
 def test_models_and_an_answer(client):
-    assert [model.id for model in client.models.list()] == [MODEL]
+    assert [model.id for model in client.models.list()] == [MODEL] and client.models.retrieve(MODEL).id == MODEL
     completion = ask(client, "What is the capital of France?", 24)
     assert "Paris" in completion.choices[0].message.content
     assert completion.choices[0].finish_reason == "stop"
@@ -139,12 +139,26 @@ def sse_text(response: httpx.Response) -> tuple[str, list[dict]]:
     ({"messages": FRANCE, "stop": [""]}, "stop", "non-empty string"),
     ({"messages": FRANCE, "n": 2}, "n", "n = 1"),
     (b'{"messages": [{"role": "user", "content": "half \\ud83d an emoji"}]}', "messages", "unpaired surrogate"),
+    # An integer too large for a float: OverflowError in isfinite was a bare 500.
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1' + b"9" * 400 + b"}", "temperature",
+     "a number of 401 digits"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": -1' + b"9" * 400 + b"}",
+     "presence_penalty", "in [-2, 2]"),
 ])
 def test_malformed_requests_are_400s_in_openai_shape(server, body, param, words):
     error = refused(post(server, body))
     assert words in error["message"] and error["param"] == param and error["type"] == "invalid_request_error"
     streamed = refused(post(server, {**body, "stream": True} if isinstance(body, dict) else body))
     assert streamed == error or param == "stream_options"
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "v1/chat/completions", 405), ("OPTIONS", "v1/chat/completions", 405), ("POST", "v1/models", 405),
+    ("GET", "v1/completions", 404), ("POST", "v1/embeddings", 404), ("GET", "v1/models/gpt-4", 404)])
+def test_other_paths_and_methods_under_v1_answer_in_the_apis_shape(server, method, path, status):
+    """Gradio, mounted at /, answered them {"detail": "Not Found"}."""
+    error = refused(httpx.request(method, f"{server}{path}", timeout=60), status)
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
 def test_any_temperature_above_zero_works_even_a_tiny_one(server):
