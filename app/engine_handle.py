@@ -132,6 +132,11 @@ class EngineHandle:
         """`fn(engine)` run alone on the engine thread, in line with the answers; its result."""
         return self._line.call(fn, cancel)
 
+    def stop_serving(self) -> None:
+        """The server is shutting down: every waiting and running job ends now with an error
+        (`EngineLine.stop_serving`), so each client still gets its answer."""
+        self._line.stop_serving()
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (on shutdown): the running answer is cancelled."""
         self._line.close(timeout)

@@ -259,15 +259,26 @@ class EngineLine:
                 return  # running or ended: its cancel event does the rest
         ticket.end()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop serving: waiting jobs end with an error, the running one is cancelled; waits up
-        to `timeout` for the engine thread (a forward cannot be interrupted)."""
+    def stop_serving(self) -> None:
+        """Take no more jobs; each waiting one and the running one end at once with an error
+        their consumers can tell their clients (the running one is cancelled too). Returns at
+        once: called as the server begins to shut down, while clients can still be answered."""
+        shutting_down = SpecchatError("the server is shutting down")
         with self._lock:
             self._closed = True
             waiting, self._waiting = list(self._waiting), collections.deque()
             self._lock.notify_all()
         for ticket in waiting:
-            ticket.end(SpecchatError("the server is shutting down"))
+            ticket.end(shutting_down)
+        running = self._running
+        if running is not None:
+            running.end(shutting_down)
+            running.cancel()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop serving (`stop_serving`), the running job abandoned; waits up to `timeout` for
+        the engine thread (a forward cannot be interrupted)."""
+        self.stop_serving()
         running = self._running
         if running is not None:
             running.close()

@@ -23,6 +23,7 @@ from .page_head import PageHead
 from .ui import APP_CSS, SLOW_LONG_ANIMATION_LOOPS, build_ui  # first: it turns Gradio's analytics off before Gradio loads
 
 import gradio as gr  # noqa: E402
+import uvicorn  # noqa: E402
 
 DEFAULT_HOST = "127.0.0.1"
 SHUTDOWN_GRACE_SECONDS = 1
@@ -59,6 +60,22 @@ def _stop_as_ctrl_c(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, which ends the engine's jobs as soon as a shutdown begins: uvicorn cancels
+    what is still open after its grace period, and a request cut so answers a bare 500 (or a
+    stream with no end)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        # A signal handler: it may interrupt this thread inside a ticket's lock, so the tickets
+        # are ended from a thread of their own.
+        threading.Thread(target=self._on_exit, daemon=True, name="stop-serving").start()
+        super().handle_exit(sig, frame)
+
+
 def _check_free(host: str, port: int) -> None:
     """An `InputError` naming the address when nothing could listen there (another specchat, or
     another program, holds the port; an address of no interface here)."""
@@ -77,7 +94,6 @@ def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "e
            allowed_hosts: Iterable[str] = ()) -> None:
     """Serve the chat at / and the OpenAI-compatible API at /v1 on one server; `load(model,
     progress)` loads an engine (in the background, so the page is up at once)."""
-    import uvicorn
 
     if host not in (DEFAULT_HOST, "localhost", "::1"):
         print(f"specchat: warning: listening on {host}: other computers on the network can use this chat and "
@@ -111,7 +127,7 @@ def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "e
     # start: Python's default would end the process there, exit handlers (the export folder) unrun.
     signal.signal(signal.SIGTERM, _stop_as_ctrl_c)
     try:
-        uvicorn.Server(config).run()
+        _Server(config, on_exit=handle.stop_serving).run()
     except KeyboardInterrupt:
         pass  # Ctrl-C is how the app is stopped: a normal end, as with uvicorn.run
     finally:
