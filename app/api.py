@@ -37,7 +37,8 @@ DEFAULT_MAX_TOKENS = 512
 MAX_STOPS = 4
 RETRY_AFTER_SECONDS = 5
 ROLES = ("system", "user", "assistant")
-UNSUPPORTED = ("tools", "functions", "logprobs", "response_format")
+# Refused when given (not empty): silently ignored, the answer would not be the one asked for.
+UNSUPPORTED = ("tools", "functions", "logprobs", "top_logprobs", "response_format", "logit_bias")
 
 
 class ApiError(Exception):
@@ -215,7 +216,7 @@ def _parse(body: dict, model: str) -> Options:
     for name in UNSUPPORTED:
         if body.get(name):
             raise ApiError(400, f"{name!r} is not supported by specchat", param=name)
-    if body.get("n", 1) != 1:
+    if not (_is_integer(body.get("n", 1)) and body.get("n", 1) == 1):  # `true` is no count
         raise ApiError(400, "only n = 1 is supported", param="n")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

@@ -138,6 +138,8 @@ def sse_text(response: httpx.Response) -> tuple[str, list[dict]]:
     ({"messages": FRANCE, "stop": 3}, "stop", "non-empty string"),
     ({"messages": FRANCE, "stop": [""]}, "stop", "non-empty string"),
     ({"messages": FRANCE, "n": 2}, "n", "n = 1"),
+    ({"messages": FRANCE, "n": True}, "n", "n = 1"),
+    ({"messages": FRANCE, "logit_bias": {"42": 100}}, "logit_bias", "not supported"),
     (b'{"messages": [{"role": "user", "content": "half \\ud83d an emoji"}]}', "messages", "unpaired surrogate"),
     # An integer too large for a float: OverflowError in isfinite was a bare 500.
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1' + b"9" * 400 + b"}", "temperature",
