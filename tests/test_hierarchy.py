@@ -156,3 +156,20 @@ def test_a_pair_draft_reads_the_prompt_in_the_prefill_and_a_follow_up_only_its_n
     answered_again, in_prefill, _ = answer(follow_up)
     assert answered_again == run(target, follow_up, "plain", SamplingParams(), 24)[0]
     assert 20 <= sum(in_prefill) <= len(answered) + 19  # the new turn and the answer's last drafted-over tokens
+
+
+def test_a_retrieval_stage_behind_the_full_cache_drafts_nothing_instead_of_failing():
+    """DSI drafts from its own thread while plain steps extend the full cache: the retrieval stage
+    was built past the text it drafted from and failed ("a retrieval cache built at 25 cannot roll
+    back to 24", one clean-clone CI run). It now drafts nothing until the text catches up."""
+    target = tiny_llama(0, weight_scale=8.0)
+    prompt = torch.tensor(prompts(0)["n-gram hits"])
+    decoder = triforce_decoder(target, TriforceSettings(draft="lookup", **SMALL), None, prefill_chunk=16)
+    state = DecodeState(target, target.new_cache(), prompt, SamplingParams(), make_generator(None))
+    prefill_all(target, state.cache, prompt, chunk_size=16, decoder=decoder)  # the prompt's KV, all of it
+    stage = decoder.drafter
+    # The text the drafting thread read before a step committed a token whose KV is now in the
+    # full cache (which holds every committed token but the last).
+    assert stage.draft(state, prompt, 4) is None
+    caught_up = torch.cat([prompt, prompt[:1]])
+    assert stage.draft(state, caught_up, 4) is not None

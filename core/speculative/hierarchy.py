@@ -130,9 +130,8 @@ class VerifiedStage(QueryBlind):
         self.drafted = self.accepted = 0
 
     def draft(self, state: DecodeState, seq: torch.Tensor, max_tokens: int) -> Proposal | None:
-        if max_tokens < 1:
+        if max_tokens < 1 or not self.prepare(state, seq):
             return None
-        self.prepare(state, seq)
         tokens: list[int] = []
         rows = []
         while len(tokens) < max_tokens:
@@ -157,8 +156,10 @@ class VerifiedStage(QueryBlind):
     def read_prompt(self, ids: torch.Tensor, end: int) -> None:
         self.drafter.read_prompt(ids, end)
 
-    def prepare(self, state: DecodeState, seq: torch.Tensor) -> None:
-        """Called before each proposal; the retrieval stage refreshes its cache here."""
+    def prepare(self, state: DecodeState, seq: torch.Tensor) -> bool:
+        """Called before each proposal; the retrieval stage refreshes its cache here. False: this
+        stage cannot draft after `seq` now (no proposal)."""
+        return True
 
     def counts(self) -> dict[str, dict[str, int]]:
         own = {self.name: {"forwards": self.follower.forwards, "drafted": self.drafted, "accepted": self.accepted}}
@@ -199,18 +200,22 @@ class RetrievalStage(VerifiedStage):
             self._offered = (seq.shape[0], proposal.tokens)
         return proposal
 
-    def prepare(self, state: DecodeState, seq: torch.Tensor) -> None:
+    def prepare(self, state: DecodeState, seq: torch.Tensor) -> bool:
         self._track_survival(seq)
         cache = self.follower.cache
         committed = seq.shape[0] - 1  # the full cache holds all committed tokens but the last
-        if (cache is None or committed - cache.base_length >= self.stride
-                or self._survival < self.min_acceptance):
-            full = state.cache
+        full = state.cache
+        # DSI drafts from its own thread while plain steps extend the full cache: a cache built
+        # past the text drafted from cannot roll back to it (nor can one be built from there), so
+        # this stage drafts nothing until the text catches up.
+        if (cache is None or committed - cache.base_length >= self.stride or committed < cache.base_length
+                or self._survival < self.min_acceptance) and full.length <= committed:
             self.follower.cache = RetrievalCache.from_full(full, self._queries, self.budget, self.chunk_size,
                                                            self.recent, self.follower.model.device, cache)
             self.follower.ids = seq[:full.length]
             self.builds += 1
             self._survival = 1.0
+        return self.follower.cache is not None and self.follower.cache.base_length <= committed
 
     def counts(self) -> dict[str, dict[str, int]]:
         counts = super().counts()
