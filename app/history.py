@@ -101,9 +101,7 @@ class HistoryStore:
         """Write `conversation` (bumping `updated` and `revision`); one without messages leaves no
         file (and takes away the file of a question saved while the model loaded, then taken back).
         `ConversationChanged` when the copy is stale or the conversation was deleted."""
-        if conversation.id in self._deleted:
-            raise ConversationChanged(DELETED)
-        if self._saved_revision(conversation.id) not in (None, conversation.revision):
+        if not self._is_current(conversation):
             raise ConversationChanged(CHANGED)
         if not conversation.messages:
             self._path(conversation.id).unlink(missing_ok=True)
@@ -138,11 +136,14 @@ class HistoryStore:
     def current(self, conversation: Conversation) -> Conversation:
         """The conversation as saved: `conversation` itself when nothing wrote it since the copy was
         read (or it was never saved), else the newer copy; `ConversationChanged` when deleted."""
+        return conversation if self._is_current(conversation) else self.load(conversation.id)
+
+    def _is_current(self, conversation: Conversation) -> bool:
+        """Whether the copy is the file's latest (or was never saved); `ConversationChanged` when
+        the conversation was deleted."""
         if conversation.id in self._deleted:
             raise ConversationChanged(DELETED)
-        if self._saved_revision(conversation.id) in (None, conversation.revision):
-            return conversation
-        return self.load(conversation.id)
+        return self._saved_revision(conversation.id) in (None, conversation.revision)
 
     def load(self, conversation_id: str) -> Conversation:
         path = self._path(conversation_id)
@@ -209,15 +210,15 @@ class HistoryStore:
         CONVERSATION_FILE.check(len(text.encode("utf-8")), f"the conversation {conversation.title!r}")
         try:
             write_atomically(path, text)  # on failure the old file stays and the temporary goes
-            conversation.revision += 1
-            info = path.stat()
-            self._revisions[conversation.id] = ((info.st_mtime_ns, info.st_size), conversation.revision)
         except OSError as error:
             if error.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise SaveFailed(f"the disk is full: {self.folder} has no room for {human_size(len(text))}; "
                                  "conversation not saved (free some space and send again)") from None
             raise SaveFailed(f"cannot write to {self.folder}: {error.strerror or error}; "
                              "conversation not saved") from None
+        conversation.revision += 1
+        info = path.stat()
+        self._revisions[conversation.id] = ((info.st_mtime_ns, info.st_size), conversation.revision)
 
     def _summary(self, path: Path) -> Summary | None:
         """The summary of one file, from the cache while the file is unchanged; None when it is
