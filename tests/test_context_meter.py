@@ -8,6 +8,7 @@ import pytest
 
 from specchat.app.context_meter import (CUTS, MIN_ANSWER, Meter, cut_document, cut_marker, describe, measure,
                                         split_document)
+from specchat.app.documents import user_turn
 from specchat.core.engine import Engine
 from specchat.core.errors import InputError
 
@@ -207,3 +208,29 @@ def test_a_tokenizer_whose_pieces_do_not_add_up_is_counted_whole(tokenizer):
     whole = engine.chat_ids([{"role": "system", "content": "Answer briefly."}, *HISTORY,
                              {"role": "user", "content": "Which?"}])
     assert meter.prompt == len(whole)
+
+
+def test_typing_under_a_long_document_tokenizes_only_the_end(tokenizer):
+    # Found: each keystroke re-tokenized the document with the question (0.67 s at 1.2M characters).
+    from specchat.app.token_counts import HEAD_STEP
+
+    document = " ".join(f"Sentence {i:05d} says something about café prices." for i in range(2_000))
+    assert len(document) > 4 * HEAD_STEP
+    engine = TokenizerEngine(CountingTokenizer(tokenizer), 1_000_000)
+    measure(engine, "Answer briefly.", HISTORY, document, "W", 512)
+    for question in ("Wh", "What is it?", "What is it about, in two lines?"):
+        engine.tokenizer.tokenized = 0
+        meter = measure(engine, "Answer briefly.", HISTORY, document, question, 512)
+        assert engine.tokenizer.tokenized < 3 * HEAD_STEP
+        assert meter.prompt == len(Engine.chat_ids(TokenizerEngine(tokenizer, 0), [
+            {"role": "system", "content": "Answer briefly."}, *HISTORY,
+            {"role": "user", "content": user_turn(question, document)}]))
+
+
+def test_a_head_that_does_not_add_up_is_never_trusted(tokenizer):
+    # One token more per encode call: head + tail overcounts the whole, so each count stays whole.
+    document = " ".join(f"Sentence {i:05d} says something about café prices." for i in range(2_000))
+    engine = TokenizerEngine(CountingTokenizer(tokenizer, extra=1), 1_000_000)
+    for question in ("W", "Wh"):
+        meter = measure(engine, "", [], document, question, 512)
+        assert meter.prompt == len(engine.chat_ids([{"role": "user", "content": user_turn(question, document)}]))
