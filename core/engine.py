@@ -281,13 +281,18 @@ class Engine:
         """A cache already holding the longest available prefix of the prompt: from a recent
         answer in memory, or a saved document on disk when that is longer."""
         in_memory = self.prefixes.best_length(prompt_ids)
+        emptied: list = []  # the cache a chosen file was read into, kept if the file proves unreadable
         if self.documents is not None and in_memory < len(prompt_ids) - 1:  # the disk could offer more
-            loaded = self.documents.load(prompt_ids, self._empty_cache, at_least=in_memory, device=self.model.device)
+            loaded = self.documents.load(prompt_ids, lambda: emptied.append(self._empty_cache()) or emptied[0],
+                                         at_least=in_memory, device=self.model.device)
             if loaded is not None:
                 return loaded.cache, loaded.length, "disk"
         taken = self.prefixes.take(prompt_ids)
         if taken is not None:
             return taken[0], taken[1], "memory" if taken[1] else ""
+        if emptied:  # an offloaded slot's memory, emptied for that file: never allocated twice
+            emptied[0].trim(0)
+            return emptied[0], 0, ""
         return self.model.new_cache(), 0, ""
 
     def _empty_cache(self):

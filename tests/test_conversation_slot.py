@@ -102,6 +102,10 @@ def test_an_engine_built_by_hand_over_an_offloaded_model_keeps_one_slot(offloade
 def test_a_saved_offloaded_document_reloads_after_a_restart_into_the_slot_s_own_cache(offloaded_parts, tmp_path,
                                                                                       monkeypatch):
     from specchat.app.documents import document_tokens
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from specchat.core.engine import Notice
     from specchat.core.kv.document_store import DocumentStore
 
     model, tokenizer = offloaded_parts
@@ -129,3 +133,38 @@ def test_a_saved_offloaded_document_reloads_after_a_restart_into_the_slot_s_own_
     assert restarted.prefixes._cache is held and allocations == []
     monkeypatch.undo()
     assert reloaded.token_ids == answer(Engine(*offloaded_parts, "tiny", settings=OFFLOADED), messages).token_ids
+
+
+def test_an_unreadable_saved_document_leaves_the_slot_its_memory(offloaded_parts, tmp_path):
+    # Found: the slot's cache, emptied to read a saved document into, was dropped when the file
+    # proved unreadable, and a second offloaded cache was allocated beside it.
+    from specchat.app.documents import document_tokens
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from specchat.core.engine import Notice
+    from specchat.core.kv.document_store import DocumentStore
+
+    def engine():
+        return Engine(*offloaded_parts, "tiny", settings=OFFLOADED,
+                      documents=DocumentStore(tmp_path, "tiny@1:float64", 10**12))
+
+    first = engine()
+    saved = document_tokens(first, [], DOCUMENT)
+    list(first.generate(first.chat_ids(conversation("")[:1]),
+                        Request(12, SamplingParams(), "plain", document_tokens=saved)))
+    (path,) = tmp_path.glob("*.safetensors")
+    with safe_open(path, "pt") as file:  # the header matches the prompt, the ids inside do not
+        metadata = file.metadata()
+    tensors = load_file(path)
+    tensors["token_ids"] = tensors["token_ids"].flip(0)
+    save_file(tensors, path, metadata=metadata)
+    reopened = engine()
+    answer(reopened, conversation("", document="A different text entirely, about rivers.")[:1])
+    held = reopened.prefixes._cache
+    question = [{"role": "user", "content": user_turn("Which line comes last?", DOCUMENT)}]
+    events = list(reopened.generate(reopened.chat_ids(question), Request(12, SamplingParams(), "plain")))
+    assert reopened.prefixes._cache is held and not path.exists()
+    assert any(isinstance(event, Notice) and "token ids do not match" in event.text for event in events)
+    assert events[-1].result.token_ids == answer(Engine(*offloaded_parts, "tiny", settings=OFFLOADED),
+                                                 question).token_ids
