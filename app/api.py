@@ -222,8 +222,13 @@ def _parse(body: dict, model: str) -> Options:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content}", param="messages")
     conversation = [{"role": _role(message), "content": _content(message)} for message in messages]
+    if body.get("tool_choice") not in (None, "none", "auto"):  # a call asked for, which no tool can make
+        raise ApiError(400, "tool calls are not supported by specchat: leave tool_choice out, or 'none'",
+                       param="tool_choice")
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_low=True)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:  # only the most likely token is kept (OpenAI's and llama.cpp's reading): greedy
+        temperature, top_p = 0.0, 1.0
     seed = body.get("seed")
     if seed is not None and not _is_integer(seed):
         raise ApiError(400, f"seed must be a whole number, got {seed!r}", param="seed")

@@ -122,8 +122,8 @@ def sse_text(response: httpx.Response) -> tuple[str, list[dict]]:
     ({"messages": FRANCE, "temperature": -0.1}, "temperature", "in [0, 2]"),
     ({"messages": FRANCE, "temperature": "hot"}, "temperature", "a number"),
     ({"messages": FRANCE, "temperature": True}, "temperature", "a number"),
-    ({"messages": FRANCE, "top_p": 0}, "top_p", "in (0, 1]"),
-    ({"messages": FRANCE, "top_p": 1.5}, "top_p", "in (0, 1]"),
+    ({"messages": FRANCE, "top_p": -0.1}, "top_p", "in [0, 1]"),
+    ({"messages": FRANCE, "top_p": 1.5}, "top_p", "in [0, 1]"),
     ({"messages": FRANCE, "max_tokens": 0}, "max_tokens", "at least 1"),
     ({"messages": FRANCE, "max_tokens": -3}, "max_tokens", "at least 1"),
     ({"messages": FRANCE, "max_tokens": 1.5}, "max_tokens", "whole number"),
@@ -140,6 +140,9 @@ def sse_text(response: httpx.Response) -> tuple[str, list[dict]]:
     ({"messages": FRANCE, "n": 2}, "n", "n = 1"),
     ({"messages": FRANCE, "n": True}, "n", "n = 1"),
     ({"messages": FRANCE, "logit_bias": {"42": 100}}, "logit_bias", "not supported"),
+    ({"messages": FRANCE, "tool_choice": "required"}, "tool_choice", "not supported"),
+    ({"messages": FRANCE, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     "not supported"),
     (b'{"messages": [{"role": "user", "content": "half \\ud83d an emoji"}]}', "messages", "unpaired surrogate"),
     # An integer too large for a float: OverflowError in isfinite was a bare 500.
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1' + b"9" * 400 + b"}", "temperature",
@@ -169,6 +172,14 @@ def test_any_temperature_above_zero_works_even_a_tiny_one(server):
     assert post(server, seeded).json()["choices"][0]["message"]["content"] == greedy
     text, _ = sse_text(post(server, {**seeded, "stream": True}))
     assert text == greedy
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token(server):
+    # OpenAI and llama.cpp take top_p 0 (it was refused as outside (0, 1]); tool_choice none or auto asks nothing.
+    body = {"messages": FRANCE, "max_tokens": 8, "temperature": 1.5, "seed": 3}
+    greedy = post(server, {**body, "temperature": 0}).json()["choices"][0]["message"]["content"]
+    answer = post(server, {**body, "top_p": 0, "tool_choice": "none"}).json()["choices"][0]["message"]["content"]
+    assert answer == greedy != post(server, body).json()["choices"][0]["message"]["content"]
 
 
 def test_absent_or_null_limits_take_their_defaults(server):
