@@ -17,7 +17,8 @@ from ..core.files import human_size
 from ..core.hardware import HardwareProfile
 from ..core.registry import ModelPair, load_registry
 from .engine_handle import EngineHandle
-from .ui_models import EMBEDDED_NOTE, PairDownload, download_markdown
+from .pair_download import PairDownload, download_markdown
+from .ui_models import EMBEDDED_NOTE
 
 EMBEDDED = "embedded"
 

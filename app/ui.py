@@ -31,7 +31,7 @@ from .ui_chat import ChatLogic  # noqa: E402
 from .ui_chat_page import ChatPage, chat_page, render  # noqa: E402
 
 if TYPE_CHECKING:
-    from .ui_models import PairDownload
+    from .pair_download import PairDownload
 
 MODEL_LINE_SECONDS = 2.0  # how often the Chat tab's model line is read again (loading, switching)
 QUIET = {"show_progress": "hidden"}  # the status line and the streaming text show progress
@@ -92,7 +92,8 @@ ESCAPE_STOPS_JS = """() => { document.addEventListener('keydown', (event) => {
 
 
 def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | None = None) -> gr.Blocks:
-    from .ui_models import PairDownload, build_models_tab
+    from .pair_download import PairDownload
+    from .ui_models import build_models_tab
 
     logic = ChatLogic(handle, store, registry_file)
     downloads = PairDownload()  # one download at a time, whichever tab starts it

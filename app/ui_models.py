@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..core.download import DownloadCancelled, DownloadProgress, download_pair
 from ..core.model_cache import model_status
 from ..core.errors import SpecchatError, first_line
 from ..core.files import human_size
@@ -25,7 +22,8 @@ from ..core.planning import Overrides, PlanRefused, make_plan, precision_setting
 from ..core.registry import ModelPair, Registry, load_registry
 from ..core.selftest import run_selftest
 from .engine_handle import EngineHandle
-from .models_cmd import listing_profile, pair_row, progress_text
+from .models_cmd import listing_profile, pair_row
+from .pair_download import PairDownload, download_markdown
 from .plan_cmd import plan_markdown, profile_markdown
 from .selftest_cmd import report_markdown
 
@@ -42,118 +40,6 @@ PROFILE_WAIT_SECONDS = 2.0  # for the first read of the profile, before the pair
 PAIR_COLUMNS = ["ID", "Pair", "Context", "Size", "Fits this machine", "What it means", "On disk"]
 # The reasons are the long cells; the others are wide enough for an unbroken id or number at 800 px.
 PAIR_COLUMN_WIDTHS = ["12%", "19%", "11%", "8%", "12%", "28%", "10%"]
-
-
-# ---- a download in the background -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DownloadSnapshot:
-    """The download panel at one moment."""
-    pair_id: str | None  # None: nothing downloaded since the app started
-    state: str  # "idle", "running", "cancelling", "downloaded", "cancelled" or "failed"
-    progress: DownloadProgress | None  # the latest report; None before the first
-    rate: float  # bytes per second: so far while running, on average once ended
-    error: str = ""  # why it failed
-
-
-class PairDownload:
-    """One pair's download at a time, in a background thread; the page polls `snapshot()`.
-
-    Cancelling sets the download's `cancel` event: the progress callback turns it into
-    `DownloadCancelled` between chunks, and download_pair checks it between tries and while a
-    stalled connection waits; the partial file is kept, so the next download resumes it.
-    """
-
-    def __init__(self, endpoint: str | None = None):
-        self.endpoint = endpoint  # None: the Hub huggingface_hub is configured for (HF_ENDPOINT)
-        self._lock = threading.Lock()
-        self._cancel = threading.Event()
-        self._snapshot = DownloadSnapshot(None, "idle", None, 0.0)
-        self._started = 0.0
-        self._first_done: int | None = None
-        self.ended = 0  # downloads ended so far: the pairs table is read again after each
-
-    def snapshot(self) -> DownloadSnapshot:
-        with self._lock:
-            current = self._snapshot
-            return replace(current, rate=self._rate(current.progress)) if self._active() else current
-
-    def start(self, pair: ModelPair) -> str:
-        """Start downloading `pair` unless a download runs: "" when it starts (the progress line
-        shows it), else a sentence for the page saying why not."""
-        if pair.source != "hub":
-            return f"**{pair.id}** is built in: nothing to download."
-        with self._lock:
-            if self._active():
-                return f"**{self._snapshot.pair_id}** is downloading: wait for it, or cancel it first."
-            self._snapshot = DownloadSnapshot(pair.id, "running", None, 0.0)
-            self._started, self._first_done = time.monotonic(), None
-            self._cancel.clear()
-        threading.Thread(target=self._download, args=(pair,), daemon=True, name=f"download-{pair.id}").start()
-        return ""
-
-    def cancel(self) -> str:
-        """"" when it stops (the progress line says so), else a sentence saying why not."""
-        with self._lock:
-            if not self._active():
-                return "No download is running."
-            self._cancel.set()
-            self._snapshot = replace(self._snapshot, state="cancelling")
-            return ""
-
-    def downloading(self, pair_id: str) -> bool:
-        with self._lock:
-            return self._active() and self._snapshot.pair_id == pair_id
-
-    def _active(self) -> bool:
-        return self._snapshot.state in ("running", "cancelling")
-
-    def _rate(self, progress: DownloadProgress | None) -> float:
-        """Bytes per second since this download started, not counting the bytes it found on disk."""
-        if progress is None:
-            return 0.0
-        return (progress.done_bytes - self._first_done) / max(time.monotonic() - self._started, 1e-9)
-
-    def _report(self, progress: DownloadProgress) -> None:
-        if self._cancel.is_set():
-            raise DownloadCancelled()
-        with self._lock:
-            if self._first_done is None:
-                self._first_done = progress.done_bytes
-            self._snapshot = replace(self._snapshot, progress=progress)
-
-    def _download(self, pair: ModelPair) -> None:
-        state, error = "downloaded", ""
-        try:
-            download_pair(pair, self._report, endpoint=self.endpoint, cancel=self._cancel)
-        except DownloadCancelled:
-            state = "cancelled"
-        except SpecchatError as failure:  # DownloadError, NotDownloaded (offline): their sentence
-            state, error = "failed", str(failure)
-        except Exception as failure:  # shown in the page instead of a dead thread
-            state, error = "failed", f"unexpected error: {type(failure).__name__}: {first_line(failure)}"
-        with self._lock:
-            progress = self._snapshot.progress
-            self._snapshot = DownloadSnapshot(pair.id, state, progress, self._rate(progress), error)
-            self.ended += 1
-
-
-def download_markdown(snapshot: DownloadSnapshot) -> str:
-    pair, progress = f"**{snapshot.pair_id}**", snapshot.progress
-    if snapshot.state == "idle":
-        return "No download running. A download cancelled or broken off resumes where it stopped."
-    if snapshot.state in ("running", "cancelling"):
-        line = f"{pair}: " + (progress_text(progress, snapshot.rate) if progress else "asking the Hub for its files…")
-        return line + (" — cancelling…" if snapshot.state == "cancelling" else "")
-    if snapshot.state == "downloaded":
-        return f"{pair} downloaded" + (
-            f": {human_size(progress.total_bytes)}, {human_size(snapshot.rate)}/s on average" if progress else
-            " (it was already in the cache)")
-    if snapshot.state == "cancelled":
-        kept = f" at {human_size(progress.done_bytes)} of {human_size(progress.total_bytes)}" if progress else ""
-        return f"{pair}: download cancelled{kept}; press Download to resume it."
-    return f"⚠️ {pair}: {snapshot.error}"
 
 
 # ---- the hardware profile -------------------------------------------------------------------
@@ -314,7 +200,8 @@ class ModelsPanel:
         if not pair_id:
             return "Pick a pair first."
         pair = self.registry.get(pair_id)
-        refusal = switch_refusal(pair, self.registry, self.profiles.get(), self.downloads)
+        profile = self.profiles.get(timeout=PROFILE_WAIT_SECONDS) or listing_profile()  # first launch measures
+        refusal = switch_refusal(pair, self.registry, profile, self.downloads)
         if refusal:
             return refusal
         status = self.handle.status()
@@ -389,8 +276,9 @@ def build_models_tab(handle: EngineHandle, registry_file: str | None, downloads:
     poll.tick(refresh, [shown, technical], outputs, show_progress="hidden")
     if shown_by is not None:  # a hidden tab's poll would cost the browser and the server a redraw a second
         tab, others = shown_by
-        tab.select(lambda: gr.Timer(active=True), None, poll, queue=False, show_progress="hidden").then(
-            refresh, [shown, technical], outputs, show_progress="hidden")
+        # Shown again: everything read anew, the pairs table too (`specchat models` may have changed the disk).
+        tab.select(lambda: (gr.Timer(active=True), {}), None, [poll, shown], queue=False,
+                   show_progress="hidden").then(refresh, [shown, technical], outputs, show_progress="hidden")
         for other in others:
             other.select(lambda: gr.Timer(active=False), None, poll, queue=False, show_progress="hidden")
     technical.change(panel.pair_table, technical, table, show_progress="hidden")

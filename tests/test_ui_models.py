@@ -4,6 +4,7 @@ real huggingface_hub from the loopback stand-in hub), switching pairs, and the t
 from __future__ import annotations
 
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -15,14 +16,9 @@ from test_browser import ARTIFACTS, CHROMIUM, browser_or_skip, wait_for
 
 from specchat.app.engine_handle import EngineHandle
 from specchat.app.plan_cmd import memory_rows, plan_lines, plan_markdown, profile_lines, profile_markdown
-from specchat.app.ui_models import (
-    ModelsPanel,
-    PairDownload,
-    ProfileHolder,
-    build_models_tab,
-    download_markdown,
-    engine_plan_markdown,
-)
+from specchat.app.pair_download import PairDownload, download_markdown
+from specchat.app.ui_models import (PROFILE_WAIT_SECONDS, ModelsPanel, ProfileHolder, build_models_tab,
+                                    engine_plan_markdown)
 from specchat.core import embedded, model_cache, selftest
 from specchat.core.files import human_size
 from specchat.core.hardware import HardwareProfile
@@ -288,6 +284,19 @@ def test_a_pair_that_does_not_fit_or_is_not_downloaded_is_not_loaded(caches, mod
     assert panel.use("embedded") == "**embedded** is already loaded."
     assert panel.use(None) == "Pick a pair first." and panel.download("embedded").endswith("nothing to download.")
     assert loads == ["embedded"] and panel.handle.model == "embedded"
+
+
+def test_use_this_pair_answers_while_the_first_profile_is_still_measured(caches, models_file):
+    # Found: the button waited for the first measurement of this machine, seconds on a first launch.
+    measured = threading.Event()
+    profiles = ProfileHolder(read=lambda refresh: measured.wait(60) and None)
+    panel = panel_for(models_file, "embedded", loader=lambda model, progress: None, profiles=profiles)
+    answers: list[str] = []
+    clicked = threading.Thread(target=lambda: answers.append(panel.use("tiny")), daemon=True)
+    clicked.start()
+    clicked.join(timeout=PROFILE_WAIT_SECONDS + 20)
+    measured.set()
+    assert answers and answers[0].startswith("**tiny** is not downloaded")
 
 
 @pytest.mark.parametrize("profile_name", ["laptop-rtx4060-8gb", "cpu-only-32gb"])
