@@ -27,6 +27,7 @@ import uvicorn  # noqa: E402
 
 DEFAULT_HOST = "127.0.0.1"
 SHUTDOWN_GRACE_SECONDS = 1
+LISTEN_BACKLOG = 2048  # uvicorn's own
 
 
 def build_app(handle: EngineHandle, store: HistoryStore, registry_file: str | None = None,
@@ -76,17 +77,24 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _check_free(host: str, port: int) -> None:
-    """An `InputError` naming the address when nothing could listen there (another specchat, or
-    another program, holds the port; an address of no interface here)."""
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, listening before the model loads, as uvicorn would make it; an
+    `InputError` naming the address when another program (or specchat) holds the port, or the
+    address is of no interface here. Probing and letting uvicorn bind later let two specchats
+    started at once both pass, the second then aborting in uvicorn with exit code 134."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no owner
-            probe.bind(address)
+        if sys.platform == "win32":  # Windows' SO_REUSEADDR would let a second server share the port
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_EXCLUSIVEADDRUSE, 1)
+        else:  # a closing socket (TIME_WAIT) is no owner
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(LISTEN_BACKLOG)
     except OSError as error:
+        listener.close()
         raise InputError(f"cannot listen on {host}:{port}: {error.strerror or error} (is specchat already "
                          "running there? --port N chooses another port)") from None
+    return listener
 
 
 def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "embedded", registry_file: str | None = None,
@@ -105,7 +113,7 @@ def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "e
     # 'DynamicCache'" (its lazy module is then half set up). The loading thread starts next.
     from ..core import engine  # noqa: F401
 
-    _check_free(host, port)  # before the model loads and "ready" is printed
+    listener = _listening_socket(host, port)  # before the model loads and "ready" is printed
     head_seconds()
     handle = EngineHandle(load, model)
     store = HistoryStore(default_folder())
@@ -127,8 +135,9 @@ def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "e
     # start: Python's default would end the process there, exit handlers (the export folder) unrun.
     signal.signal(signal.SIGTERM, _stop_as_ctrl_c)
     try:
-        _Server(config, on_exit=handle.stop_serving).run()
+        _Server(config, on_exit=handle.stop_serving).run(sockets=[listener])
     except KeyboardInterrupt:
         pass  # Ctrl-C is how the app is stopped: a normal end, as with uvicorn.run
     finally:
+        listener.close()
         handle.close(timeout=5)  # the running answer is cancelled, the waiting ones told why

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from conftest import DATA
@@ -248,6 +249,33 @@ def test_a_port_in_use_is_named_before_the_model_loads(tmp_path):
         completed = run_with({"SPECCHAT_DATA_DIR": str(tmp_path)}, "--no-browser", "--port", str(port))
     assert_bad_input(completed, f"cannot listen on 127.0.0.1:{port}", "--port N chooses another port")
     assert "ready:" not in completed.stderr  # the model never loaded
+
+
+def test_two_started_at_once_on_one_port_one_serves_the_other_says_why(tmp_path):
+    """Found: both passed a probe of the port, and the second aborted in uvicorn (exit code 134)."""
+    import os
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    environment = {**os.environ, "SPECCHAT_DATA_DIR": str(tmp_path)}
+    started = [subprocess.Popen([SPECCHAT, "--no-browser", "--port", str(port)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=environment) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 300
+        while all(process.poll() is None for process in started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ended = next(process for process in started if process.poll() is not None)  # which one is chance
+        assert ended.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in ended.stderr.read()
+        serving = next(p for p in started if p is not ended)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=120).status_code == 200
+        assert serving.poll() is None
+    finally:
+        for process in started:
+            process.terminate()
+            process.wait(timeout=60)
 
 
 def test_a_reader_that_goes_away_is_no_error():
