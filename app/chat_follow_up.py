@@ -68,6 +68,28 @@ def make_room(chat: ChatLogic, conversation: Conversation | None, attachment: di
     return leave_out(conversation, indexes) if indexes else ""
 
 
+def room_to_ask_again(chat: ChatLogic, conversation: Conversation, index: int, question: str,
+                      settings: Settings) -> tuple[bool, str]:
+    """Whether the question at `index`, asked again as `question` (an edit, a retry) with its
+    document and the turns before it, fits with the whole answer limit, the oldest turns left out
+    first as the settings allow: (True, the line saying what was left out, or "") or (False, why
+    not). Nothing of the conversation changes unless it fits."""
+    if index < 0 or conversation.messages[index]["role"] != "user":  # a hand-edited file: no question to measure
+        return True, ""
+    before = dataclasses.replace(conversation, messages=conversation.messages[:index])
+    document = conversation.messages[index].get("document")
+    meter = chat.meter(before, document, "", question, settings)
+    if not meter.over:
+        return True, ""
+    note = make_room(chat, before, document, question, settings)
+    if note:
+        conversation.messages[:index] = before.messages  # the turns left out, marked
+        return True, note
+    return False, (f"⚠️ Asked again, this does not fit: the prompt would be {meter.prompt:,} tokens with "
+                   f"{meter.reserve:,} kept for the answer, {meter.excess:,} more than the model reads. Nothing was "
+                   "changed: shorten the question, or lower the answer limit in Settings.")
+
+
 def noted(views: Iterator[View], note: str) -> Iterator[View]:
     """The answer's views with `note` kept in the status line while it streams and after (an
     answer clears the line as it starts)."""

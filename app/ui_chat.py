@@ -244,11 +244,15 @@ class ChatLogic:
             return
         restore = [*conversation.messages]  # no new answer (stopped in the line, an error): the old one stays
         old = versions.last_answer(conversation)
-        if old is None:  # a question left unanswered (an error, a stop in the line): its first answer
-            yield from self._answer(conversation, settings, session)
+        asked = len(conversation.messages) - (1 if old is None else 2)  # the question, asked again
+        fits, note = follow_up.room_to_ask_again(self, conversation, asked, conversation.messages[asked]["content"],
+                                                 settings)
+        if not fits:
+            yield View(conversation=conversation, status=note)
             return
-        conversation.messages[-1] = versions.retried(old)
-        yield from self._answer(conversation, settings, session, restore)
+        if old is not None:  # else a question left unanswered (an error, a stop in the line): its first answer
+            conversation.messages[-1] = versions.retried(old)
+        yield from follow_up.noted(self._answer(conversation, settings, session, restore if old else None), note)
 
     def continue_answer(self, conversation: Conversation | None, settings: Settings,
                         session: str = "") -> Iterator[View]:
@@ -288,11 +292,15 @@ class ChatLogic:
             return
         content = edited_question(conversation.messages[index]["content"],
                                   shown_messages(conversation)[index]["content"], well_formed(text))
+        fits, note = follow_up.room_to_ask_again(self, conversation, index, content, settings)
+        if not fits:  # the later turns stay; the edit waits in the box
+            yield View(conversation=conversation, message=content, status=f"{note} Your edit is in the message box.")
+            return
         edited = dict(conversation.messages[index], content=content)
         edited.pop("left_out", None)  # a question asked again is read again
         conversation.messages[index:] = [edited]
         self.store.save(conversation)
-        yield from self._answer(conversation, settings, session)
+        yield from follow_up.noted(self._answer(conversation, settings, session), note)
 
     def _answer(self, conversation: Conversation, settings: Settings, session: str,
                 restore: list[dict] | None = None) -> Iterator[View]:

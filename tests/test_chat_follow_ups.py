@@ -141,3 +141,41 @@ def test_a_chosen_preset_sets_its_repetition_penalty_and_an_opened_conversations
     summarized = run(logic.send("Hello", None, "", None, dataclasses.replace(SETTINGS, preset="summarize")))
     *_, kept = _preset_chosen("summarize", {"text": ""}, summarized[-1].conversation)
     assert kept == gr.update()
+
+
+def test_an_edit_that_does_not_fit_changes_nothing_and_waits_in_the_box(logic):
+    # Found: the turns after an edited question were deleted and saved before anything was
+    # measured; the answer then failed "too long", or its limit was cut to what was left.
+    conversation = run(logic.send("First question", None, "", None, SETTINGS))[-1].conversation
+    run(logic.send("Second question", None, "", conversation, SETTINGS))
+    before = saved(logic).messages
+    too_long = LONG_QUESTION * 3
+    for room in (LEAVE_OUT_OLDEST, ASK_FIRST):  # nothing before the first question to leave out
+        (view,) = run(logic.edit(conversation, 0, too_long, dataclasses.replace(SETTINGS, follow_up_room=room)))
+        assert "does not fit" in view.status and "Nothing was changed" in view.status
+        assert view.message == too_long and saved(logic).messages == before
+
+
+def test_an_edit_makes_room_by_leaving_the_oldest_turns_out_as_a_follow_up_does(logic):
+    document = (DATA / "apache-2.0.txt").read_text()[:250].strip()
+    conversation = run(logic.send("What is this?", None, document, None, SETTINGS))[-1].conversation
+    run(logic.send("And then?", None, "", conversation, SETTINGS))
+    asked_before = dataclasses.replace(conversation, messages=conversation.messages[:2])
+    question = next(question for question in ("Does it say anything about " + "patents and " * count + "the rest?"
+                                              for count in range(1, 200))
+                    if logic.meter(asked_before, None, "", question, SETTINGS).over)  # just past the limit
+    ask_first = dataclasses.replace(SETTINGS, follow_up_room=ASK_FIRST)
+    assert "does not fit" in run(logic.edit(conversation, 2, question, ask_first))[-1].status
+    views = run(logic.edit(conversation, 2, question, SETTINGS))
+    kept = saved(logic).messages
+    assert [message.get("left_out", False) for message in kept] == [True, True, False, False]
+    assert kept[2]["content"] == question and kept[3]["role"] == "assistant" and not kept[3]["partial"]
+    assert views[-1].status.startswith("✂ The oldest turn was left out")
+
+
+def test_a_retry_that_no_longer_fits_its_answer_limit_changes_nothing(logic):
+    document = (DATA / "apache-2.0.txt").read_text()[:600].strip()  # about 120 tokens
+    conversation = run(logic.send("What is this?", None, document, None, SETTINGS))[-1].conversation
+    before = saved(logic).messages
+    (view,) = run(logic.regenerate(conversation, dataclasses.replace(SETTINGS, max_new_tokens=200)))
+    assert "does not fit" in view.status and saved(logic).messages == before
