@@ -334,3 +334,7 @@ def _exit_now(code: int) -> NoReturn:
 
 def entry_point() -> None:
     _exit_now(main())
+
+
+if __name__ == "__main__":  # `python -m specchat.app.cli`, as the `specchat` command
+    entry_point()

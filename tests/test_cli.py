@@ -286,3 +286,10 @@ def test_a_reader_that_goes_away_is_no_error():
         listing.stdout.read(1)
         listing.stdout.close()  # before the rest is written
         assert listing.wait(timeout=600) in (0, 1) and listing.stderr.read() == ""
+
+
+def test_python_dash_m_runs_the_cli_as_the_command_does():
+    """`python -m specchat.app.cli ...` printed nothing and exited 0."""
+    completed = subprocess.run([sys.executable, "-m", "specchat.app.cli", "generate", "--max-new-tokens", "0"],
+                               capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 2 and "specchat: error:" in completed.stderr
