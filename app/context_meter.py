@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..core.errors import InputError
+from .conversation import Conversation
 from .documents import user_turn
 from .token_counts import counter
 
@@ -146,3 +148,20 @@ def split_document(tokenizer, text: str, part_tokens: int) -> list[str]:
         parts.append(_decode(tokenizer, ids[start:end]))
         start = end
     return [part for part in parts if part]
+
+
+def turn_in_preparation(conversation: Conversation | None, document: str) -> tuple[Conversation, str] | None:
+    """(the conversation before it, its question) while work before an answer (summarizing parts,
+    loading) shows a question with `document`, which the page keeps attached until the answer starts."""
+    messages = conversation.messages if conversation else []
+    if (len(messages) < 2 or not document or not messages[-1].get("partial") or messages[-1]["content"]
+            or (messages[-2].get("document") or {}).get("text") != document):
+        return None
+    return dataclasses.replace(conversation, messages=messages[:-2]), messages[-2]["content"]
+
+
+def document_text(attachment: dict | None, pasted: str | None) -> str:
+    """The document a question carries: the attached file's text, else what was pasted."""
+    if attachment is not None:
+        return attachment["text"]
+    return (pasted or "").strip()

@@ -31,6 +31,7 @@ BOMB_MEMBER_BYTES = 10**6
 RATIO_LIMIT = 200
 UNPACK_CHUNK = 1 << 20
 HTML_CHUNK = 1 << 20  # characters fed to the HTML parser between two looks at the count
+TEXTLESS_PAGES = re.compile(r"^\[pages? (\d+)(?:-(\d+))? of (\d+): no text to read \(", re.MULTILINE)
 
 
 class TextBudget:
@@ -71,7 +72,33 @@ def pdf_text(data: bytes, path: Path) -> str:
                          "re-export it from the program that made it") from None
     if pages and not any(pages):
         raise InputError(f"{path} has no text layer (a scanned PDF?): run OCR on it first")
-    return "\n\n".join(page for page in pages if page)
+    return "\n\n".join(_with_textless_marked(pages))
+
+
+def _with_textless_marked(pages: list[str]) -> list[str]:
+    """The pages' texts, each run of pages without text one line saying so: the model and the
+    reader learn that something was not read (`textless_note`), instead of losing it silently."""
+    texts, empty_from = [], None
+    for number, text in enumerate([*pages, "end"], start=1):
+        if not text and empty_from is None:
+            empty_from = number
+        elif text and empty_from is not None:
+            pages_named = f"page {empty_from}" if empty_from == number - 1 else f"pages {empty_from}-{number - 1}"
+            texts.append(f"[{pages_named} of {len(pages)}: no text to read (a scanned image, a figure, or blank)]")
+            empty_from = None
+        if text and number <= len(pages):
+            texts.append(text)
+    return texts
+
+
+def textless_note(text: str) -> str:
+    """" ⚠️ N of M PDF pages have no text…" when the text marks pages without text, else ""."""
+    runs = TEXTLESS_PAGES.findall(text)
+    if not runs:
+        return ""
+    count = sum(int(last or first) - int(first) + 1 for first, last, _ in runs)
+    return (f" ⚠️ {count} of {runs[0][2]} pages have no text (scanned images or figures?): they are not read; "
+            "run OCR on the PDF to include them.")
 
 
 def docx_text(data: bytes, path: Path) -> str:

@@ -25,11 +25,12 @@ from . import chat_over_limit as over_limit
 from . import chat_versions as versions
 from .chat_list import ConversationList
 from .chat_view import Settings, View, problem_text
-from .context_meter import Meter, describe, measure
+from .context_meter import Meter, describe, document_text, measure, turn_in_preparation
 from .answer_job import answer_job, opening_document
 from .answer_stream import STARTING, answer_views
 from .conversation import (PASTED_NAME, Conversation, attachment_label, model_messages, shown_messages,
                            title_from)
+from .document_formats import textless_note
 from .documents import read_document, well_formed
 from .edited_question import edited_question
 from .engine_handle import EngineHandle
@@ -92,7 +93,8 @@ class ChatLogic:
         if not path:
             return View()
         text = read_document(path)
-        return View(attachment=self.attach(Path(path).name, text), status=f"Attached {Path(path).name}.")
+        return View(attachment=self.attach(Path(path).name, text),
+                    status=f"Attached {Path(path).name}." + textless_note(text))
 
     def pasted_chip(self, pasted: str) -> str:
         """The attachment line for pasted text, as a file gets one ("" when nothing is pasted)."""
@@ -122,8 +124,8 @@ class ChatLogic:
     def meter(self, conversation: Conversation | None, attachment: dict | None, pasted: str, message: str,
               settings: Settings) -> Meter:
         engine = self.handle.get()
-        document, question = well_formed(_document_text(attachment, pasted)), well_formed(message or "")
-        asked = _turn_in_preparation(conversation, document)
+        document, question = well_formed(document_text(attachment, pasted)), well_formed(message or "")
+        asked = turn_in_preparation(conversation, document)
         if asked is not None:  # the question and its document are in the chat already: count them once
             conversation, question = asked
         history = [m for m in model_messages(conversation) if m["role"] != "system"] if conversation else []
@@ -385,18 +387,3 @@ class ChatLogic:
     def export(self, conversation: Conversation | None) -> list[str]:
         return self.conversations.export(conversation)
 
-
-def _turn_in_preparation(conversation: Conversation | None, document: str) -> tuple[Conversation, str] | None:
-    """(the conversation before it, its question) while work before an answer (summarizing parts,
-    loading) shows a question with `document`, which the page keeps attached until the answer starts."""
-    messages = conversation.messages if conversation else []
-    if (len(messages) < 2 or not document or not messages[-1].get("partial") or messages[-1]["content"]
-            or (messages[-2].get("document") or {}).get("text") != document):
-        return None
-    return dataclasses.replace(conversation, messages=messages[:-2]), messages[-2]["content"]
-
-
-def _document_text(attachment: dict | None, pasted: str | None) -> str:
-    if attachment is not None:
-        return attachment["text"]
-    return (pasted or "").strip()

@@ -39,8 +39,21 @@ def test_text_files_read_as_before(tmp_path):
 
 
 def test_pdf_pages_are_separated_by_blank_lines(tmp_path):
-    path = write_pdf(tmp_path / "report.pdf", ["First page (one)\nsecond line", "", "Third page"])
+    path = write_pdf(tmp_path / "report.pdf", ["First page (one)\nsecond line", "Third page"])
     assert read_document(path) == "First page (one)\nsecond line\n\nThird page"
+
+
+def test_pdf_pages_without_text_are_named_not_dropped(tmp_path):
+    # Found: a partly scanned PDF lost its image pages without a word.
+    from specchat.app.document_formats import textless_note
+
+    path = write_pdf(tmp_path / "mixed.pdf", ["", "Page two.", "", "", "Page five.", ""])
+    text = read_document(path)
+    assert text == ("[page 1 of 6: no text to read (a scanned image, a figure, or blank)]\n\nPage two.\n\n"
+                    "[pages 3-4 of 6: no text to read (a scanned image, a figure, or blank)]\n\nPage five.\n\n"
+                    "[page 6 of 6: no text to read (a scanned image, a figure, or blank)]")
+    assert textless_note(text).startswith(" ⚠️ 4 of 6 pages have no text") and "run OCR" in textless_note(text)
+    assert textless_note(read_document(write_pdf(tmp_path / "full.pdf", ["One.", "Two."]))) == ""
 
 
 def test_suffix_case_does_not_matter(tmp_path):

@@ -475,3 +475,10 @@ def test_half_an_emoji_from_the_page_is_a_replacement_character_not_an_error(log
     (question, answer) = saved(logic).messages
     assert question["content"] == "Is this \ufffd fine?" and question["document"]["text"] == "Is this \ufffd fine?"
     assert answer["content"] and not views[-1].status
+
+
+def test_attaching_a_partly_scanned_pdf_says_which_pages_are_not_read(logic, tmp_path):
+    from pdf_fixture import write_pdf
+
+    view = logic.attach_file(str(write_pdf(tmp_path / "mixed.pdf", ["", "Page two has text."])))
+    assert view.status.startswith("Attached mixed.pdf. ⚠️ 1 of 2 pages have no text") and view.attachment["tokens"]
