@@ -180,18 +180,25 @@ class _ChatHandlers:
             # A file dropped just before sending may not have been attached by its change event yet.
             dropped = self.attach_dropped(box)
             yield dropped
+            if dropped.message is not None and dropped.attachment is None:  # a file that could not be read
+                return
             yield from self.logic.send(typed(box), dropped.attachment or attached, pasted_text, chat,
                                        self.settings_of(values), request.session_hash)
         yield from self.streamed(views)
 
     def attach_dropped(self, box) -> View:
-        """A file put in the message box (📎 or dropped) becomes the attachment; the box keeps the text."""
+        """A file put in the message box (📎 or dropped) becomes the attachment; the box keeps the
+        text. A file that cannot be read leaves the box, saying why: left there, it failed every Send."""
         files = (box or {}).get("files") or []
         if not files:
             return View()
         # Only a file that came through Gradio's upload: the event's path is whatever the client sends.
         path = files[-1] if isinstance(files[-1], str) else files[-1].get("path")
-        view = self.logic.attach_file(uploaded_file(path))
+        try:
+            view = self.logic.attach_file(uploaded_file(path))
+        except Exception as error:
+            return View(status=f"{problem_text(error)} It was taken out of the message box; your text stays.",
+                        message=typed(box))
         view.message = typed(box)
         return view
 

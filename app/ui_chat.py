@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-from ..core.errors import SpecchatError
+from ..core.errors import InputError, SpecchatError
 from . import chat_follow_up as follow_up
 from . import chat_over_limit as over_limit
 from . import chat_versions as versions
@@ -92,7 +92,10 @@ class ChatLogic:
     def attach_file(self, path: str | None) -> View:
         if not path:
             return View()
-        text = read_document(path)
+        try:
+            text = read_document(path)
+        except InputError as error:  # named as the user knows it, not by the upload folder's path
+            raise InputError(str(error).replace(str(path), Path(path).name)) from None
         return View(attachment=self.attach(Path(path).name, text),
                     status=f"Attached {Path(path).name}." + textless_note(text))
 

@@ -179,3 +179,18 @@ def test_a_retry_that_no_longer_fits_its_answer_limit_changes_nothing(logic):
     before = saved(logic).messages
     (view,) = run(logic.regenerate(conversation, dataclasses.replace(SETTINGS, max_new_tokens=200)))
     assert "does not fit" in view.status and saved(logic).messages == before
+
+
+def test_a_file_that_cannot_be_read_leaves_the_box_and_sends_nothing(logic, handlers, tmp_path, monkeypatch):
+    # Found: the file stayed in the box, and every Send failed again with the upload folder's path.
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
+    binary = tmp_path / "uploads" / "f00d" / "notes.txt"
+    binary.parent.mkdir(parents=True)
+    binary.write_bytes(b"\x00\x01binary\xff" * 100)
+    page = handlers.page
+    drawn = list(handlers.send_message(SimpleNamespace(session_hash="s"), {"text": "Say hello.", "files": [str(binary)]},
+                                       None, "", None, *page_values(SETTINGS)))
+    assert drawn[-1][page.message] == {"text": "Say hello.", "files": []}
+    status = drawn[-1][page.status]
+    assert status.startswith("⚠️ notes.txt ") and str(binary.parent) not in status and "your text stays" in status
+    assert logic.store.list() == []  # nothing sent
