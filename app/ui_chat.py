@@ -147,6 +147,7 @@ class ChatLogic:
         if not question and attachment is None and not pasted.strip():
             yield View(status="Type a question or attach a document.")
             return
+        settings.sampling()  # a bad setting (a seed of "abc") is refused before the question is saved
         changed = ""
         if conversation is not None:  # this tab's copy may be older than the file: the question follows the file
             try:
@@ -295,6 +296,7 @@ class ChatLogic:
                 or conversation.messages[index]["role"] != "user":
             yield View(conversation=conversation, status="Only your own messages can be edited.")
             return
+        settings.sampling()  # a bad setting is refused before the turns after the edit go
         content = edited_question(conversation.messages[index]["content"],
                                   shown_messages(conversation)[index]["content"], well_formed(text))
         fits, note = follow_up.room_to_ask_again(self, conversation, index, content, settings)

@@ -16,6 +16,7 @@ from specchat.app.engine_handle import EngineHandle
 from specchat.app.history import HistoryStore
 from specchat.app.chat_view import ASK_FIRST, KEPT_SETTINGS, Settings
 from specchat.app.ui_chat import ChatLogic
+from specchat.core.errors import InputError
 from specchat.core.loading import load_engine
 
 SETTINGS = Settings(system="", preset="free", temperature=0.0, top_p=1.0, top_k=0, seed=None,
@@ -482,3 +483,16 @@ def test_attaching_a_partly_scanned_pdf_says_which_pages_are_not_read(logic, tmp
 
     view = logic.attach_file(str(write_pdf(tmp_path / "mixed.pdf", ["", "Page two has text."])))
     assert view.status.startswith("Attached mixed.pdf. ⚠️ 1 of 2 pages have no text") and view.attachment["tokens"]
+
+
+def test_a_bad_seed_is_refused_before_anything_is_saved(logic):
+    # Found: the question was saved unanswered and the box emptied, then the seed was refused.
+    bad = dataclasses.replace(SETTINGS, seed="abc")
+    with pytest.raises(InputError, match="seed must be a whole number"):
+        run(logic.send("Hello there", None, "", None, bad))
+    assert logic.store.list() == []
+    conversation = run(logic.send("Hello there", None, "", None, SETTINGS))[-1].conversation
+    run(logic.send("And then?", None, "", conversation, SETTINGS))
+    with pytest.raises(InputError, match="seed must be a whole number"):
+        run(logic.edit(conversation, 0, "Edited", bad))
+    assert len(saved(logic).messages) == 4
