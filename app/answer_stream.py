@@ -32,6 +32,8 @@ def answer_views(conversation, reply: dict, ticket: Ticket, store: HistoryStore,
     from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
 
     mode, pending, result = "", STARTING, None
+    earlier = (reply.get("new_tokens") or 0) if start else 0  # a continued answer's tokens so far
+    streamed = 0
     reading = ReadProgress()
     saved_at = time.monotonic()
     for batch in ticket.batches(STREAM_UPDATE_SECONDS):
@@ -49,10 +51,12 @@ def answer_views(conversation, reply: dict, ticket: Ticket, store: HistoryStore,
                 reply["content"] += event.text
                 reply["origins"].extend([text, origin] for text, origin in event.pieces if text)
                 reply["stats"] = dataclasses.asdict(event.stats)
+                streamed += len(event.token_ids)
+                reply["new_tokens"] = earlier + streamed  # counted as it streams: an answer cut off keeps it
                 wrote = True
             elif isinstance(event, Finished):
                 result = event.result
-                view = _finished(conversation, reply, result, store, start)
+                view = _finished(conversation, reply, result, store, start, earlier)
         if wrote and result is None:  # drawn once per batch: the figures and tokens cover the whole answer
             view = View(conversation=conversation, streaming=True, status=status,
                         stats=stats_line(reply["stats"], mode), stages=stage_table(reply["stats"]),
@@ -65,9 +69,8 @@ def answer_views(conversation, reply: dict, ticket: Ticket, store: HistoryStore,
     return result
 
 
-def _finished(conversation, reply: dict, result, store: HistoryStore, start: str) -> View:
+def _finished(conversation, reply: dict, result, store: HistoryStore, start: str, earlier: int) -> View:
     """The answer's end written into `reply` and saved; the view that shows it."""
-    earlier = (reply.get("new_tokens") or 0) if start else 0
     if start and result.text:
         reply["continued"] = reply.get("continued", 0) + 1
     reply.update(content=start + result.text, partial=False, stats=dataclasses.asdict(result.stats),

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import DATA, holding, run, saved
 from specchat.app import chat_over_limit as over_limit
+from specchat.app import chat_versions as versions
 from specchat.app.conversation import model_messages
 from specchat.app.engine_handle import EngineHandle
 from specchat.app.history import HistoryStore
@@ -67,6 +68,8 @@ def test_stop_keeps_the_answer_so_far(logic, monkeypatch):
     assert reply["content"] and reply["role"] == "assistant" and not reply["partial"]
     assert reply["finish_reason"] == "cancelled"
     assert reply["content"] == streamed[-1].conversation.messages[-1]["content"]
+    # Found: an answer cut off by leaving it showed "? tokens, stopped".
+    assert 0 < reply["new_tokens"] < 160 and "?" not in versions.figures(reply)["stats"]
 
 
 def test_a_cut_label_says_how_much_of_the_document_goes_and_never_zero():
