@@ -87,8 +87,12 @@ SLOW_LONG_ANIMATION_LOOPS = """<script>
 RESTORE_DARK_MODE_JS = """() => { const saved = localStorage.getItem('specchat-dark');
   if (saved !== null) document.body.classList.toggle('dark', saved === '1'); }"""
 # Escape stops the answer, as in other chat apps: a click on Stop, which does nothing when none runs.
+# Escape in another field (a list open, the search box) closes or leaves that field: it stopped the answer too.
 ESCAPE_STOPS_JS = """() => { document.addEventListener('keydown', (event) => {
-  if (event.key === 'Escape') document.querySelector('#stop')?.click(); }); }"""
+  if (event.key !== 'Escape' || event.defaultPrevented) return;
+  const focus = document.activeElement;
+  if (focus?.matches('input, textarea, select, [contenteditable="true"]') && !focus.closest('#message')) return;
+  document.querySelector('#stop')?.click(); }); }"""
 
 
 def build_ui(handle: EngineHandle, store: HistoryStore, registry_file: str | None = None) -> gr.Blocks:
@@ -339,8 +343,9 @@ def _preset_chosen(key: str, box, chat) -> tuple:
     conversation's own preset (set as it is opened) keeps its own system prompt and settings,
     which may have been edited, and adds no question."""
     text = typed(box)
-    if chat is not None and chat.preset == key:
-        return chat.system, {"text": text, "files": []}, gr.update(), gr.update(), gr.update()
+    if chat is not None and chat.preset == key:  # back from another preset: this conversation's own settings
+        own = [chat.settings.get(name) for name in ("temperature", "top_p", "repetition_penalty")]
+        return chat.system, {"text": text, "files": []}, *(gr.update() if value is None else value for value in own)
     preset = PRESETS[key]
     return (preset.system, {"text": text or preset.question, "files": []}, preset.temperature, preset.top_p,
             preset.repetition_penalty)

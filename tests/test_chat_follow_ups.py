@@ -13,6 +13,7 @@ from conftest import DATA, run, saved
 from specchat.app import chat_over_limit as over_limit
 from specchat.app.chat_view import ASK_FIRST, LEAVE_OUT_OLDEST, Settings, View
 from specchat.app.conversation import LEFT_OUT, model_messages, shown_messages
+from specchat.app.presets import PRESETS
 from specchat.app.ui import _ChatHandlers, _preset_chosen
 from specchat.app.ui_chat_page import chat_page
 from specchat.core.errors import InputError
@@ -139,8 +140,13 @@ def test_a_chosen_preset_sets_its_repetition_penalty_and_an_opened_conversations
     *_, penalty = _preset_chosen("summarize", {"text": "", "files": []}, None)
     assert penalty == 1.1
     summarized = run(logic.send("Hello", None, "", None, dataclasses.replace(SETTINGS, preset="summarize")))
-    *_, kept = _preset_chosen("summarize", {"text": ""}, summarized[-1].conversation)
-    assert kept == gr.update()
+    conversation = summarized[-1].conversation
+    *_, kept = _preset_chosen("summarize", {"text": ""}, conversation)
+    assert kept == conversation.settings["repetition_penalty"]
+    # Found: back from another preset, the other's temperature stayed (0.7 used and saved in a 0.0 chat).
+    free = run(logic.send("Hello", None, "", None, SETTINGS))[-1].conversation
+    assert _preset_chosen("summarize", {"text": ""}, free)[2] == PRESETS["summarize"].temperature != 0.0
+    assert _preset_chosen("free", {"text": ""}, free)[2:] == (0.0, 1.0, SETTINGS.repetition_penalty)
 
 
 def test_an_edit_that_does_not_fit_changes_nothing_and_waits_in_the_box(logic):
