@@ -57,7 +57,9 @@ APP_CSS = """
 }
 table td, table th, table td *, table th *, #pairs span.text {
   word-break: normal !important; overflow-wrap: normal !important; hyphens: none; }
-#exported .file-name, #exported a { word-break: break-all; white-space: normal; }
+#exported .download { min-width: 0 !important; width: auto !important; }
+#exported .filename { display: block !important; word-break: break-all !important; }
+#exported .filename .stem, #exported .filename .ext { white-space: normal !important; word-break: break-all !important; }
 #version-label { flex: 0 0 auto !important; width: auto !important; align-self: center; }
 """
 # Gradio 6.31's status tracker leaves a 60 Hz requestAnimationFrame loop running for the page's life
