@@ -1,6 +1,6 @@
 """What a person has started in a conversation and not sent: the message box's text (a preset's
 question included), the attached document and the pasted text. Each conversation keeps its own
-while the page is open (a `gr.State`, keyed by conversation id; nothing of it is saved): leaving a
+(a `gr.State`, keyed by conversation id, kept on disk for the browser by `draft_store`): leaving a
 conversation keeps its draft, coming back brings it back, and a new conversation starts with
 nothing attached elsewhere: the draft left in a new conversation when another was opened, else the
 chosen preset's question. New, clicked on a new conversation, starts afresh."""

@@ -21,6 +21,7 @@ import gradio as gr  # noqa: E402
 from . import chat_over_limit as over_limit  # noqa: E402
 from .chat_drafts import kept as kept_draft  # noqa: E402
 from .chat_drafts import restored as restored_draft  # noqa: E402
+from .draft_store import DraftStore  # noqa: E402
 from .chat_view import Settings, View, problem_text  # noqa: E402
 from .engine_handle import EngineHandle  # noqa: E402
 from .history import HistoryStore  # noqa: E402
@@ -124,6 +125,7 @@ class _ChatHandlers:
 
     def __init__(self, page: ChatPage, logic: ChatLogic):
         self.page, self.logic = page, logic
+        self.drafts_on_disk = DraftStore(logic.store.folder.parent / "drafts")
 
     def draw(self, view: View) -> dict:
         return render(self.page, view, self.logic.conversation_choices)
@@ -159,6 +161,20 @@ class _ChatHandlers:
                 view = View(status=problem_text(error))
             return {**self.draw(view), self.page.drafts: drafts}
         return run
+
+    def save_drafts(self, browser, drafts, chat, box, attached, pasted_text) -> None:
+        """The drafts on disk as the page holds them (nothing before the page load gave the id)."""
+        if browser and self.drafts_on_disk.browser(browser) == browser:
+            self.drafts_on_disk.save(browser, kept_draft(drafts, chat, typed(box), attached, pasted_text))
+
+    def restore_drafts(self, browser, chat, preset):
+        """At a page load, after the newest conversation is shown: the browser's drafts from disk,
+        the shown conversation's in the box (a reload or a server restart lost nothing typed)."""
+        browser = self.drafts_on_disk.browser(browser)
+        shown = View(conversation=chat) if chat is not None else View(clear_conversation=True)
+        view, drafts = restored_draft(shown, self.drafts_on_disk.load(browser),
+                                      PRESETS.get(preset, PRESETS["free"]).question, left_new=False)
+        return {**self.draw(view), self.page.drafts: drafts, self.page.browser: browser}
 
     def choose_then_send(self, choose):
         """An over-limit choice (a cut, a shorter answer, leaving turns out), then the question sent
@@ -271,10 +287,14 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     reading = page.message.change(on.once(on.attach_dropped), page.message, outputs, trigger_mode="always_last",
                                   **READING)
     reading.then(on.update_meter, meter_inputs, page.meter, **METERING)
-    page.pasted.change(on.pasted_chip, [page.attachment, page.pasted], page.attachment_line,
-                       trigger_mode="always_last", **LIGHT)
-    page.detach.click(lambda: (None, "", ""), None, [page.attachment, page.attachment_line, page.pasted]).then(
-        on.update_meter, meter_inputs, page.meter, **METERING)
+    pasting = page.pasted.change(on.pasted_chip, [page.attachment, page.pasted], page.attachment_line,
+                                 trigger_mode="always_last", **LIGHT)
+    detaching = page.detach.click(lambda: (None, "", ""), None, [page.attachment, page.attachment_line, page.pasted])
+    detaching.then(on.update_meter, meter_inputs, page.meter, **METERING)
+    # What is typed, attached or pasted is kept on disk as it changes (a send empties the box: its draft goes).
+    drafted = [page.browser, page.drafts, page.conversation, page.message, page.attachment, page.pasted]
+    for event in (reading, pasting, detaching):
+        event.then(on.save_drafts, drafted, None, **LIGHT)
     page.switch.click(on.once(functools.partial(over_limit.switch_pair, logic.handle, logic.registry_file)),
                       page.longer_pairs, outputs)
     page.color.change(lambda colored: gr.update(visible=colored), page.color, page.tokens)
@@ -313,7 +333,9 @@ def _wire_conversations(demo: gr.Blocks, page: ChatPage, logic: ChatLogic, on: _
         leave(on.stop_answer, None, None, queue=False)
         # Another conversation's export files are not this one's: they go.
         leave(lambda: gr.update(value=None, visible=False), None, page.exported, **LIGHT)
-    demo.load(on.once(logic.newest), None, outputs).then(on.update_meter, meter_inputs, page.meter, **METERING)
+    demo.load(on.once(logic.newest), None, outputs).then(
+        on.restore_drafts, [page.browser, page.conversation, page.preset], [*outputs, page.drafts, page.browser],
+        **LIGHT).then(on.update_meter, meter_inputs, page.meter, **METERING)
 
 
 def _wire_model_line(page: ChatPage, model_status: ModelNotice, downloads: PairDownload) -> None:

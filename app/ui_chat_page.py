@@ -27,6 +27,7 @@ class ChatPage:
     attachment: gr.State
     deleted: gr.State  # the conversation just deleted, for Undo
     drafts: gr.State  # what was typed, attached and pasted in each conversation and not sent (`chat_drafts`)
+    browser: gr.BrowserState  # this browser's id, under which its drafts are kept on disk (`draft_store`)
     dark: gr.Button
     tab: gr.Tab  # the Chat tab, so other tabs can tell when they are left
     new: gr.Button
@@ -187,6 +188,9 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
     attachment = gr.State(None)
     deleted = gr.State("")
     drafts = gr.State({})
+    # The browser's id for its drafts on disk (`draft_store`). The id is no secret: a fixed key
+    # keeps it readable after a restart, when a random one (Gradio's default) would lose it.
+    browser = gr.BrowserState("", storage_key="specchat-browser", secret="specchat-drafts")
     with gr.Row():
         gr.Markdown("## specchat\nLong-document chat, sped up by lossless speculative decoding.")
         dark = gr.Button("🌓 Dark mode", size="sm", scale=0, elem_id="dark-mode")
@@ -274,7 +278,8 @@ def chat_page(model_line: Callable[[], str]) -> ChatPage:
                           LEAVE_OUT_OLDEST), ("Ask me first", ASK_FIRST)],
                         value=LEAVE_OUT_OLDEST, label="When a follow-up does not fit", elem_id="follow-up-room")
     return ChatPage(
-        conversation=conversation, attachment=attachment, deleted=deleted, drafts=drafts, dark=dark, tab=tab, new=new,
+        conversation=conversation, attachment=attachment, deleted=deleted, drafts=drafts, browser=browser, dark=dark,
+        tab=tab, new=new,
         undo=undo, preset=preset, conversations=conversations, search=search, title=title, rename=rename,
         delete=delete, export=export,
         exported=exported, model_line=shown_model, get_pair=get_pair, chatbot=chatbot, older=older,

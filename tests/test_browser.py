@@ -406,6 +406,34 @@ def test_first_launch_shows_the_model_loading_and_ctrl_c_stops_within_two_second
     assert took < 2.0 and process.returncode == 0, (took, process.returncode)
 
 
+def test_what_was_typed_and_pasted_and_not_sent_survives_a_reload(playwright_browser, tmp_path):
+    """Found: a reload, back and forward, or a server restart (after which Gradio reloads the page)
+    emptied the message box and the document. Drafts are kept on disk for this browser; a send
+    takes its draft away."""
+    data, question = tmp_path / "data", "Who owns the launch? (typed with care)"
+
+    def draft_on_disk() -> str:
+        return "".join(path.read_text() for path in (data / "drafts").glob("*.json"))
+
+    with running_specchat(data_dir=str(data)) as url:
+        page = open_page(playwright_browser, url)
+        paste_document(page, "Priya owns the launch, which moved to March 3.")
+        box = page.locator("#message textarea")
+        fill_until_kept(box, question)
+        wait_for(lambda: question in draft_on_disk() and "Priya" in draft_on_disk(), timeout=60, what="the draft on disk")
+        page.reload()
+        box.wait_for(timeout=60_000)
+        wait_for(lambda: box.input_value() == question, timeout=60, what="the typed question to come back")
+        open_accordion(page, "Paste a document")
+        assert "Priya owns the launch" in page.locator("#document textarea").input_value()
+        set_max_new_tokens(page, 16)
+        page.locator("#send").click()
+        wait_until_finished(page, lambda: answers(page).count() == 1, "the answer")
+        wait_for(lambda: question not in draft_on_disk(), timeout=30, what="the sent draft to go")
+        shot(page, "draft-back-after-reload")
+        page.close()
+
+
 def test_a_reopened_conversation_keeps_its_preset_and_system_prompt(page):
     """After a reload the page shows the conversation's own preset and system prompt, and its
     next question leaves them as they were saved (they used to fall back to Free chat's empty
