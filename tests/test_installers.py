@@ -212,6 +212,21 @@ def test_a_moved_folder_sets_its_environment_up_again(tmp_path):
     assert marker.exists()  # a dry run removes nothing
 
 
+def test_a_folder_reached_through_a_symlink_is_not_taken_for_moved(tmp_path):
+    folder = tmp_path / "real place"
+    shutil.copytree(PACKAGING, folder / "packaging")
+    (folder / "installer_files").mkdir()
+    (folder / "installer_files" / "installed.txt").write_text(f"folder={folder.resolve()}\ndevice=cpu\n")
+    link = tmp_path / "link ü"
+    link.symlink_to(folder, target_is_directory=True)
+    env = {**os.environ, "SPECCHAT_DRY_RUN": "1", "SPECCHAT_UNATTENDED": "1"}
+    result = subprocess.run(["bash", str(link / "packaging" / "start_linux.sh")], capture_output=True, text=True,
+                            env=env, timeout=120, cwd=link)
+    assert result.returncode == 0, result.stderr
+    assert "moved or renamed" not in result.stdout
+    assert f"Installing specchat into {folder.resolve() / 'installer_files'} " in result.stdout
+
+
 def test_a_cpu_install_on_a_machine_that_gained_a_gpu_says_to_update(tmp_path):
     folder = tmp_path / "folder"
     shutil.copytree(PACKAGING, folder / "packaging")

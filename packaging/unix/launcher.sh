@@ -25,8 +25,9 @@ action=${1:-start}
 started=$(date +%s.%N 2>/dev/null)
 case $started in *N*|"") started=$(date +%s) ;; esac  # macOS date has no %N
 
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-repo=$(cd "$here/../.." && pwd)
+# The physical path (-P): a folder reached through a symlink must not count as moved.
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
+repo=$(cd "$here/../.." && pwd -P)
 inst="$repo/installer_files"
 env_dir="$inst/env"
 log="$inst/logs/install.log"
