@@ -173,6 +173,44 @@ def test_a_failed_download_ends_in_one_sentence_and_the_log(tmp_path):
     assert (copy / "installer_files" / "install-started").exists()  # the next run knows to continue
 
 
+def test_a_failure_names_a_log_only_when_there_is_one(tmp_path):
+    folder = tmp_path / "no logs"
+    shutil.copytree(PACKAGING, folder / "packaging")
+    result = subprocess.run(["bash", "-c", 'source "$1"; fail "It broke."', "-",
+                             str(folder / "packaging" / "unix" / "launcher.sh")],
+                            capture_output=True, text=True, env={**os.environ, "SPECCHAT_UNATTENDED": "1"}, timeout=60)
+    assert result.returncode == 1 and result.stderr == "\nspecchat: It broke.\n"
+    assert not (folder / "installer_files").exists()
+
+
+def fake_installed_folder(parent: Path, specchat_body: str) -> Path:
+    """A copy of packaging/ whose installed.txt and env/ look installed: env/bin/python is this
+    Python, env/bin/specchat a shell script with `specchat_body`."""
+    folder = parent / "installed ü"
+    shutil.copytree(PACKAGING, folder / "packaging")
+    inst = folder / "installer_files"
+    (inst / "env" / "bin").mkdir(parents=True)
+    (inst / "installed.txt").write_text(f"folder={folder.resolve()}\ndevice=cpu\n")
+    (inst / "hf_home").write_text(str(parent / "hf"))
+    (inst / "env" / "bin" / "python").symlink_to(sys.executable)
+    specchat = inst / "env" / "bin" / "specchat"
+    specchat.write_text(f"#!/bin/sh\n{specchat_body}\n")
+    specchat.chmod(0o755)
+    return folder
+
+
+def test_a_failure_at_run_time_names_specchat_log(tmp_path):
+    folder = fake_installed_folder(tmp_path, 'echo "Traceback: the model is broken"; exit 3')
+    env = {**os.environ, "SPECCHAT_UNATTENDED": "1", "HOME": str(tmp_path)}
+    result = subprocess.run(["bash", str(folder / "packaging" / "start_linux.sh"), "--no-browser", "--port",
+                             str(free_port())], capture_output=True, text=True, env=env, timeout=120)
+    logs = folder.resolve() / "installer_files" / "logs"
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "specchat stopped with an error (exit code 3)" in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"The details are in {logs / 'specchat.log'}"
+    assert "Traceback: the model is broken" in (logs / "specchat.log").read_text(encoding="utf-8")
+
+
 def test_dry_run_update_and_uninstall(tmp_path):
     assert "not a git checkout" in dry_run("update_linux.sh", tmp_path=tmp_path)
     assert "Nothing to uninstall" in dry_run("uninstall_macos.command", tmp_path=tmp_path)

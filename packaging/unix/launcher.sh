@@ -50,11 +50,13 @@ interactive() {
 }
 
 # One plain sentence, where the details are, and (in a window) a pause so it can be read.
+# fail SENTENCE [LOG]: LOG (install.log unless given; "" for none) is named only if it exists.
 fail() {
+    local details=${2-$log}
     printf '\nspecchat: %s\n' "$1" >&2
-    if [ "$dry" != 1 ]; then
-        [ -d "$inst/logs" ] && printf 'FAILED: %s\n' "$1" >>"$log"
-        printf 'The details are in %s\n' "$log" >&2
+    if [ "$dry" != 1 ] && [ -n "$details" ] && [ -f "$details" ]; then
+        printf 'FAILED: %s\n' "$1" >>"$details" 2>/dev/null
+        printf 'The details are in %s\n' "$details" >&2
     fi
     if interactive; then
         printf 'Press Enter to close this window.' >&2
@@ -443,7 +445,7 @@ launch() {
     kill "$watcher" 2>/dev/null
     # 129, 130, 143: the window was closed, Ctrl+C, or a stop request: a normal end.
     if [ "$status" -ne 0 ] && [ "$status" -ne 129 ] && [ "$status" -ne 130 ] && [ "$status" -ne 143 ]; then
-        fail "specchat stopped with an error (exit code $status): the lines above say why; they are also in $inst/logs/specchat.log."
+        fail "specchat stopped with an error (exit code $status): the lines above say why." "$inst/logs/specchat.log"
     fi
 }
 
@@ -506,7 +508,7 @@ uninstall() {
 $(shortcut_paths)
 EOF
     say "Removing $inst ($size)."
-    [ "$dry" = 1 ] || rm -rf "$inst" || fail "$inst could not be removed completely (is specchat still running?)."
+    [ "$dry" = 1 ] || rm -rf "$inst" || fail "$inst could not be removed completely (is specchat still running?)." ""
     # The editable install's build note, unless a developer's .venv (packaging/install.sh) uses it.
     [ "$dry" = 1 ] || [ -d "$repo/.venv" ] || rm -rf "$repo/specchat.egg-info"
     say "specchat is uninstalled. Left in place: this folder's own files, your conversations and settings (in your user data folder), and any Hugging Face cache you had before."
@@ -530,6 +532,6 @@ case $action in
         fi ;;
     update) update ;;
     uninstall) uninstall ;;
-    *) fail "Unknown action '$action' (start, update or uninstall)." ;;
+    *) fail "Unknown action '$action' (start, update or uninstall)." "" ;;
 esac
 exit 0

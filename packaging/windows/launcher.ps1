@@ -68,10 +68,11 @@ function Say([string]$Text) {
 }
 
 # One plain sentence, where the details are, and (in a window) a pause so it can be read.
-function Stop-WithError([string]$Sentence) {
+# -NoLog: the details are not in install.log (they are on screen); it is named only if it exists.
+function Stop-WithError([string]$Sentence, [switch]$NoLog) {
     Write-Host ''
     Write-Host "specchat: $Sentence" -ForegroundColor Red
-    if (-not $Dry) {
+    if (-not $Dry -and -not $NoLog -and (Test-Path -LiteralPath $Log)) {
         Write-Log "FAILED: $Sentence"
         Write-Host "The details are in $Log"
     }
@@ -425,7 +426,7 @@ function Start-Specchat {
     $status = $LASTEXITCODE
     if (-not $watcher.HasExited) { Stop-Process -Id $watcher.Id -Force -ErrorAction SilentlyContinue }
     if ($status -ne 0 -and $status -ne 130) {
-        Stop-WithError "specchat stopped with an error (exit code $status): the lines above say why."
+        Stop-WithError "specchat stopped with an error (exit code $status): the lines above say why." -NoLog
     }
 }
 
@@ -463,7 +464,7 @@ function Uninstall-Specchat {
         if ((Test-Path -LiteralPath $eggInfo) -and -not (Test-Path -LiteralPath (Join-Path $Repo '.venv'))) {
             Remove-Item -LiteralPath $eggInfo -Recurse -Force
         }
-        if (Test-Path -LiteralPath $Inst) { Stop-WithError "$Inst could not be removed completely (is specchat still running?)." }
+        if (Test-Path -LiteralPath $Inst) { Stop-WithError "$Inst could not be removed completely (is specchat still running?)." -NoLog }
     }
     Say 'specchat is uninstalled. Left in place: this folder''s own files, your conversations and settings (in your user data folder), and any Hugging Face cache you had before.'
 }
@@ -482,6 +483,6 @@ switch ($Action) {
     }
     'update' { Update-Specchat }
     'uninstall' { Uninstall-Specchat }
-    default { Stop-WithError "Unknown action '$Action' (start, update or uninstall)." }
+    default { Stop-WithError "Unknown action '$Action' (start, update or uninstall)." -NoLog }
 }
 exit 0
