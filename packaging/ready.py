@@ -65,11 +65,13 @@ def main(argv: list[str]) -> int:
         target = server_url(argv[2:] if argv[1:2] == ["--"] else argv[1:])
         if target is None or not already_running(target[0]):
             return 1
+        opened = False
         if "--no-browser" not in argv:
             import webbrowser
 
-            webbrowser.open(f"{target[0]}/")
-        print(f"specchat is already running at {target[0]}/ (opened in the browser).", file=sys.stderr)
+            opened = webbrowser.open(f"{target[0]}/")
+        print(f"specchat is already running at {target[0]}/{' (opened in the browser)' if opened else ''}.",
+              file=sys.stderr)
         return 0
     started, install_seconds, log = float(argv[0]), float(argv[1]), argv[2]
     target = server_url(argv[4:] if len(argv) > 3 and argv[3] == "--" else argv[3:])

@@ -286,7 +286,7 @@ def test_ready_finds_the_server_from_specchat_arguments():
     assert ready.server_url(["--help"]) is None
 
 
-def test_ready_recognizes_a_specchat_already_serving_the_port():
+def test_ready_recognizes_a_specchat_already_serving_the_port(capsys):
     import http.server
     import threading
 
@@ -307,6 +307,7 @@ def test_ready_recognizes_a_specchat_already_serving_the_port():
         url = f"http://127.0.0.1:{server.server_address[1]}"
         assert ready.already_running(url)
         assert ready.main(["--running", "--", "--port", str(server.server_address[1]), "--no-browser"]) == 0
+        assert capsys.readouterr().err == f"specchat is already running at {url}/.\n"  # no browser: none opened
         Page.body = b"<title>another program</title>"
         assert not ready.already_running(url)
     finally:
