@@ -11,7 +11,11 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null
 fi
 # pip runs quietly (its output is pages long); each step says what it does, as it starts.
 step() { echo "specchat install: $*"; }
-[ -x .venv/bin/python ] || { step "creating .venv"; "$python" -m venv .venv; }
+# A .venv without a working pip (an earlier run cut off while creating it) is made anew.
+if ! { [ -x .venv/bin/python ] && .venv/bin/python -m pip --version >/dev/null 2>&1; }; then
+    step "creating .venv"
+    "$python" -m venv --clear .venv
+fi
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 
 # PyTorch first, pinned: with an NVIDIA driver the CUDA build and bitsandbytes (4-bit weights),

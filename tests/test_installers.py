@@ -35,6 +35,34 @@ def pin(pattern: str, path: Path) -> str:
     return found.group(1)
 
 
+def write_script(path: Path, body: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def test_install_sh_makes_a_venv_left_without_pip_anew(tmp_path):
+    # An earlier run cut off while creating .venv left a Python without pip there.
+    folder = tmp_path / "checkout"
+    (folder / "packaging").mkdir(parents=True)
+    shutil.copy(PACKAGING / "install.sh", folder / "packaging")
+    write_script(folder / ".venv" / "bin" / "python", 'case "$*" in "-m pip"*) echo "No module named pip" >&2; exit 1;; esac\n')
+    calls = tmp_path / "pip calls"
+    good = write_script(tmp_path / "venv python", f'[ "$*" = "-m pip --version" ] && exit 0\necho "$*" >>"{calls}"\n')
+    python = write_script(tmp_path / "bin" / "python3", f"""case "$1 $2" in
+  "-m venv") [ "$3 $4" = "--clear .venv" ] || exit 2; cp "{good}" .venv/bin/python ;;
+esac
+""")
+    write_script(tmp_path / "bin" / "nvidia-smi", "exit 9\n")
+    env = {**os.environ, "PYTHON": str(python), "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", str(folder / "packaging" / "install.sh")], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "specchat install: creating .venv" in result.stdout
+    assert "torch==2.13.0" in calls.read_text()
+
+
 def test_launchers_install_the_same_pins_as_install_sh():
     install = PACKAGING / "install.sh"
     unix, windows = PACKAGING / "unix" / "launcher.sh", PACKAGING / "windows" / "launcher.ps1"
