@@ -239,6 +239,32 @@ def test_a_failure_at_run_time_names_specchat_log(tmp_path):
     assert "Traceback: the model is broken" in (logs / "specchat.log").read_text(encoding="utf-8")
 
 
+NO_PYTHON = 'exit 1\n'  # a python3 that does not run: the official installer's route
+
+
+@pytest.mark.parametrize("curl, sentence", [
+    ('echo "curl: (6) Could not resolve host: astral.sh" >&2; exit 6\n',
+     "specchat: uv could not be downloaded from astral.sh: check the internet connection"),
+    # The installer ran but left no uv (an antivirus removed it, say).
+    ('while [ $# -gt 1 ] && [ "$1" != -o ]; do shift; done; [ "$1" != -o ] || printf "exit 0\\n" >"$2"\n',
+     "specchat: uv could not be downloaded: its program ("),
+], ids=["download fails", "installer leaves no uv"])
+def test_a_failed_uv_installer_says_so(tmp_path, curl, sentence):
+    copy = tmp_path / "no uv ü"
+    shutil.copytree(PACKAGING, copy / "packaging")
+    bin_ = tmp_path / "bin"
+    for name in ("python3", "python"):
+        write_script(bin_ / name, NO_PYTHON)
+    write_script(bin_ / "curl", curl)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHON"}
+    env.update(SPECCHAT_UNATTENDED="1", PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}")
+    result = subprocess.run(["bash", str(copy / "packaging" / "start_linux.sh")], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 1
+    assert sentence in result.stderr and "Python could not be downloaded" not in result.stderr, result.stderr
+    assert "[2/5] Python" not in result.stdout
+
+
 def test_dry_run_update_and_uninstall(tmp_path):
     assert "not a git checkout" in dry_run("update_linux.sh", tmp_path=tmp_path)
     assert "Nothing to uninstall" in dry_run("uninstall_macos.command", tmp_path=tmp_path)

@@ -115,7 +115,7 @@ ensure_uv() {
     if [ -x "$uv_bin" ] && "$uv_bin" --version >/dev/null 2>&1; then
         return 0
     fi
-    local python
+    local python installer="$inst/uv/uv-installer.sh" url="https://astral.sh/uv/$UV_VERSION/install.sh"
     if [ "$dry" != 1 ]; then rm -rf "$inst/uv"; fi
     python=$(system_python)
     if [ -n "$python" ] && "$python" -m pip --version >/dev/null 2>&1; then
@@ -125,10 +125,17 @@ ensure_uv() {
             --target "$inst/uv" "uv==$UV_VERSION"
     elif command -v curl >/dev/null 2>&1 || command -v wget >/dev/null 2>&1; then
         say "Getting uv $UV_VERSION (the installer's package manager) with its official installer."
-        local fetch="curl -LsSf"
-        command -v curl >/dev/null 2>&1 || fetch="wget -qO-"
-        run "uv could not be downloaded from astral.sh: check the internet connection (a firewall or antivirus may block the download)." \
-            env UV_UNMANAGED_INSTALL="$inst/uv/bin" sh -c "$fetch https://astral.sh/uv/$UV_VERSION/install.sh | sh"
+        # Downloaded to a file first: piped into sh, a failed download would go unnoticed.
+        [ "$dry" = 1 ] || mkdir -p "$inst/uv"
+        if command -v curl >/dev/null 2>&1; then
+            run "uv could not be downloaded from astral.sh: check the internet connection (a firewall or antivirus may block the download)." \
+                curl -LsSf -o "$installer" "$url"
+        else
+            run "uv could not be downloaded from astral.sh: check the internet connection (a firewall or antivirus may block the download)." \
+                wget -q -O "$installer" "$url"
+        fi
+        run "uv's official installer did not work (a firewall or antivirus may block its download)." \
+            env UV_UNMANAGED_INSTALL="$inst/uv/bin" sh "$installer"
     elif command -v uv >/dev/null 2>&1; then
         uv_bin=$(command -v uv)
         say "Using the uv already on this computer: $uv_bin"
@@ -136,6 +143,8 @@ ensure_uv() {
     else
         fail "uv could not be downloaded: this computer has neither Python's pip nor curl nor wget; install curl and run this again."
     fi
+    [ "$dry" = 1 ] || "$uv_bin" --version >/dev/null 2>&1 \
+        || fail "uv could not be downloaded: its program ($uv_bin) is missing or does not run after the download (an antivirus may have removed it)."
 }
 
 # --- Python and the environment: a Python managed by uv inside the folder, else a system
