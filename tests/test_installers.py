@@ -265,6 +265,20 @@ def test_a_failed_uv_installer_says_so(tmp_path, curl, sentence):
     assert "[2/5] Python" not in result.stdout
 
 
+def test_a_python_too_old_for_uv_leaves_uv_to_its_official_installer(tmp_path):
+    old = write_script(tmp_path / "bin" / "python3", """case "$*" in
+  *version_info*) exit 1 ;;  # Python 3.7, whose pip finds no uv
+  "-m pip --version") echo "pip 23.0.1 from /usr/lib/python3/dist-packages/pip (python 3.7)" ;;
+esac
+""")
+    write_script(tmp_path / "bin" / "curl", "exit 0\n")
+    out = dry_run("start_linux.sh", tmp_path=tmp_path, path_prefix=old.parent)
+    assert "Getting uv 0.13.9 (the installer's package manager) with its official installer." in out
+    assert re.search(r"would run: curl -LsSf -o .*/installer_files/uv/uv-installer.sh "
+                     r"https://astral.sh/uv/0.13.9/install.sh\n", out), out
+    assert re.search(r"would run: env UV_UNMANAGED_INSTALL=.*/installer_files/uv/bin sh .*/uv-installer.sh\n", out)
+
+
 def test_dry_run_update_and_uninstall(tmp_path):
     assert "not a git checkout" in dry_run("update_linux.sh", tmp_path=tmp_path)
     assert "Nothing to uninstall" in dry_run("uninstall_macos.command", tmp_path=tmp_path)

@@ -118,7 +118,9 @@ ensure_uv() {
     local python installer="$inst/uv/uv-installer.sh" url="https://astral.sh/uv/$UV_VERSION/install.sh"
     if [ "$dry" != 1 ]; then rm -rf "$inst/uv"; fi
     python=$(system_python)
-    if [ -n "$python" ] && "$python" -m pip --version >/dev/null 2>&1; then
+    # uv's wheels need Python 3.8 or newer: an older Python's pip finds no uv at all.
+    if [ -n "$python" ] && "$python" -c 'import sys; sys.exit(sys.version_info < (3, 8))' >/dev/null 2>&1 \
+            && "$python" -m pip --version >/dev/null 2>&1; then
         say "Getting uv $UV_VERSION (the installer's package manager) from PyPI with $python's pip."
         run "uv could not be downloaded from PyPI: check the internet connection (a firewall or antivirus may block the download)." \
             env PIP_BREAK_SYSTEM_PACKAGES=1 PIP_REQUIRE_VIRTUALENV=0 "$python" -m pip install --quiet --disable-pip-version-check \
@@ -141,7 +143,7 @@ ensure_uv() {
         say "Using the uv already on this computer: $uv_bin"
         return 0
     else
-        fail "uv could not be downloaded: this computer has neither Python's pip nor curl nor wget; install curl and run this again."
+        fail "uv could not be downloaded: this computer has neither Python 3.8 or newer with pip, nor curl, nor wget; install curl and run this again."
     fi
     [ "$dry" = 1 ] || "$uv_bin" --version >/dev/null 2>&1 \
         || fail "uv could not be downloaded: its program ($uv_bin) is missing or does not run after the download (an antivirus may have removed it)."

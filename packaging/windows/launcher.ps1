@@ -131,7 +131,11 @@ function Initialize-Uv {
     if (-not $Dry -and (Test-Path -LiteralPath $target)) { Remove-Item -LiteralPath $target -Recurse -Force }
     $python = Find-SystemPython
     $hasPip = $false
-    if ($python) { & $python -m pip --version *> $null; $hasPip = ($LASTEXITCODE -eq 0) }
+    if ($python) {
+        # uv's wheels need Python 3.8 or newer: an older Python's pip finds no uv at all.
+        & $python -c 'import sys; sys.exit(sys.version_info < (3, 8))' *> $null
+        if ($LASTEXITCODE -eq 0) { & $python -m pip --version *> $null; $hasPip = ($LASTEXITCODE -eq 0) }
+    }
     if ($hasPip) {
         Say "Getting uv $UvVersion (the installer's package manager) from PyPI with $python's pip."
         $env:PIP_REQUIRE_VIRTUALENV = '0'  # pip installs into installer_files\uv, no environment needed
