@@ -279,6 +279,19 @@ esac
     assert re.search(r"would run: env UV_UNMANAGED_INSTALL=.*/installer_files/uv/bin sh .*/uv-installer.sh\n", out)
 
 
+@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs /usr/bin/python3 to stand for macOS's")
+@pytest.mark.parametrize("tools", [False, True], ids=["no command line tools", "command line tools"])
+def test_macos_runs_usr_bin_python3_only_with_the_command_line_tools(tmp_path, tools):
+    # Without them, macOS's /usr/bin/python3 pops up a dialog asking to install them.
+    xcode_select = write_script(tmp_path / "bin" / "xcode-select",
+                                "echo /Library/Developer/CommandLineTools\n" if tools else "exit 2\n")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHON"}
+    env.update(SPECCHAT_DRY_RUN="1", SPECCHAT_DRY_RUN_OS="Darwin", PATH=f"{xcode_select.parent}:/usr/bin:/bin")
+    result = subprocess.run(["bash", "-c", 'source "$1"; system_python', "-", str(PACKAGING / "unix" / "launcher.sh")],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.stdout.strip() == ("/usr/bin/python3" if tools else "")
+
+
 def test_dry_run_update_and_uninstall(tmp_path):
     assert "not a git checkout" in dry_run("update_linux.sh", tmp_path=tmp_path)
     assert "Nothing to uninstall" in dry_run("uninstall_macos.command", tmp_path=tmp_path)

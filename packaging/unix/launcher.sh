@@ -96,11 +96,18 @@ version_number() {
 }
 
 system_python() {
-    local candidate
+    local candidate path
     for candidate in "${PYTHON:-}" python3 python; do
         [ -n "$candidate" ] || continue
-        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys' >/dev/null 2>&1; then
-            command -v "$candidate"
+        path=$(command -v "$candidate" 2>/dev/null) || continue
+        # On a Mac without the Command Line Tools, /usr/bin/python3 is a stand-in whose every run
+        # asks to install them (a dialog): use it only where they are installed.
+        case $path in
+            /usr/bin/python3|/usr/bin/python)
+                if [ "$(system)" = Darwin ] && ! xcode-select -p >/dev/null 2>&1; then continue; fi ;;
+        esac
+        if "$path" -c 'import sys' >/dev/null 2>&1; then
+            echo "$path"
             return 0
         fi
     done
