@@ -184,6 +184,21 @@ def test_macos_dry_run_refuses_an_intel_mac_in_one_sentence(tmp_path):
     assert "specchat: This is an Intel Mac" in result.stderr
 
 
+def test_an_apple_silicon_mac_under_rosetta_is_no_intel_mac(tmp_path):
+    # A Terminal under Rosetta: uname -m says x86_64 and the process is translated.
+    bin_ = tmp_path / "bin"
+    write_script(bin_ / "uname", 'case "$1" in -s) echo Darwin ;; *) echo x86_64 ;; esac\n')
+    write_script(bin_ / "sysctl", 'case "$2" in hw.optional.arm64|sysctl.proc_translated) echo 1 ;; *) exit 1 ;; esac\n')
+    write_script(bin_ / "arch", 'echo "arch $*"\n')
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SPECCHAT_DRY_RUN")}
+    env["PATH"] = f"{bin_}{os.pathsep}{os.environ['PATH']}"
+    launcher = PACKAGING / "unix" / "launcher.sh"
+    result = subprocess.run(["bash", "-c", 'source "$1"; machine; native_on_apple_silicon start --port 8000', "-",
+                             str(launcher)], capture_output=True, text=True, env=env, timeout=60)
+    # Asked the hardware, and started again as a native (arm64) program.
+    assert result.stdout.splitlines() == ["arm64", f"arch -arm64 /bin/bash {launcher} start --port 8000"]
+
+
 def test_a_failed_download_ends_in_one_sentence_and_the_log(tmp_path):
     copy = tmp_path / "blocked ü"
     shutil.copytree(PACKAGING, copy / "packaging")

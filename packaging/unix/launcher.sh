@@ -85,7 +85,22 @@ system() {
 }
 
 machine() {
-    if [ "$dry" = 1 ] && [ -n "${SPECCHAT_DRY_RUN_ARCH:-}" ]; then echo "$SPECCHAT_DRY_RUN_ARCH"; else uname -m; fi
+    if [ "$dry" = 1 ] && [ -n "${SPECCHAT_DRY_RUN_ARCH:-}" ]; then
+        echo "$SPECCHAT_DRY_RUN_ARCH"
+    elif [ "$(system)" = Darwin ] && [ "$(sysctl -n hw.optional.arm64 2>/dev/null)" = 1 ]; then
+        echo arm64  # the hardware's answer: uname -m says x86_64 in a Terminal under Rosetta
+    else
+        uname -m
+    fi
+}
+
+# In a Terminal under Rosetta (an Apple silicon Mac running Intel programs), uv and the Python
+# it chooses would be Intel programs too, for which PyTorch has no build: start again natively.
+native_on_apple_silicon() {
+    if [ "$dry" != 1 ] && [ "$(system)" = Darwin ] && [ "$(sysctl -n sysctl.proc_translated 2>/dev/null)" = 1 ] \
+            && arch -arm64 /usr/bin/true >/dev/null 2>&1; then
+        exec arch -arm64 /bin/bash "${BASH_SOURCE[0]}" "$@"
+    fi
 }
 
 # "12.8" -> 1208, for comparing CUDA versions in bash arithmetic.
@@ -534,6 +549,7 @@ EOF
 
 # Sourced (by tests), it only defines the functions above.
 [ "${BASH_SOURCE[0]}" = "$0" ] || return 0
+native_on_apple_silicon "$action" "$@"
 if [ "$dry" = 1 ]; then
     say "Dry run: nothing is downloaded, installed or removed; every step is printed instead."
 fi
