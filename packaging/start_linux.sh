@@ -2,4 +2,12 @@
 # Double-click to open specchat: the first run installs it into this folder (installer_files/),
 # later runs start it at once. Arguments go on to specchat, e.g. --port 8000 --no-browser.
 # SPECCHAT_UNATTENDED=1 installs without asking anything. See packaging/unix/launcher.sh.
-exec bash "$(dirname "$0")/unix/launcher.sh" start "$@"
+# Reached through a symlink (a desktop shortcut made by an older launcher, or by hand), find the
+# real file: its folder holds unix/launcher.sh. (No readlink -f: older macOS lacks it.)
+self=$0 hops=0
+while [ -L "$self" ] && [ $hops -lt 40 ]; do
+    link=$(readlink "$self")
+    case $link in /*) self=$link ;; *) self=$(dirname "$self")/$link ;; esac
+    hops=$((hops + 1))
+done
+exec bash "$(dirname "$self")/unix/launcher.sh" start "$@"

@@ -332,6 +332,44 @@ def test_linux_shortcuts_quote_the_folder_path_and_uninstall_finds_them(tmp_path
         assert f'Exec="{start}"' in path.read_text(encoding="utf-8").splitlines()
 
 
+def test_the_macos_shortcut_opens_specchat_from_the_desktop(tmp_path):
+    folder = tmp_path / "odd 'name' $x ü"
+    shutil.copytree(PACKAGING, folder / "packaging")
+    home = tmp_path / "home"
+    (home / "Desktop").mkdir(parents=True)
+    shortcut = home / "Desktop" / "specchat.command"
+    shortcut.symlink_to(folder / "packaging" / "start_macos.command")  # what an older launcher made
+    shipped = (folder / "packaging" / "start_macos.command").read_bytes()
+    mac = write_script(tmp_path / "bin" / "uname", 'case "$1" in -s) echo Darwin ;; *) echo arm64 ;; esac\n')
+    env = {**os.environ, "HOME": str(home), "PATH": f"{mac.parent}{os.pathsep}{os.environ['PATH']}"}
+    made = subprocess.run(["bash", "-c", 'source "$1"; make_shortcuts', "-", str(folder / "packaging/unix/launcher.sh")],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert made.returncode == 0, made.stderr
+    assert not shortcut.is_symlink() and os.access(shortcut, os.X_OK)
+    assert (folder / "packaging" / "start_macos.command").read_bytes() == shipped  # not written through the link
+    dry = {**os.environ, "HOME": str(home), "SPECCHAT_DRY_RUN": "1", "SPECCHAT_UNATTENDED": "1",
+           "SPECCHAT_DRY_RUN_OS": "Darwin", "SPECCHAT_DRY_RUN_ARCH": "arm64"}
+    # Double-clicked: Terminal runs it from the home folder.
+    result = subprocess.run([str(shortcut), "--no-browser"], capture_output=True, text=True, env=dry, cwd=home,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"would run: .*/installer_files/env/bin/specchat --no-browser\n", result.stdout), result.stdout
+
+
+@pytest.mark.parametrize("name", ["start_linux.sh", "start_macos.command", "update_macos.command"])
+def test_the_scripts_work_through_a_symlink(tmp_path, name):
+    folder = tmp_path / "folder ü"
+    shutil.copytree(PACKAGING, folder / "packaging")
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "a").symlink_to(tmp_path / "links" / name)  # a chain of two, one relative
+    (tmp_path / "links" / name).symlink_to(folder / "packaging" / name)
+    env = {**os.environ, "SPECCHAT_DRY_RUN": "1", "SPECCHAT_UNATTENDED": "1"}
+    result = subprocess.run(["bash", str(tmp_path / "links" / "a")], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{folder / 'installer_files'}" in result.stdout
+
+
 def test_a_moved_folder_sets_its_environment_up_again(tmp_path):
     folder = tmp_path / "moved here"
     shutil.copytree(PACKAGING, folder / "packaging")

@@ -338,8 +338,13 @@ make_shortcuts() {
         say "  shortcut: $path"
         [ "$dry" = 1 ] && continue
         mkdir -p "$(dirname "$path")"
+        rm -f "$path"  # an older launcher's shortcut was a symlink: never write through it
         if [ "$(system)" = Darwin ]; then
-            ln -sf "$repo/packaging/start_macos.command" "$path"
+            # A script of its own: a symlink to start_macos.command would run it with the
+            # Desktop as its folder.
+            printf '#!/bin/bash\n# specchat: opens the chat (made by packaging/unix/launcher.sh)\nexec /bin/bash %q "$@"\n' \
+                "$repo/packaging/start_macos.command" >"$path"
+            chmod +x "$path"
         else
             printf '[Desktop Entry]\nType=Application\nName=specchat\nComment=Long-context chat, sped up losslessly\nExec=%s\nTerminal=true\nCategories=Utility;\n' \
                 "$(desktop_exec "$repo/packaging/start_linux.sh")" >"$path"
