@@ -370,6 +370,26 @@ def test_the_scripts_work_through_a_symlink(tmp_path, name):
     assert f"{folder / 'installer_files'}" in result.stdout
 
 
+@pytest.mark.parametrize("age, held", [(0, True), (120, False)], ids=["just made", "left by a killed launcher"])
+def test_an_install_lock_without_a_process_id_yet_is_held_while_fresh(tmp_path, age, held):
+    # Another launcher has made the lock folder and not yet written its process id into it.
+    folder = tmp_path / "folder"
+    shutil.copytree(PACKAGING, folder / "packaging")
+    lock = folder / "installer_files" / "lock"
+    lock.mkdir(parents=True)
+    os.utime(lock, (time.time() - age, time.time() - age))
+    result = subprocess.run(["bash", "-c", 'source "$1"; take_lock && cat "$inst/lock/pid" && trap - EXIT', "-",
+                             str(folder / "packaging" / "unix" / "launcher.sh")],
+                            capture_output=True, text=True, env={**os.environ, "SPECCHAT_UNATTENDED": "1"}, timeout=60)
+    if held:
+        assert result.returncode == 1
+        assert "specchat: specchat is already being installed in another window: wait" in result.stderr
+        assert not (lock / "pid").exists()
+    else:
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == (lock / "pid").read_text().strip()
+
+
 def test_a_moved_folder_sets_its_environment_up_again(tmp_path):
     folder = tmp_path / "moved here"
     shutil.copytree(PACKAGING, folder / "packaging")

@@ -390,19 +390,38 @@ set_caches() {
 }
 
 # One install at a time (a second double-click while the first installs): a folder made
-# atomically, holding the installing process's id; a dead holder's lock is taken over.
+# atomically, holding the installing process's id; a dead holder's lock is taken over. A lock
+# without an id yet is one that another launcher has just made: held, unless it is old (that
+# launcher was killed before writing its id).
 take_lock() {
-    local lock="$inst/lock" holder
-    if ! mkdir "$lock" 2>/dev/null; then
+    local lock="$inst/lock" holder waited=0
+    until mkdir "$lock" 2>/dev/null; do
+        [ -d "$lock" ] || fail "The folder $inst is not writable: move the specchat folder somewhere you can write (your home folder)."
         holder=$(cat "$lock/pid" 2>/dev/null)
-        if [ -n "$holder" ] && kill -0 "$holder" 2>/dev/null; then
-            fail "specchat is already being installed in another window (process $holder): wait for it to finish, then start again."
+        if [ -n "$holder" ]; then
+            if kill -0 "$holder" 2>/dev/null; then
+                fail "specchat is already being installed in another window (process $holder): wait for it to finish, then start again."
+            fi
+        elif ! lock_is_old "$lock"; then
+            if [ "$waited" -lt 10 ]; then
+                sleep 0.2
+                waited=$((waited + 1))
+                continue
+            fi
+            fail "specchat is already being installed in another window: wait for it to finish, then start again."
         fi
-        rm -rf "$lock"
-        mkdir "$lock" || fail "The folder $inst is not writable: move the specchat folder somewhere you can write (your home folder)."
-    fi
+        rm -rf "$lock"  # its holder is gone; if another launcher takes it first, mkdir says so
+    done
     echo $$ >"$lock/pid"
     trap 'rm -rf "$inst/lock"' EXIT
+}
+
+# Whether the folder $1 was last changed more than a minute ago (or is gone).
+lock_is_old() {
+    local changed
+    changed=$(stat -c %Y "$1" 2>/dev/null || stat -f %m "$1" 2>/dev/null)  # GNU, else BSD/macOS
+    case $changed in ''|*[!0-9]*) return 0 ;; esac
+    [ $(( $(date +%s) - changed )) -gt 60 ]
 }
 
 install() {

@@ -51,6 +51,7 @@ $script:TorchChoices = @()
 $script:TorchWords = ''
 $script:TorchSource = ''
 $script:InstallSeconds = 0
+$script:LockStream = $null
 
 function Test-Interactive {
     return ($env:SPECCHAT_UNATTENDED -ne '1') -and [Environment]::UserInteractive -and -not [Console]::IsInputRedirected
@@ -76,6 +77,7 @@ function Stop-WithError([string]$Sentence, [switch]$NoLog) {
         Write-Log "FAILED: $Sentence"
         Write-Host "The details are in $Log"
     }
+    Unlock-Install  # before the pause: another window may install while this one waits
     if (Test-Interactive) { Read-Host 'Press Enter to close this window' | Out-Null }
     exit 1
 }
@@ -308,20 +310,26 @@ function Set-Caches {
     }
 }
 
-# One install at a time (a second double-click while the first installs): a folder made
-# atomically, holding the installing process's id; a dead holder's lock is taken over.
+# One install at a time (a second double-click while the first installs): a file this process
+# holds open, shared with no one, until the install ends. Opening it is atomic, and Windows
+# closes (and deletes) it when the process ends however it ends, so no lock is left behind.
 function Lock-Install {
-    $lock = Join-Path $Inst 'lock'
-    $pidFile = Join-Path $lock 'pid'
-    if (Test-Path -LiteralPath $lock) {
-        $holder = (Get-Content -LiteralPath $pidFile -ErrorAction SilentlyContinue | Select-Object -First 1)
-        if ($holder -and (Get-Process -Id ([int]$holder) -ErrorAction SilentlyContinue)) {
-            Stop-WithError "specchat is already being installed in another window (process $holder): wait for it to finish, then start again."
+    $lockFile = Join-Path $Inst 'install.lock'
+    for ($try = 1; $try -le 5; $try++) {
+        try {
+            $script:LockStream = [System.IO.FileStream]::new($lockFile, [System.IO.FileMode]::OpenOrCreate,
+                [System.IO.FileAccess]::ReadWrite, [System.IO.FileShare]::None, 4096, [System.IO.FileOptions]::DeleteOnClose)
+            return
+        } catch {
+            Write-Log "install.lock: $($_.Exception.Message)"
+            Start-Sleep -Milliseconds 400  # a lock being released (or scanned by an antivirus) a moment ago
         }
-        Remove-Item -LiteralPath $lock -Recurse -Force -ErrorAction SilentlyContinue
     }
-    New-Item -ItemType Directory -Path $lock -ErrorAction SilentlyContinue | Out-Null
-    Set-Content -LiteralPath $pidFile -Value $PID
+    Stop-WithError 'specchat is already being installed in another window: wait for it to finish, then start again.'
+}
+
+function Unlock-Install {
+    if ($script:LockStream) { $script:LockStream.Dispose(); $script:LockStream = $null }
 }
 
 function Install-Specchat([string]$How) {
@@ -375,7 +383,7 @@ function Install-Specchat([string]$How) {
         Set-Content -LiteralPath $Marker -Encoding UTF8 -Value @("installed=$(Get-Date)", "folder=$Repo",
             "torch=$TorchVersion ($($script:TorchSource))", "device=$device", "python=$pythonVersion")
         Remove-Item -LiteralPath $Unfinished -Force
-        Remove-Item -LiteralPath (Join-Path $Inst 'lock') -Recurse -Force -ErrorAction SilentlyContinue
+        Unlock-Install
     }
     $script:InstallSeconds = [int]((Get-Date) - $installStarted).TotalSeconds
     Say "specchat is installed ($($script:InstallSeconds) s): $($script:TorchWords)"
