@@ -2,15 +2,22 @@
 
 Usage (by the launchers, beside `specchat ARGS`, in specchat's environment):
     python ready.py STARTED INSTALL_SECONDS LOG -- ARGS
-    python ready.py --running -- ARGS    exit 0 (and open the page) when specchat already serves there
+    python ready.py --running [--record FILE --pid PID] -- ARGS
 STARTED is the epoch time the launcher started (the double-click), INSTALL_SECONDS how much of
 the wait was installing. `GET /v1/models` answers only once the model is loaded, so its first
 answer marks a usable chat. Exits quietly when ARGS start no server, or when the launcher is gone.
+
+--running exits 0 (and opens the page) when specchat already serves there, else 1: the launcher
+then starts it. With --record, FILE (in installer_files) says which launcher (PID) is starting or
+running the chat and at which address: a second double-click while the first chat still starts
+waits for it to answer and opens it, instead of starting another server on the same port. A
+record whose launcher is gone is stale and ignored; the launcher removes its own when it ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -60,13 +67,130 @@ def already_running(url: str) -> bool:
     return b'"title":"specchat"' in page or b"<title>specchat</title>" in page
 
 
+def pid_alive(pid: int, since: float | None = None) -> bool:
+    """Whether process `pid` exists (and, on Windows, which reuses ids soon, was started before
+    the epoch time `since`). Not os.kill(pid, 0): on Windows that would end the process."""
+    if pid <= 0:
+        return False
+    if os.name == "nt":
+        import ctypes
+        from ctypes import wintypes
+
+        kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+        kernel32.OpenProcess.restype = wintypes.HANDLE
+        kernel32.OpenProcess.argtypes = [wintypes.DWORD, wintypes.BOOL, wintypes.DWORD]
+        kernel32.GetExitCodeProcess.argtypes = [wintypes.HANDLE, ctypes.POINTER(wintypes.DWORD)]
+        kernel32.GetProcessTimes.argtypes = [wintypes.HANDLE] + [ctypes.POINTER(wintypes.FILETIME)] * 4
+        kernel32.CloseHandle.argtypes = [wintypes.HANDLE]
+        handle = kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
+        if not handle:
+            return ctypes.get_last_error() == 5  # access denied: it exists
+        try:
+            code = wintypes.DWORD()
+            if not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)) or code.value != 259:  # STILL_ACTIVE
+                return False
+            times = [wintypes.FILETIME() for _ in range(4)]
+            if since is not None and kernel32.GetProcessTimes(handle, *map(ctypes.byref, times)):
+                created = ((times[0].dwHighDateTime << 32) + times[0].dwLowDateTime - 116444736000000000) / 1e7
+                return created <= since + 1
+            return True
+        finally:
+            kernel32.CloseHandle(handle)
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # another user's
+    except OSError:
+        return False
+    return True
+
+
+def claim(record: str, pid: int, url: str) -> bool:
+    """Write the record if there is none (atomically): whether this launcher now holds it, or
+    may start the chat anyway (a record it cannot write holds nothing back)."""
+    try:
+        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        file.write(f"{pid}\n{url}\n")
+    return True
+
+
+def read_record(record: str) -> tuple[int, str] | None:
+    """(launcher's pid, URL) of the record; None when it is gone, or empty (being written)."""
+    try:
+        with open(record, encoding="utf-8") as file:
+            lines = file.read().split("\n")
+        return int(lines[0]), lines[1]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def forget(record: str, seen: tuple[int, str] | None) -> None:
+    """Remove a stale record, unless another launcher has just replaced it."""
+    if read_record(record) == seen:
+        with contextlib.suppress(OSError):
+            os.remove(record)
+
+
+def wait_for_another_start(record: str, pid: int, url: str) -> bool:
+    """Claim the record, or wait while the launcher that holds it starts the chat at `url`:
+    True once that chat answers, False when this launcher should start the chat itself."""
+    said = False
+    deadline = time.time() + DEADLINE_SECONDS
+    while time.time() < deadline:
+        if claim(record, pid, url):
+            return False
+        holder = read_record(record)
+        if holder is None:
+            try:
+                fresh = time.time() - os.stat(record).st_mtime < 5
+            except OSError:
+                continue  # gone: claim it
+            if not fresh:  # its launcher ended before writing it
+                forget(record, None)
+            time.sleep(0.2)
+            continue
+        try:
+            written = os.stat(record).st_mtime
+        except OSError:
+            continue
+        if not pid_alive(holder[0], since=written):
+            forget(record, holder)
+            continue
+        if holder[1] != url:
+            return False  # another chat, on another port: this one starts too
+        if already_running(url):
+            return True
+        if not said:
+            print(f"specchat is already starting in another window (process {holder[0]}): waiting until it "
+                  f"answers at {url}/ ...", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(1)
+    return False
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "--running":
-        target = server_url(argv[2:] if argv[1:2] == ["--"] else argv[1:])
-        if target is None or not already_running(target[0]):
+        args, record, pid = argv[1:], None, os.getppid()
+        while args[:1] in (["--record"], ["--pid"]) and len(args) > 1:
+            if args[0] == "--record":
+                record = args[1]
+            else:
+                pid = int(args[1])
+            args = args[2:]
+        args = args[1:] if args[:1] == ["--"] else args  # (Windows PowerShell may drop the --)
+        target = server_url(args)
+        if target is None:
             return 1
+        if not already_running(target[0]):
+            if record is None or not wait_for_another_start(record, pid, target[0]):
+                return 1
         opened = False
-        if "--no-browser" not in argv:
+        if "--no-browser" not in args:
             import webbrowser
 
             opened = webbrowser.open(f"{target[0]}/")

@@ -470,6 +470,110 @@ def test_ready_recognizes_a_specchat_already_serving_the_port(capsys):
     assert not ready.already_running(url)  # nothing listens any more
 
 
+SPECCHAT_PAGE = b'<html><script>window.gradio_config = {"title":"specchat","mode":"blocks"};</script></html>'
+
+
+@contextlib.contextmanager
+def specchat_page_from(after: float, port: int):
+    """A server answering like specchat's page at 127.0.0.1:port from `after` seconds on."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(SPECCHAT_PAGE)
+
+        def log_message(self, *args):
+            pass
+
+    stop = threading.Event()
+
+    def serve():
+        if stop.wait(after):
+            return
+        with http.server.HTTPServer(("127.0.0.1", port), Page) as server:
+            server.timeout = 0.2
+            while not stop.is_set():
+                server.handle_request()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def test_ready_claims_the_start_record_unless_a_live_launcher_holds_it(tmp_path):
+    record, port = tmp_path / "chat-launcher.txt", free_port()
+    url = f"http://127.0.0.1:{port}"
+    running = ["--running", "--record", str(record), "--pid", "4242", "--", "--port", str(port), "--no-browser"]
+    assert ready.main(running) == 1  # nothing runs: this launcher starts it, and says so
+    assert record.read_text() == f"4242\n{url}\n"
+    record.write_text(f"{dead_pid()}\n{url}\n")  # left by a launcher that was killed
+    assert ready.main(running) == 1 and record.read_text() == f"4242\n{url}\n"
+    record.write_text(f"{os.getpid()}\nhttp://127.0.0.1:1\n")  # a live launcher, another port
+    assert ready.main(running) == 1 and record.read_text() == f"{os.getpid()}\nhttp://127.0.0.1:1\n"
+    record.write_text("")  # being written by a launcher killed before it wrote: stale once old
+    os.utime(record, (time.time() - 30, time.time() - 30))
+    assert ready.main(running) == 1 and record.read_text() == f"4242\n{url}\n"
+
+
+def test_ready_waits_for_a_chat_another_launcher_is_starting(tmp_path, capsys):
+    record, port = tmp_path / "chat-launcher.txt", free_port()
+    record.write_text(f"{os.getpid()}\nhttp://127.0.0.1:{port}\n")  # a live launcher, this port
+    with specchat_page_from(2, port):
+        started = time.monotonic()
+        assert ready.main(["--running", "--record", str(record), "--pid", "4242", "--", "--port", str(port),
+                           "--no-browser"]) == 0
+        assert time.monotonic() - started > 1.5
+    err = capsys.readouterr().err
+    assert f"specchat is already starting in another window (process {os.getpid()})" in err
+    assert f"specchat is already running at http://127.0.0.1:{port}/." in err
+    assert record.read_text().startswith(f"{os.getpid()}\n")  # still the other launcher's
+
+
+def test_a_second_start_while_the_first_starts_waits_for_it(tmp_path):
+    # The stand-in specchat takes 4 s to start (the real one 14-47 s), then serves the page.
+    starts = tmp_path / "starts"
+    serve = ("import sys, time, http.server\n"
+             "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+             "time.sleep(4)\n"
+             "class Page(http.server.BaseHTTPRequestHandler):\n"
+             f"    def do_GET(self): self.send_response(200); self.end_headers(); self.wfile.write({SPECCHAT_PAGE!r})\n"
+             "    def log_message(self, *args): pass\n"
+             "http.server.HTTPServer(('127.0.0.1', port), Page).serve_forever()\n")
+    (tmp_path / "serve.py").write_text(serve)
+    folder = fake_installed_folder(tmp_path, f'echo start >>"{starts}"\nexec "{sys.executable}" "{tmp_path / "serve.py"}" "$@"')
+    port = free_port()
+    env = {**os.environ, "SPECCHAT_UNATTENDED": "1", "HOME": str(tmp_path)}
+    args = ["--no-browser", "--port", str(port)]
+    first = Launcher(folder / "packaging" / "start_linux.sh", args, env, tmp_path / "first.out")
+    try:
+        record = folder / "installer_files" / "chat-launcher.txt"
+        deadline = time.monotonic() + 30
+        while not record.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = subprocess.run(["bash", str(folder / "packaging" / "start_linux.sh"), *args], env=env,
+                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert "already starting in another window" in second.stderr
+        assert f"specchat is already running at http://127.0.0.1:{port}/." in second.stderr
+        assert starts.read_text() == "start\n"  # one server
+    finally:
+        first.stop()
+    assert not record.exists()  # the first launcher removed its record as it ended
+
+
 def test_pip_sources_become_uv_settings(tmp_path):
     settings = {"find-links": f"{tmp_path} /no/such/folder https://example.org/wheels",
                 "extra-index-url": "file:///opt/a/simple\nhttps://mirror/simple", "index-url": "https://corp/simple",

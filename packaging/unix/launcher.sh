@@ -481,6 +481,13 @@ install() {
     say "specchat is installed (${install_seconds} s): $torch_words"
 }
 
+# The record that this launcher starts (then runs) the chat (see packaging/ready.py): removed
+# when the chat ends, if it is this launcher's.
+start_record="$inst/chat-launcher.txt"
+release_start_record() {
+    [ "$(head -n 1 "$start_record" 2>/dev/null)" != "$$" ] || rm -f "$start_record"
+}
+
 launch() {
     set_caches
     if [ "$dry" = 1 ]; then
@@ -490,15 +497,20 @@ launch() {
         return 0
     fi
     mkdir -p "$inst/logs"
-    if "$env_dir/bin/python" "$repo/packaging/ready.py" --running -- "$@"; then
+    # Opens the chat if it runs already, or waits for it if another window is starting it;
+    # else records that this launcher starts it (a second double-click then waits for it).
+    if "$env_dir/bin/python" "$repo/packaging/ready.py" --running --record "$start_record" --pid $$ -- "$@"; then
         return 0
     fi
+    trap release_start_record EXIT
     export PYTHONUNBUFFERED=1
     say "Starting specchat (the chat opens in your browser; close this window or press Ctrl+C to stop it)."
     "$env_dir/bin/python" "$repo/packaging/ready.py" "$started" "${install_seconds:-0}" "$log" -- "$@" &
     local watcher=$! status
     "$env_dir/bin/specchat" "$@" 2>&1 | tee -a "$inst/logs/specchat.log"
     status=${PIPESTATUS[0]}
+    release_start_record  # before fail's pause: another window may start the chat meanwhile
+    trap - EXIT
     kill "$watcher" 2>/dev/null
     # 129, 130, 143: the window was closed, Ctrl+C, or a stop request: a normal end.
     if [ "$status" -ne 0 ] && [ "$status" -ne 129 ] && [ "$status" -ne 130 ] && [ "$status" -ne 143 ]; then

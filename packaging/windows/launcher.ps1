@@ -424,18 +424,28 @@ function Test-Installed {
     return ($LASTEXITCODE -eq 0)
 }
 
+# The record that this launcher starts (then runs) the chat (see packaging\ready.py): removed
+# when the chat ends, if it is this launcher's.
+$StartRecord = Join-Path $Inst 'chat-launcher.txt'
+function Remove-StartRecord {
+    $holder = Get-Content -LiteralPath $StartRecord -TotalCount 1 -ErrorAction SilentlyContinue
+    if ($holder -eq [string]$PID) { Remove-Item -LiteralPath $StartRecord -Force -ErrorAction SilentlyContinue }
+}
+
 function Start-Specchat {
     Set-Caches
     if ($Dry) { Write-Host ('  would run: ' + (Format-Command $Specchat $Rest)); return }
-    & $EnvPython (Join-Path $Repo 'packaging\ready.py') --running -- @Rest
+    # Opens the chat if it runs already, or waits for it if another window is starting it; else
+    # records that this launcher starts it (a second double-click then waits for it).
+    & $EnvPython (Join-Path $Repo 'packaging\ready.py') --running --record $StartRecord --pid $PID -- @Rest
     if ($LASTEXITCODE -eq 0) { return }
     Say 'Starting specchat (the chat opens in your browser; close this window or press Ctrl+C to stop it).'
     # Windows PowerShell 5.1 joins -ArgumentList with spaces: quote each argument.
     $watcherArgs = @((Join-Path $Repo 'packaging\ready.py'), [string]$Started, [string]$script:InstallSeconds, $Log, '--') + $Rest |
         ForEach-Object { '"' + ($_ -replace '"', '\"') + '"' }
     $watcher = Start-Process -FilePath $EnvPython -ArgumentList ($watcherArgs -join ' ') -NoNewWindow -PassThru
-    & $Specchat @Rest
-    $status = $LASTEXITCODE
+    # finally: also on Ctrl+C; and before a pause on an error, as another window may start it then.
+    try { & $Specchat @Rest; $status = $LASTEXITCODE } finally { Remove-StartRecord }
     if (-not $watcher.HasExited) { Stop-Process -Id $watcher.Id -Force -ErrorAction SilentlyContinue }
     if ($status -ne 0 -and $status -ne 130) {
         Stop-WithError "specchat stopped with an error (exit code $status): the lines above say why." -NoLog
