@@ -307,6 +307,48 @@ def test_macos_runs_usr_bin_python3_only_with_the_command_line_tools(tmp_path, t
     assert result.stdout.strip() == ("/usr/bin/python3" if tools else "")
 
 
+def fake_df(folder: Path, free_kb: int) -> Path:
+    """A df saying the disk (its name and mount point with spaces, as on macOS) has free_kb free."""
+    return write_script(folder / "df", f"""echo "Filesystem 1024-blocks Used Available Capacity Mounted on"
+echo "map auto_home 500000000 {500000000 - free_kb} {free_kb} 99% /Volumes/My Disk"
+""").parent
+
+
+@pytest.mark.parametrize("gpu, needed", [(False, 3), (True, 8)], ids=["cpu", "cuda"])
+def test_too_little_free_disk_space_is_said_before_installing(tmp_path, gpu, needed):
+    bin_ = fake_df(tmp_path / "bin", 1024 * 1024 + 100 * 1024)  # 1.1 GB
+    if gpu:
+        shutil.copy(fake_nvidia_smi(tmp_path / "gpu", "12.8") / "nvidia-smi", bin_)
+    copy = tmp_path / "small disk"
+    shutil.copytree(PACKAGING, copy / "packaging")
+    env = {**os.environ, "SPECCHAT_DRY_RUN": "1", "SPECCHAT_UNATTENDED": "1", "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", str(copy / "packaging" / "start_linux.sh")], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 1
+    assert (f"specchat: Not enough free disk space: installing specchat needs about {needed} GB on the disk of "
+            f"{copy}, and 1.1 GB are free there.") in result.stderr, result.stderr
+    assert "[1/5] uv" not in result.stdout
+
+
+def test_a_disk_that_runs_full_is_not_taken_for_a_download_problem(tmp_path):
+    copy = tmp_path / "full disk"
+    shutil.copytree(PACKAGING, copy / "packaging")
+    bin_ = fake_df(tmp_path / "bin", 300 * 1024 * 1024)
+    # pip runs out of room while it installs uv.
+    write_script(bin_ / "python3", """case "$*" in
+  *"-m pip install"*) echo "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device"; exit 1 ;;
+esac
+""")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHON"}
+    env.update(SPECCHAT_UNATTENDED="1", PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}")
+    result = subprocess.run(["bash", str(copy / "packaging" / "start_linux.sh")], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 1
+    assert 'specchat: The disk is full ("No space left on device"; 300.0 GB are free now): installing specchat ' \
+           'needs about 3 GB' in result.stderr, result.stderr
+    assert "internet" not in result.stderr
+
+
 def test_dry_run_update_and_uninstall(tmp_path):
     assert "not a git checkout" in dry_run("update_linux.sh", tmp_path=tmp_path)
     assert "Nothing to uninstall" in dry_run("uninstall_macos.command", tmp_path=tmp_path)

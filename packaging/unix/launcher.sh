@@ -42,7 +42,7 @@ unset VIRTUAL_ENV CONDA_PREFIX PYTHONPATH PYTHONHOME
 
 say() {
     printf '%s\n' "$*"
-    if [ "$dry" != 1 ] && [ -d "$inst/logs" ]; then printf '%s\n' "$*" >>"$log"; fi
+    if [ "$dry" != 1 ] && [ -d "$inst/logs" ]; then printf '%s\n' "$*" >>"$log" 2>/dev/null; fi
 }
 
 interactive() {
@@ -77,7 +77,50 @@ run() {
         return 0
     fi
     { printf '$'; printf ' %q' "$@"; printf '\n'; } >>"$log"
-    "$@" >>"$log" 2>&1 || fail "$failure"
+    "$@" >>"$log" 2>&1 || step_failed "$failure"
+}
+
+# --- Room on the disk. A full CPU install took 1.8 GB here (the environment, uv's cache, the
+# embedded model), more while it downloads and unpacks; the CUDA build of PyTorch brings several
+# GB of NVIDIA libraries more. An update that keeps PyTorch needs far less.
+space_needed=3
+log_start=0  # the install log's size as this run began: its failures are searched from there
+
+free_kb() {  # the free space, in KB, on the disk of folder $1 (nothing when unknown)
+    df -Pk "$1" 2>/dev/null | awk 'NR > 1 { for (i = 2; i <= NF; i++) if ($i ~ /^[0-9]+%$/) { print $(i - 1); exit } }'
+}
+
+gb() {  # KB -> GB with one decimal
+    awk -v kb="$1" 'BEGIN { printf "%.1f", kb / 1048576 }'
+}
+
+check_space() {
+    local torch free where=$inst
+    if [ -n "$gpu" ]; then space_needed=8; else space_needed=3; fi
+    for torch in "$env_dir"/lib/python3*/site-packages/torch/__init__.py; do
+        [ -f "$torch" ] && space_needed=1  # PyTorch, the largest part, is there already
+    done
+    [ -d "$where" ] || where=$repo
+    free=$(free_kb "$where")
+    case $free in ''|*[!0-9]*) return 0 ;; esac  # unknown: go on
+    if [ "$free" -lt $((space_needed * 1048576)) ]; then
+        fail "Not enough free disk space: installing specchat needs about $space_needed GB on the disk of $repo, and $(gb "$free") GB are free there. Free some space (or move the specchat folder to a disk with more room), then run this again."
+    fi
+}
+
+# A step failed: its sentence, unless the disk ran full (this run's log says so, or almost
+# nothing is left: a full disk may not even let the log take the error).
+step_failed() {
+    local free
+    if [ "$dry" != 1 ]; then
+        free=$(free_kb "$inst")
+        case $free in ''|*[!0-9]*) free="" ;; esac
+        if { [ -f "$log" ] && tail -c +$((log_start + 1)) "$log" | grep -q "No space left on device"; } \
+                || { [ -n "$free" ] && [ "$free" -lt 204800 ]; }; then
+            fail "The disk is full (\"No space left on device\"${free:+; $(gb "$free") GB are free now}): installing specchat needs about $space_needed GB on the disk of $repo. Free some space, then run this again (what was downloaded is reused)."
+        fi
+    fi
+    fail "$1"
 }
 
 system() {
@@ -168,7 +211,7 @@ ensure_uv() {
         fail "uv could not be downloaded: this computer has neither Python 3.8 or newer with pip, nor curl, nor wget; install curl and run this again."
     fi
     [ "$dry" = 1 ] || "$uv_bin" --version >/dev/null 2>&1 \
-        || fail "uv could not be downloaded: its program ($uv_bin) is missing or does not run after the download (an antivirus may have removed it)."
+        || step_failed "uv could not be downloaded: its program ($uv_bin) is missing or does not run after the download (an antivirus may have removed it)."
 }
 
 # --- Python and the environment: a Python managed by uv inside the folder, else a system
@@ -188,7 +231,7 @@ ensure_env() {
         python=$("$uv_bin" python find --managed-python "$MANAGED_PYTHON" 2>>"$log")
     else
         python=$("$uv_bin" python find --no-managed-python '>=3.10' 2>>"$log")
-        [ -n "$python" ] || fail "Python could not be downloaded (no internet connection, or a firewall or antivirus blocked it) and this computer has no Python 3.10 or newer."
+        [ -n "$python" ] || step_failed "Python could not be downloaded (no internet connection, or a firewall or antivirus blocked it) and this computer has no Python 3.10 or newer."
         say "The download of Python did not work; using this computer's Python instead: $python"
     fi
     run "The Python environment could not be created in $env_dir." \
@@ -301,7 +344,7 @@ install_torch() {
         esac
         return 0
     done
-    fail "PyTorch $TORCH_VERSION could not be downloaded: check the internet connection (a firewall or antivirus may block the download)."
+    step_failed "PyTorch $TORCH_VERSION could not be downloaded: check the internet connection (a firewall or antivirus may block the download)."
 }
 
 # --- Shortcuts (asked once, opt-in).
@@ -429,7 +472,7 @@ install() {
     install_started=$(date +%s)
     if [ "$dry" != 1 ]; then
         mkdir -p "$inst/logs" || fail "The folder $inst could not be created: move the specchat folder somewhere you can write (your home folder)."
-        printf '\n=== %s %s %s\n' "$how" "$(date)" "$repo" >>"$log"
+        printf '\n=== %s %s %s\n' "$how" "$(date)" "$repo" >>"$log" 2>/dev/null
     fi
     [ "$dry" = 1 ] || take_lock
     if [ -f "$unfinished" ]; then
@@ -445,6 +488,7 @@ install() {
     load_pip_sources
     choose_torch
     say "Hardware: $torch_words"
+    check_space
     say "[1/5] uv"
     ensure_uv
     say "[2/5] Python"
@@ -586,6 +630,7 @@ EOF
 # Sourced (by tests), it only defines the functions above.
 [ "${BASH_SOURCE[0]}" = "$0" ] || return 0
 native_on_apple_silicon "$action" "$@"
+[ ! -f "$log" ] || log_start=$(wc -c <"$log")
 if [ "$dry" = 1 ]; then
     say "Dry run: nothing is downloaded, installed or removed; every step is printed instead."
 fi

@@ -52,6 +52,8 @@ $script:TorchWords = ''
 $script:TorchSource = ''
 $script:InstallSeconds = 0
 $script:LockStream = $null
+$script:SpaceNeeded = 3
+$script:LogStart = 0  # install.log's lines as this run began: its failures are searched from there
 
 function Test-Interactive {
     return ($env:SPECCHAT_UNATTENDED -ne '1') -and [Environment]::UserInteractive -and -not [Console]::IsInputRedirected
@@ -59,7 +61,7 @@ function Test-Interactive {
 
 function Write-Log([string]$Text) {
     if (-not $Dry -and (Test-Path -LiteralPath $LogDir)) {
-        Add-Content -LiteralPath $Log -Value $Text -Encoding UTF8
+        Add-Content -LiteralPath $Log -Value $Text -Encoding UTF8 -ErrorAction SilentlyContinue
     }
 }
 
@@ -92,7 +94,7 @@ function Invoke-Step([string]$Failure, [string]$Exe, [string[]]$Arguments) {
     if ($Dry) { Write-Host ('  would run: ' + (Format-Command $Exe $Arguments)); return }
     Write-Log ('$ ' + (Format-Command $Exe $Arguments))
     & $Exe @Arguments 2>&1 | ForEach-Object { "$_" } | Add-Content -LiteralPath $Log -Encoding UTF8
-    if ($LASTEXITCODE -ne 0) { Stop-WithError $Failure }
+    if ($LASTEXITCODE -ne 0) { Stop-StepError $Failure }
 }
 
 # Like Invoke-Step, but reports success instead of stopping.
@@ -101,6 +103,45 @@ function Test-Step([string]$Exe, [string[]]$Arguments) {
     Write-Log ('$ ' + (Format-Command $Exe $Arguments))
     & $Exe @Arguments 2>&1 | ForEach-Object { "$_" } | Add-Content -LiteralPath $Log -Encoding UTF8
     return ($LASTEXITCODE -eq 0)
+}
+
+# Room on the disk. A full CPU install took 1.8 GB on Linux (the environment, uv's cache, the
+# embedded model), more while it downloads and unpacks; the CUDA build of PyTorch brings several
+# GB of NVIDIA libraries more. An update that keeps PyTorch needs far less.
+function Get-FreeBytes([string]$Folder) {
+    try { return [System.IO.DriveInfo]::new([System.IO.Path]::GetPathRoot($Folder)).AvailableFreeSpace }
+    catch { return -1 }  # unknown (a network share): go on
+}
+
+function Format-GB([double]$Bytes) { return ('{0:N1}' -f ($Bytes / 1GB)) }
+
+function Test-DiskSpace {
+    $script:SpaceNeeded = 3
+    if ($script:Gpu) { $script:SpaceNeeded = 8 }
+    if (Test-Path -LiteralPath (Join-Path $EnvDir 'Lib\site-packages\torch\__init__.py')) { $script:SpaceNeeded = 1 }
+    $free = Get-FreeBytes $Repo
+    if ($free -ge 0 -and $free -lt $script:SpaceNeeded * 1GB) {
+        Stop-WithError "Not enough free disk space: installing specchat needs about $($script:SpaceNeeded) GB on the disk of $Repo, and $(Format-GB $free) GB are free there. Free some space (or move the specchat folder to a disk with more room), then run this again."
+    }
+}
+
+# A step failed: its sentence, unless the disk ran full (this run's log says so, or almost
+# nothing is left: a full disk may not even let the log take the error).
+function Stop-StepError([string]$Failure) {
+    if (-not $Dry) {
+        $free = Get-FreeBytes $Repo
+        $full = ($free -ge 0 -and $free -lt 200MB)
+        if (-not $full -and (Test-Path -LiteralPath $Log)) {
+            $full = [bool](Get-Content -LiteralPath $Log -Encoding UTF8 | Select-Object -Skip $script:LogStart |
+                Select-String -SimpleMatch -Quiet -Pattern @('No space left on device', 'not enough space on the disk'))
+        }
+        if ($full) {
+            $now = ''
+            if ($free -ge 0) { $now = "; $(Format-GB $free) GB are free now" }
+            Stop-WithError "The disk is full (`"not enough space on the disk`"$now): installing specchat needs about $($script:SpaceNeeded) GB on the disk of $Repo. Free some space, then run this again (what was downloaded is reused)."
+        }
+    }
+    Stop-WithError $Failure
 }
 
 function Invoke-UvPip([string]$Failure, [string[]]$Arguments) {
@@ -154,7 +195,7 @@ function Initialize-Uv {
         $path = Join-Path $Inst $candidate
         if (Test-Path -LiteralPath $path) { $script:Uv = $path; return }
     }
-    if (-not $Dry) { Stop-WithError 'uv was downloaded but its program is missing (an antivirus may have removed it).' }
+    if (-not $Dry) { Stop-StepError 'uv was downloaded but its program is missing (an antivirus may have removed it).' }
 }
 
 # Python and the environment: a Python managed by uv inside the folder, else a system Python.
@@ -172,7 +213,7 @@ function Initialize-Environment {
     } else {
         $python = ([string](& $script:Uv python find --no-managed-python '>=3.10' 2>$null)).Trim()
         if (-not $python) {
-            Stop-WithError 'Python could not be downloaded (no internet connection, or a firewall or antivirus blocked it) and this computer has no Python 3.10 or newer.'
+            Stop-StepError 'Python could not be downloaded (no internet connection, or a firewall or antivirus blocked it) and this computer has no Python 3.10 or newer.'
         }
         Say "The download of Python did not work; using this computer's Python instead: $python"
     }
@@ -254,7 +295,7 @@ function Install-Torch {
             return
         }
     }
-    Stop-WithError "PyTorch $TorchVersion could not be downloaded: check the internet connection (a firewall or antivirus may block the download)."
+    Stop-StepError "PyTorch $TorchVersion could not be downloaded: check the internet connection (a firewall or antivirus may block the download)."
 }
 
 function Get-ShortcutPaths {
@@ -354,6 +395,7 @@ function Install-Specchat([string]$How) {
     Import-PipSources
     Select-Torch
     Say "Hardware: $($script:TorchWords)"
+    Test-DiskSpace
     Say '[1/5] uv'
     Initialize-Uv
     Say '[2/5] Python'
@@ -491,6 +533,7 @@ function Uninstall-Specchat {
     Say 'specchat is uninstalled. Left in place: this folder''s own files, your conversations and settings (in your user data folder), and any Hugging Face cache you had before.'
 }
 
+if (-not $Dry -and (Test-Path -LiteralPath $Log)) { $script:LogStart = @(Get-Content -LiteralPath $Log -Encoding UTF8).Count }
 if ($Dry) { Say 'Dry run: nothing is downloaded, installed or removed; every step is printed instead.' }
 switch ($Action) {
     'start' {
