@@ -96,11 +96,21 @@ def test_shell_scripts_pass_shellcheck():
 def test_windows_files_suit_cmd_and_windows_powershell():
     # Windows PowerShell 5.1 reads a .ps1 without a byte-order mark in the ANSI code page, and
     # cmd.exe misreads batch files with bare LF line endings.
-    (PACKAGING / "windows" / "launcher.ps1").read_bytes().decode("ascii")
+    launcher = (PACKAGING / "windows" / "launcher.ps1").read_bytes().decode("ascii")
     for bat in PACKAGING.glob("*_windows.bat"):
         data = bat.read_bytes()
         assert data.count(b"\n") == data.count(b"\r\n") > 0, bat
         assert b'windows\\launcher.ps1" ' + bat.name.split("_")[0].encode() + b" %*" in data, bat
+        lines = data.decode("ascii").splitlines()
+        # Run inside an unextracted ZIP (no launcher.ps1 beside it), or when PowerShell itself
+        # fails, the window says why and waits; not when the launcher has waited already (exit 3).
+        assert 'if not exist "%~dp0windows\\launcher.ps1" goto missing' in lines, bat
+        assert lines[lines.index(":missing") + 1:][-2:] == ['if not "%SPECCHAT_UNATTENDED%"=="1" pause', "exit /b 1"]
+        assert lines.index('if "%status%"=="3" exit /b 1') < lines.index("pause"), bat
+    assert re.search(r"Read-Host 'Press Enter to close this window' \| Out-Null\n\s+exit 3\b", launcher)
+    # An update's or uninstall's last lines stay on screen.
+    assert "'update' { Update-Specchat; Wait-BeforeClosing }" in launcher
+    assert "'uninstall' { Uninstall-Specchat; Wait-BeforeClosing }" in launcher
 
 
 def dry_run(script: str, *args: str, tmp_path: Path, system: str | None = None, arch: str | None = None,

@@ -6,6 +6,8 @@
 # Everything goes into <folder>\installer_files. SPECCHAT_UNATTENDED=1 asks nothing;
 # SPECCHAT_DRY_RUN=1 prints every step instead of doing it; SPECCHAT_SHORTCUT=1|0 answers the
 # shortcut question in advance.
+# Exit codes: 0 done, 1 failed, 3 failed after the window showed why and waited for Enter (the
+# .bat files pause themselves for any other failure: PowerShell's own, such as a blocked script).
 # Windows PowerShell 5.1 runs it: ASCII only (it reads a file without a byte-order mark in the
 # ANSI code page), no `??`, no `&&`, and -LiteralPath everywhere (folder names may hold [ ]).
 
@@ -80,8 +82,16 @@ function Stop-WithError([string]$Sentence, [switch]$NoLog) {
         Write-Host "The details are in $Log"
     }
     Unlock-Install  # before the pause: another window may install while this one waits
-    if (Test-Interactive) { Read-Host 'Press Enter to close this window' | Out-Null }
+    if (Test-Interactive) {
+        Read-Host 'Press Enter to close this window' | Out-Null
+        exit 3  # paused already: the .bat file does not pause again
+    }
     exit 1
+}
+
+# The window closes when the launcher ends: after an update or uninstall, let its last lines be read.
+function Wait-BeforeClosing {
+    if (Test-Interactive) { Read-Host 'Press Enter to close this window' | Out-Null }
 }
 
 function Format-Command([string]$Exe, [string[]]$Arguments) {
@@ -546,8 +556,8 @@ switch ($Action) {
         }
         Start-Specchat
     }
-    'update' { Update-Specchat }
-    'uninstall' { Uninstall-Specchat }
+    'update' { Update-Specchat; Wait-BeforeClosing }
+    'uninstall' { Uninstall-Specchat; Wait-BeforeClosing }
     default { Stop-WithError "Unknown action '$Action' (start, update or uninstall)." -NoLog }
 }
 exit 0
