@@ -11,20 +11,31 @@ specchat moves the bytes itself: each file streams into `blobs/<hash>.specchat-p
 continues it with an HTTP Range request, a stalled or broken connection is retried from where it
 stopped, and the file is checked against the hash the Hub lists for it (sha256 for LFS files,
 the git blob sha1 for the others) before it joins the cache, and the model's manifest
-(`model_cache.py`) records the files it needs.
+(`model_cache.py`) records the files it needs. specchat lists the repo itself too: the library
+retries its listing for about 23 s (and waits for an answer without a timeout) where a cancel
+cannot reach it.
+
+A download can be cancelled within a fraction of a second in every phase: every request runs in
+a helper thread while the download's own thread watches the cancel event, writes the files and
+reports progress (`_Hub.watched`).
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
+import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+from urllib.parse import quote
 
 from .errors import InputError, SpecchatError, first_line
 from .files import human_size
@@ -38,8 +49,11 @@ IGNORE_PATTERNS = ["original/*", "*.pth", "*.pt", "*.bin", "*.ckpt", "*.h5", "*.
                    "*.onnx", "onnx/*"]
 DISK_MARGIN_BYTES = 1 << 30  # leave at least 1 GiB free after a download
 HASH_CHUNK = 1 << 24
-WRITE_CHUNK = 1 << 20
-RETRY_PAUSES = (1.0, 2.0, 4.0, 8.0, 8.0)  # seconds between tries of a broken transfer
+RETRY_PAUSES = (1.0, 2.0, 4.0, 8.0, 8.0)  # seconds between tries of a listing or a transfer (the library's)
+RETRY_STATUSES = (408, 429, 500, 502, 503, 504)  # answers a listing tries again after, as huggingface_hub does
+MAX_RETRY_AFTER = 60.0  # the longest `Retry-After` a listing waits (seconds)
+CANCEL_POLL_SECONDS = 0.1  # how often a download waiting on the network looks at its cancel event
+T = TypeVar("T")
 
 
 class DownloadError(SpecchatError):
@@ -66,8 +80,9 @@ def download_pair(pair: ModelPair, progress: ProgressCallback | None = None, tok
                   offline: bool | None = None, endpoint: str | None = None,
                   cancel: threading.Event | None = None) -> dict[str, Path]:
     """Make every model of a hub pair available locally: {"target": path, "draft": path}.
-    `cancel`: set, the download stops with `DownloadCancelled` (at once between tries, within
-    the Hub timeout when a connection stalls).
+    `cancel`: set, the download stops with `DownloadCancelled` within CANCEL_POLL_SECONDS, in
+    every phase (listing, a pause between tries, a connection that stalls); a partial file is
+    kept, to resume.
 
     A pair already downloaded and verified is returned from the cache without any request.
     Offline (the argument, or `HF_HUB_OFFLINE=1`) it only looks in the cache. Otherwise it lists
@@ -98,8 +113,76 @@ class _Hub:
     endpoint: str | None
     cancel: threading.Event | None = None
 
-    def call(self, model: ModelSpec, call):
-        return _hub_call(call, model, self.pair)
+    def call(self, model: ModelSpec, call: Callable[[], T]) -> T:
+        """`call()`, a failure turned into one sentence (`_hub_call`); a failure once the download
+        was cancelled (often because of it) is the cancel."""
+        def checked() -> T:
+            try:
+                return call()
+            except Exception:
+                self.stop_if_cancelled()
+                raise
+
+        return _hub_call(checked, model, self.pair)
+
+    def watched(self, items: Callable[[], Iterable[T]]) -> Iterator[T]:
+        """What `items()` yields, made in a helper thread while this thread watches the cancel event:
+        a cancel raises `DownloadCancelled` here within CANCEL_POLL_SECONDS even while the request
+        blocks (a DNS lookup, a connection that stalls, a server that does not answer). The helper
+        is then left to end at its own timeout, and what it still makes is dropped: only this thread
+        writes files and reports progress. Use it in `contextlib.closing`, so that stopping early
+        lets the helper go. Without a cancel event, `items()` runs in this thread."""
+        if self.cancel is None:
+            yield from items()
+            return
+        channel: queue.Queue = queue.Queue(maxsize=16)
+        stop = threading.Event()
+
+        def send(message: tuple[bool, object]) -> bool:
+            while not stop.is_set():
+                try:
+                    channel.put(message, timeout=CANCEL_POLL_SECONDS)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
+        def make() -> None:
+            try:
+                made = iter(items())
+                try:
+                    for item in made:
+                        if not send((True, item)):
+                            return
+                finally:
+                    getattr(made, "close", lambda: None)()  # a request's `with` block ends here
+            except BaseException as error:  # raised again in the download's thread
+                send((False, error))
+            else:
+                send((False, None))
+
+        threading.Thread(target=make, daemon=True, name="download-request").start()
+        try:
+            while True:
+                try:
+                    more, value = channel.get(timeout=CANCEL_POLL_SECONDS)
+                except queue.Empty:
+                    self.stop_if_cancelled()
+                    continue
+                self.stop_if_cancelled()
+                if more:
+                    yield value
+                elif value is None:
+                    return
+                else:
+                    raise value
+        finally:
+            stop.set()
+
+    def run(self, call: Callable[[], T]) -> T:
+        """`call()` in a helper thread (`watched`): its result, or `DownloadCancelled` at once on a cancel."""
+        with closing(self.watched(lambda: [call()])) as results:
+            return next(results)
 
     def stop_if_cancelled(self) -> None:
         if self.cancel is not None and self.cancel.is_set():
@@ -141,13 +224,9 @@ class _Plan:
 
 
 def _plan(model: ModelSpec, hub: _Hub) -> _Plan:
-    from huggingface_hub import HfApi
-    from huggingface_hub.hf_api import RepoFile
     from huggingface_hub.utils import filter_repo_objects
 
-    api = HfApi(endpoint=hub.endpoint, token=hub.token)
-    entries = hub.call(model, lambda: [entry for entry in api.list_repo_tree(
-        model.repo, revision=model.revision, recursive=True) if isinstance(entry, RepoFile)])
+    entries = _list_files(model, hub)
     wanted = set(filter_repo_objects([entry.path for entry in entries], allow_patterns=ALLOW_PATTERNS,
                                      ignore_patterns=IGNORE_PATTERNS))
     files = tuple(_RemoteFile(entry.path, entry.lfs.size if entry.lfs else entry.size,
@@ -164,6 +243,65 @@ def _plan(model: ModelSpec, hub: _Hub) -> _Plan:
     return _Plan(model, files, to_fetch)
 
 
+def _list_files(model: ModelSpec, hub: _Hub) -> list:
+    """The files of the model's repo at its revision (`RepoFile`s), as `HfApi.list_repo_tree(recursive=True)`
+    lists them, page by page, each page tried as huggingface_hub tries it (`_get_page`)."""
+    from huggingface_hub import constants
+    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.utils import build_hf_headers
+
+    url: str | None = (f"{hub.endpoint or constants.ENDPOINT}/api/models/{model.repo}/tree/"
+                       f"{quote(model.revision, safe='')}")
+    params: dict | None = {"recursive": True, "expand": False}
+    headers = build_hf_headers(token=hub.token)
+    files = []
+    while url:
+        page, url = _get_page(url, params, headers, model, hub)
+        params = None  # the next page's link carries them
+        files += [RepoFile(**entry) for entry in page if entry.get("type") == "file"]
+    return files
+
+
+def _get_page(url: str, params: dict | None, headers: dict, model: ModelSpec, hub: _Hub) -> tuple[list, str | None]:
+    """One page of a listing and the next one's link. A broken connection, a timeout or a
+    408/429/5xx answer is tried again after each of RETRY_PAUSES (huggingface_hub's backoff), in
+    a pause a cancel ends at once."""
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    for attempt, pause in enumerate(RETRY_PAUSES + (None,)):
+        hub.stop_if_cancelled()
+        try:
+            response = hub.run(lambda: get_session().get(url, params=params, headers=headers, follow_redirects=True,
+                                                         timeout=constants.HF_HUB_ETAG_TIMEOUT))
+        except httpx2.TransportError as error:
+            if pause is None:
+                hub.call(model, lambda: _raise(error))
+            why = type(error).__name__
+        else:
+            if pause is None or response.status_code not in RETRY_STATUSES:
+                hub.call(model, lambda: hf_raise_for_status(response))
+                return response.json(), response.links.get("next", {}).get("url")
+            pause, why = max(pause, _retry_after(response)), f"HTTP {response.status_code}"
+        logging.getLogger(__name__).warning("listing the files of %s failed (%s): try %d of %d in %.0f s", model.repo,
+                                            why, attempt + 2, len(RETRY_PAUSES) + 1, pause)
+        hub.pause(pause)
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _raise(error: BaseException):
+    raise error
+
+
+def _retry_after(response) -> float:
+    """The seconds a 429 or 503 answer asks to wait (`Retry-After`), at most MAX_RETRY_AFTER; 0 without."""
+    try:
+        return min(float(response.headers.get("Retry-After", "")) + 1, MAX_RETRY_AFTER)
+    except ValueError:
+        return 0.0
+
+
 def _fetch(plan: _Plan, hub: _Hub, counter: _ProgressCounter) -> Path:
     from huggingface_hub import snapshot_download
 
@@ -174,9 +312,9 @@ def _fetch(plan: _Plan, hub: _Hub, counter: _ProgressCounter) -> Path:
     # Let huggingface_hub see the snapshot as complete (it caches the tree listing), so other
     # tools, and its own offline mode, find it. Every file is in place: nothing is fetched, so its
     # "Fetching N files" bars would only repeat our progress; they are off for this call alone.
-    folder = Path(hub.call(model, lambda: snapshot_download(
+    folder = Path(hub.call(model, lambda: hub.run(lambda: snapshot_download(
         model.repo, revision=model.revision, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS,
-        cache_dir=hub_cache(), token=hub.token, endpoint=hub.endpoint, tqdm_class=_hidden_bars())))
+        cache_dir=hub_cache(), token=hub.token, endpoint=hub.endpoint, tqdm_class=_hidden_bars()))))
     write_manifest(model, {file.name: file.size for file in plan.files}, verified=True)
     return folder
 
@@ -226,12 +364,22 @@ def _fetch_file(model: ModelSpec, file: _RemoteFile, hub: _Hub, counter: _Progre
 
 
 def _transfer(model: ModelSpec, file: _RemoteFile, part: Path, hub: _Hub, counter: _ProgressCounter) -> None:
-    """Stream the rest of `file` into `part`; a broken or stalled connection resumes where it stopped."""
+    """Stream the rest of `file` into `part`; a broken or stalled connection resumes where it stopped.
+    The bytes are written as they arrive, so a cancel keeps every one of them."""
     import httpx2
     from huggingface_hub import constants, hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
     url = hf_hub_url(model.repo, file.name, revision=model.revision, endpoint=hub.endpoint)
+
+    def body(headers: dict) -> Iterator[int | bytes]:
+        """The answer's status, then its body: made in `hub.watched`'s helper thread."""
+        with get_session().stream("GET", url, headers=headers, follow_redirects=True,
+                                  timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+            hub.call(model, lambda: hf_raise_for_status(response))
+            yield response.status_code
+            yield from response.iter_bytes()
+
     for attempt, pause in enumerate(RETRY_PAUSES + (None,)):
         hub.stop_if_cancelled()
         start = part.stat().st_size if part.exists() else 0
@@ -239,14 +387,12 @@ def _transfer(model: ModelSpec, file: _RemoteFile, part: Path, hub: _Hub, counte
             return
         headers = build_hf_headers(token=hub.token, headers={"Range": f"bytes={start}-"} if start else None)
         try:
-            with get_session().stream("GET", url, headers=headers, follow_redirects=True,
-                                      timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
-                hub.call(model, lambda response=response: hf_raise_for_status(response))
-                if start and response.status_code != 206:  # the server ignored the range: start over
+            with closing(hub.watched(lambda headers=headers: body(headers))) as answer:
+                if next(answer) != 206 and start:  # the server ignored the range: start over
                     start = 0
                     counter.resume(0)
                 with open(part, "ab" if start else "wb") as out:
-                    for chunk in response.iter_bytes(WRITE_CHUNK):
+                    for chunk in answer:
                         out.write(chunk)
                         counter.advance(len(chunk))
             if part.stat().st_size >= file.size:

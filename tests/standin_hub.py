@@ -138,6 +138,12 @@ class _RepoState:
     commits: dict[str, HubRepo] = field(default_factory=dict)
 
 
+@dataclass
+class _Hold:
+    left: int | None  # requests still to hold; None: every one until released
+    released: bool = False
+
+
 class _Abort(Exception):
     """Raised inside a handler to drop the connection without a proper response."""
 
@@ -146,7 +152,8 @@ class StandinHub:
     """Loopback HTTP stand-in for huggingface.co. Use as a context manager; `endpoint` is its base URL.
 
     Observation (thread-safe): `request_log`, `bytes_served[key]`, `wait_for_bytes`, `gets`.
-    Faults: `throttle`, `stall`/`unstall`, `disconnect_at`, `corrupt`, `close` (= the Hub goes offline).
+    Faults: `throttle`, `stall`/`unstall`, `disconnect_at`, `corrupt` (a file's body); `hold`/`release`, `fail`
+    (any request, by path: e.g. the tree listing); `close` (= the Hub goes offline).
     """
 
     token = "hf_standin_token_0123456789"  # the one token that opens gated repos
@@ -162,6 +169,8 @@ class StandinHub:
         self._stall: dict[str, int] = {}
         self._disconnect: dict[str, list[int]] = {}  # key -> [offset, times left]
         self._corrupt: set[str] = set()
+        self._held: dict[str, _Hold] = {}  # path prefix -> its hold
+        self._failing: dict[str, list[int]] = {}  # path prefix -> [status, times left]
         self._closed = False
         for repo in repos:
             self.add(repo)
@@ -230,6 +239,25 @@ class StandinHub:
         with self._cond:
             (self._corrupt.add if enabled else self._corrupt.discard)(key)
 
+    def hold(self, prefix: str, times: int | None = None) -> None:
+        """Requests whose URL path starts with `prefix` (e.g. "/api/models/": the tree listing) get no answer,
+        the connection staying open, until `release` or `close`; with `times`, only the next `times` of them."""
+        with self._cond:
+            self._held[prefix] = _Hold(times)
+
+    def release(self, prefix: str) -> None:
+        """Answer the requests `hold` kept waiting, and the next ones."""
+        with self._cond:
+            hold = self._held.pop(prefix, None)
+            if hold is not None:
+                hold.released = True
+            self._cond.notify_all()
+
+    def fail(self, prefix: str, status: int, times: int = 1) -> None:
+        """The next `times` requests whose URL path starts with `prefix` are answered `status` (e.g. 503)."""
+        with self._cond:
+            self._failing[prefix] = [status, times]
+
     def close(self) -> None:
         """Stop serving and cut every open connection: afterwards the endpoint refuses connections."""
         with self._cond:
@@ -270,6 +298,25 @@ class StandinHub:
         with self._cond:
             self.request_log.append(LoggedRequest(method, path, range_header))
             self._log_keys.append(key)
+
+    def _wait_or_fail(self, path: str) -> int | None:
+        """Before answering `path`: wait while a `hold` takes it; the status to `fail` it with, if any."""
+        with self._cond:
+            hold = next((hold for prefix, hold in self._held.items() if path.startswith(prefix)
+                         and (hold.left is None or hold.left > 0)), None)
+            if hold is not None:
+                if hold.left is not None:
+                    hold.left -= 1
+                while not hold.released:
+                    if self._closed:
+                        raise _Abort()
+                    self._cond.wait(0.5)
+            failing = next((plan for prefix, plan in self._failing.items() if path.startswith(prefix) and plan[1] > 0),
+                           None)
+            if failing is not None:
+                failing[1] -= 1
+                return failing[0]
+            return None
 
     def _lookup(self, repo_type: str, repo_id: str) -> _RepoState | None:
         with self._cond:
@@ -383,6 +430,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._head = head
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         try:
+            failure = hub._wait_or_fail(unquote(url.path))
+            if failure is not None:
+                return self._error(failure, None, f"injected failure {failure}")
             if segments[:2] == ["api", "agent-harnesses"]:
                 return self._json(200, {"standardEnvVars": [], "harnesses": {}})
             if len(segments) >= 3 and segments[0] == "api" and segments[1] in _REPO_TYPES:

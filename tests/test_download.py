@@ -12,6 +12,8 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -20,7 +22,7 @@ from standin_hub import StandinHub, hub_online
 from test_cli import SPECCHAT, assert_bad_input
 
 from specchat.core import download, model_cache
-from specchat.core.download import DownloadError, download_pair
+from specchat.core.download import DownloadCancelled, DownloadError, download_pair
 from specchat.core.model_cache import NotDownloaded, model_status, remove_pair
 from specchat.core.files import human_size
 from specchat.core.registry import load_registry
@@ -201,10 +203,99 @@ def test_offline_mode_uses_the_cache_and_names_what_is_missing(hub, caches, regi
 
 
 @pytest.mark.slow
-def test_an_unreachable_hub_is_reported_after_the_librarys_retries(hub, caches, registry):
-    hub.close()  # huggingface_hub retries the listing with backoff for about 23 s first
+def test_an_unreachable_hub_is_reported_after_its_retries(hub, caches, registry):
+    hub.close()  # the listing is tried 6 times, 23 s in all (huggingface_hub's own backoff, as before)
+    started = time.monotonic()
     with hub_online(), pytest.raises(DownloadError, match="cannot reach the Hub"):
         download_pair(registry.get("tiny"), endpoint=hub.endpoint)
+    assert 20 < time.monotonic() - started < 40
+
+
+class Background:
+    """download_pair in a thread, with a cancel event: how it ended, and when."""
+
+    def __init__(self, pair, endpoint: str):
+        self.cancel = threading.Event()
+        self.outcome: BaseException | dict | None = None
+        self.ended = 0.0
+        self.thread = threading.Thread(target=self._run, args=(pair, endpoint), daemon=True)
+        self.thread.start()
+
+    def _run(self, pair, endpoint) -> None:
+        try:
+            self.outcome = download_pair(pair, endpoint=endpoint, cancel=self.cancel)
+        except BaseException as error:
+            self.outcome = error
+        self.ended = time.monotonic()
+
+    def cancel_and_wait(self, timeout: float = 40) -> float:
+        """Cancel; seconds until download_pair returned or raised."""
+        cancelled = time.monotonic()
+        self.cancel.set()
+        self.thread.join(timeout)
+        return (self.ended or time.monotonic()) - cancelled
+
+
+def test_cancel_while_the_hub_is_unreachable_ends_at_once_as_cancelled(hub, caches, registry):
+    """The page stayed "cancelling…" through huggingface_hub's own retries of the listing (about
+    23 s), then the download ended as "failed: cannot reach the Hub"."""
+    hub.close()
+    with hub_online():
+        download = Background(registry.get("tiny"), hub.endpoint)
+        time.sleep(1.5)  # the first try failed: it waits before the next
+        took = download.cancel_and_wait()
+    assert isinstance(download.outcome, DownloadCancelled), download.outcome
+    assert took < 2
+
+
+def test_cancel_while_the_listing_gets_no_answer_ends_at_once(hub, caches, registry):
+    hub.hold("/api/models/")  # connected, but the listing never answers
+    with hub_online():
+        download = Background(registry.get("tiny"), hub.endpoint)
+        time.sleep(1)
+        took = download.cancel_and_wait(timeout=5)
+        hub.release("/api/models/")
+        download.thread.join(30)
+    assert isinstance(download.outcome, DownloadCancelled), download.outcome
+    assert took < 2
+
+
+def test_a_listing_that_gets_no_answer_or_a_server_error_is_tried_again(hub, caches, registry, monkeypatch):
+    """huggingface_hub's listing waited for an answer without a timeout; now it times out like a
+    file's request, and both that and a 503 are tried again after a pause."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
+    monkeypatch.setattr(download, "RETRY_PAUSES", (0.1,) * 5)
+    hub.hold("/api/models/", times=1)
+    hub.fail("/api/models/", 503, times=2)
+    pair = registry.get("tiny")
+    with hub_online():
+        background = Background(pair, hub.endpoint)
+        background.thread.join(20)
+        hub.release("/api/models/")
+        background.thread.join(30)
+    assert isinstance(background.outcome, dict), background.outcome
+    assert model_status(pair.target).complete and model_status(pair.draft).complete
+    first_file = next(i for i, request in enumerate(hub.request_log) if "/resolve/" in request.path)
+    listings = [request.path.split("/")[4] for request in hub.request_log[:first_file] if "/tree/" in request.path]
+    assert listings == ["tiny-target"] * 4 + ["tiny-draft"]  # the target's: no answer, 503, 503, listed
+
+
+def test_cancel_while_a_file_stalls_ends_at_once_and_keeps_what_arrived(hub, caches, registry, tiny_pair):
+    """A cancel waited for the stalled read to time out (10 s by default)."""
+    size = len(tiny_pair.target.files["model.safetensors"])
+    hub.stall(TARGET_WEIGHTS, size // 3)
+    with hub_online():
+        download = Background(registry.get("tiny"), hub.endpoint)
+        hub.wait_for_bytes(TARGET_WEIGHTS, size // 3)
+        time.sleep(0.5)
+        took = download.cancel_and_wait()
+        hub.unstall(TARGET_WEIGHTS)
+    assert isinstance(download.outcome, DownloadCancelled), download.outcome
+    assert took < 2
+    parts = list(model_cache.hub_cache().rglob("*.specchat-part"))
+    assert [part.stat().st_size for part in parts] == [size // 3]  # every byte that arrived, for the resume
 
 
 def test_remove_keeps_models_another_downloaded_pair_uses(hub, caches, tiny_pair, tmp_path):
