@@ -27,9 +27,12 @@ class DownloadSnapshot:
 class PairDownload:
     """One pair's download at a time, in a background thread; the page polls `snapshot()`.
 
-    Cancelling sets the download's `cancel` event: the progress callback turns it into
-    `DownloadCancelled` between chunks, and download_pair checks it between tries and while a
-    stalled connection waits; the partial file is kept, so the next download resumes it.
+    Cancelling sets the download's `cancel` event: download_pair ends with `DownloadCancelled`
+    within a fraction of a second in every phase (listing, a pause between tries, a stalled
+    connection); the partial file is kept, so the next download resumes it.
+
+    The refusals it gives because a download runs ("is downloading", "still downloading") are
+    remembered, so that the page can clear one once that download has ended (`outdated`).
     """
 
     def __init__(self, endpoint: str | None = None):
@@ -40,6 +43,8 @@ class PairDownload:
         self._started = 0.0
         self._first_done: int | None = None
         self.ended = 0  # downloads ended so far: the pairs table is read again after each
+        self._number = 0  # downloads started so far: the current one's number
+        self._refusals: dict[str, int] = {}  # a refusal given while a download ran -> that download's number
 
     def snapshot(self) -> DownloadSnapshot:
         with self._lock:
@@ -53,7 +58,8 @@ class PairDownload:
             return f"**{pair.id}** is built in: nothing to download."
         with self._lock:
             if self._active():
-                return f"**{self._snapshot.pair_id}** is downloading: wait for it, or cancel it first."
+                return self._refusal(f"**{self._snapshot.pair_id}** is downloading: wait for it, or cancel it first.")
+            self._number += 1
             self._snapshot = DownloadSnapshot(pair.id, "running", None, 0.0)
             self._started, self._first_done = time.monotonic(), None
             self._cancel.clear()
@@ -72,6 +78,25 @@ class PairDownload:
     def downloading(self, pair_id: str) -> bool:
         with self._lock:
             return self._active() and self._snapshot.pair_id == pair_id
+
+    def still_downloading(self, pair_id: str) -> str | None:
+        """Why `pair_id` cannot be used while it downloads, or None when it is not downloading."""
+        with self._lock:
+            if self._active() and self._snapshot.pair_id == pair_id:
+                return self._refusal(f"**{pair_id}** is still downloading: use it once the download ends.")
+            return None
+
+    def outdated(self, message: str) -> bool:
+        """Is `message` a refusal this gave because a download ran, and has that download ended since?
+        The page clears it then: the progress line says how the download ended."""
+        with self._lock:
+            number = self._refusals.get(message)
+            return number is not None and (number != self._number or not self._active())
+
+    def _refusal(self, message: str) -> str:
+        """`message`, remembered as given while the current download runs (the lock is held)."""
+        self._refusals[message] = self._number
+        return message
 
     def _active(self) -> bool:
         return self._snapshot.state in ("running", "cancelling")
@@ -118,6 +143,8 @@ def download_markdown(snapshot: DownloadSnapshot) -> str:
             f": {human_size(progress.total_bytes)}, {human_size(snapshot.rate)}/s on average" if progress else
             " (it was already in the cache)")
     if snapshot.state == "cancelled":
-        kept = f" at {human_size(progress.done_bytes)} of {human_size(progress.total_bytes)}" if progress else ""
-        return f"{pair}: download cancelled{kept}; press Download to resume it."
+        if progress is None:  # cancelled while it listed the files (or before it fetched one)
+            return f"{pair}: download cancelled before it fetched any file; press Download to start it again."
+        return (f"{pair}: download cancelled at {human_size(progress.done_bytes)} of "
+                f"{human_size(progress.total_bytes)}; press Download to resume it.")
     return f"⚠️ {pair}: {snapshot.error}"

@@ -149,8 +149,9 @@ def switch_refusal(pair: ModelPair, registry: Registry, profile: HardwareProfile
             return f"⚠️ {refusal}"
     if pair.source != "hub" or all(model_status(model).complete for model in pair.models):
         return None
-    if downloads.downloading(pair.id):
-        return f"**{pair.id}** is still downloading: use it once the download ends."
+    downloading = downloads.still_downloading(pair.id)
+    if downloading:
+        return downloading
     return f"**{pair.id}** is not downloaded: download it first ({human_size(pair.download_bytes)})."
 
 
@@ -182,13 +183,16 @@ class ModelsPanel:
         return [[row["id"], row["name"], f"{row['context_length']:,}", row["download"], row["fit"],
                  row["fit_reason"] if technical else _meaning(row), row["status"]] for row in rows]
 
-    def poll(self) -> dict[str, object]:
+    def poll(self, message: str = "") -> dict[str, object]:
         """What the polled components show now. The pairs table reads the disk, so instead of it
-        the count of ended downloads: the table is read again when that changes."""
+        the count of ended downloads: the table is read again when that changes. `message`, the
+        line under the buttons, is kept unless it is a refusal because a download ran ("still
+        downloading") and that download has ended: then "" (the progress line says how it ended)."""
         return {"status": status_markdown(self.handle, self.registry),
                 "download": download_markdown(self.downloads.snapshot()),
                 "plan": loaded_plan_markdown(self.handle), "profile": self.profiles.markdown(),
-                "downloads_ended": self.downloads.ended}
+                "downloads_ended": self.downloads.ended,
+                "message": "" if message and self.downloads.outdated(message) else message}
 
     def download(self, pair_id: str | None) -> str:
         if not pair_id:
@@ -265,25 +269,26 @@ def build_models_tab(handle: EngineHandle, registry_file: str | None, downloads:
     test_report = gr.Markdown("", elem_id="selftest-report")
     shown = gr.State({})  # what this session's components show, so a poll sends only changes
 
-    def refresh(before: dict, detail: bool):
-        now = panel.poll()
+    def refresh(before: dict, detail: bool, shown_message: str | None):
+        now = panel.poll(shown_message or "")
         values = [gr.skip() if before.get(key) == now[key] else now[key] for key in polled]
         rows = gr.skip() if before.get("downloads_ended") == now["downloads_ended"] else panel.pair_table(detail)
-        return *values, rows, now
+        note = gr.skip() if now["message"] == (shown_message or "") else now["message"]
+        return *values, rows, now, note
 
-    outputs = [status, progress, plan, profile, table, shown]
+    inputs, outputs = [shown, technical, message], [status, progress, plan, profile, table, shown, message]
     poll = gr.Timer(POLL_SECONDS, active=shown_by is None)
-    poll.tick(refresh, [shown, technical], outputs, show_progress="hidden")
+    poll.tick(refresh, inputs, outputs, show_progress="hidden")
     if shown_by is not None:  # a hidden tab's poll would cost the browser and the server a redraw a second
         tab, others = shown_by
         # Shown again: everything read anew, the pairs table too (`specchat models` may have changed the disk).
         tab.select(lambda: (gr.Timer(active=True), {}), None, [poll, shown], queue=False,
-                   show_progress="hidden").then(refresh, [shown, technical], outputs, show_progress="hidden")
+                   show_progress="hidden").then(refresh, inputs, outputs, show_progress="hidden")
         for other in others:
             other.select(lambda: gr.Timer(active=False), None, poll, queue=False, show_progress="hidden")
     technical.change(panel.pair_table, technical, table, show_progress="hidden")
     # After a button, poll at once rather than within the second.
-    for button, action, inputs in ((download, panel.download, picker), (cancel, panel.downloads.cancel, None),
+    for button, action, picked in ((download, panel.download, picker), (cancel, panel.downloads.cancel, None),
                                    (use, panel.use, picker), (measure, panel.profiles.measure_again, None)):
-        button.click(action, inputs, message).then(refresh, [shown, technical], outputs, show_progress="hidden")
+        button.click(action, picked, message).then(refresh, inputs, outputs, show_progress="hidden")
     run_test.click(panel.self_test, None, test_report)

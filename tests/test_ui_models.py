@@ -249,6 +249,33 @@ def test_cancel_ends_a_stalled_download_at_once_not_after_its_retries(hub, cache
         hub.unstall(TARGET_WEIGHTS)
 
 
+def test_cancel_while_the_hub_is_unreachable_ends_cancelled_at_once_and_clears_the_refusals(
+        hub, caches, models_file, tiny_model_dir):
+    """With the Hub unreachable, Cancel stayed "cancelling…" through huggingface_hub's retries of
+    the listing (about 23 s), then the download ended "failed: cannot reach the Hub"; meanwhile
+    "Use this pair" said "still downloading", and that stayed on the page after the download ended."""
+    import time
+
+    panel = panel_for(models_file, str(tiny_model_dir), endpoint=hub.endpoint)
+    hub.close()
+    with hub_online():
+        assert panel.download("tiny") == ""
+        busy, still = panel.download("tiny"), panel.use("tiny")
+        assert "is downloading" in busy and "still downloading" in still
+        assert [panel.poll(message)["message"] for message in (busy, still)] == [busy, still]  # still true
+        time.sleep(1.5)  # the listing's first try failed: it waits before the next
+        cancelled = time.monotonic()
+        assert panel.downloads.cancel() == ""
+        ended = wait_until_ended(panel.downloads, timeout=40)
+        took = time.monotonic() - cancelled
+    assert ended.state == "cancelled" and took < 2, (ended.state, ended.error, took)
+    assert download_markdown(ended) == ("**tiny**: download cancelled before it fetched any file; press Download "
+                                        "to start it again.")
+    assert [panel.poll(message)["message"] for message in (busy, still)] == ["", ""]  # not left on the page
+    assert panel.poll("Pick a pair first.")["message"] == "Pick a pair first."  # other messages stay
+    assert panel.use("tiny").startswith("**tiny** is not downloaded")
+
+
 def test_a_broken_download_reports_its_error(hub, caches, models_file, tiny_model_dir):
     panel = panel_for(models_file, str(tiny_model_dir), endpoint=hub.endpoint)
     hub.corrupt(TARGET_WEIGHTS)
@@ -367,10 +394,19 @@ def test_the_tab_downloads_a_pair_in_the_browser(hub, caches, models_file, embed
             page.locator("#pairs").get_by_text("Tiny test pair").wait_for(timeout=30_000)
             page.locator("#pair-picker input").click()
             page.get_by_role("option", name="tiny: Tiny test pair").click()
+            hub.stall(TARGET_WEIGHTS, 1)  # until "Use this pair" was refused
             page.locator("#download").click()
+            wait_for(lambda: "tiny:" in page.locator("#download-progress").inner_text(), timeout=10,
+                     what="the download to start")
+            page.locator("#use-pair").click()
+            wait_for(lambda: "still downloading" in page.locator("#pair-message").inner_text(), timeout=10,
+                     what="the refusal while it downloads")
+            hub.unstall(TARGET_WEIGHTS)
             wait_for(lambda: "downloaded" in page.locator("#download-progress").inner_text(), timeout=30,
                      what="the download to end")
             assert "tiny downloaded" in page.locator("#download-progress").inner_text()
+            wait_for(lambda: not page.locator("#pair-message").inner_text().strip(), timeout=5,
+                     what="the refusal to go once the download ended")
             tiny_row = page.locator("#pairs [role=row]", has_text="Tiny test pair")
             wait_for(lambda: "yes" in tiny_row.inner_text(), timeout=10, what="the table to show it downloaded")
             page.screenshot(path=str(ARTIFACTS / "browser-models-download.png"), full_page=True)
