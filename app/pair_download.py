@@ -7,7 +7,8 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from ..core.download import DownloadCancelled, DownloadProgress, download_pair
+from ..core.download import DownloadProgress, download_pair
+from ..core.hub_requests import DownloadCancelled
 from ..core.errors import SpecchatError, first_line
 from ..core.files import human_size
 from ..core.registry import ModelPair

@@ -17,31 +17,28 @@ cannot reach it.
 
 A download can be cancelled within a fraction of a second in every phase: every request runs in
 a helper thread while the download's own thread watches the cancel event, writes the files and
-reports progress (`_Hub.watched`).
+reports progress (`hub_requests.Hub.watched`).
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
-import logging
 import os
-import queue
 import shutil
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
-from urllib.parse import quote
 
-from .errors import InputError, SpecchatError, first_line
+from .errors import InputError
 from .files import human_size
 from .model_cache import (has_file, hub_cache, is_offline, local_model_path, model_status, read_manifest, repo_folder,
                           snapshot_folder, write_manifest)
 from .registry import ModelPair, ModelSpec
+from . import hub_requests
+from .hub_requests import DownloadError, Hub, list_files
 
 ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.jinja", "tokenizer.model"]
 # Pickled or unused formats, and Meta's original/ folder of .pth weights.
@@ -49,15 +46,6 @@ IGNORE_PATTERNS = ["original/*", "*.pth", "*.pt", "*.bin", "*.ckpt", "*.h5", "*.
                    "*.onnx", "onnx/*"]
 DISK_MARGIN_BYTES = 1 << 30  # leave at least 1 GiB free after a download
 HASH_CHUNK = 1 << 24
-RETRY_PAUSES = (1.0, 2.0, 4.0, 8.0, 8.0)  # seconds between tries of a listing or a transfer (the library's)
-RETRY_STATUSES = (408, 429, 500, 502, 503, 504)  # answers a listing tries again after, as huggingface_hub does
-MAX_RETRY_AFTER = 60.0  # the longest `Retry-After` a listing waits (seconds)
-CANCEL_POLL_SECONDS = 0.1  # how often a download waiting on the network looks at its cancel event
-T = TypeVar("T")
-
-
-class DownloadError(SpecchatError):
-    """A download failed (network, integrity, disk space); what was complete stays on disk."""
 
 
 @dataclass(frozen=True)
@@ -71,16 +59,11 @@ class DownloadProgress:
 ProgressCallback = Callable[[DownloadProgress], None]
 
 
-class DownloadCancelled(Exception):
-    """The download was cancelled (its `cancel` set, or its progress callback raised this); the
-    partial file stays, to resume."""
-
-
 def download_pair(pair: ModelPair, progress: ProgressCallback | None = None, token: str | None = None,
                   offline: bool | None = None, endpoint: str | None = None,
                   cancel: threading.Event | None = None) -> dict[str, Path]:
     """Make every model of a hub pair available locally: {"target": path, "draft": path}.
-    `cancel`: set, the download stops with `DownloadCancelled` within CANCEL_POLL_SECONDS, in
+    `cancel`: set, the download stops with `DownloadCancelled` within `hub_requests.CANCEL_POLL_SECONDS`, in
     every phase (listing, a pause between tries, a connection that stalls); a partial file is
     kept, to resume.
 
@@ -96,104 +79,13 @@ def download_pair(pair: ModelPair, progress: ProgressCallback | None = None, tok
     if offline or all(model_status(model).complete for model in roles.values()):
         # A complete, verified download needs no network: it loads while the Hub is down.
         return {role: local_model_path(model, pair.id) for role, model in roles.items()}
-    hub = _Hub(pair, token, endpoint, cancel)
+    hub = Hub(pair, token, endpoint, cancel)
     plans = {role: _plan(model, hub) for role, model in roles.items()}
     hub.stop_if_cancelled()
     _check_disk_space(sum(plan.missing_bytes for plan in plans.values()))
     counter = _ProgressCounter(progress, sum(plan.total_bytes for plan in plans.values()),
                                sum(plan.cached_bytes for plan in plans.values()))
     return {role: _fetch(plan, hub, counter) for role, plan in plans.items()}
-
-
-@dataclass(frozen=True)
-class _Hub:
-    """Where and as whom to download, and which pair errors are reported for."""
-    pair: ModelPair
-    token: str | None
-    endpoint: str | None
-    cancel: threading.Event | None = None
-
-    def call(self, model: ModelSpec, call: Callable[[], T]) -> T:
-        """`call()`, a failure turned into one sentence (`_hub_call`); a failure once the download
-        was cancelled (often because of it) is the cancel."""
-        def checked() -> T:
-            try:
-                return call()
-            except Exception:
-                self.stop_if_cancelled()
-                raise
-
-        return _hub_call(checked, model, self.pair)
-
-    def watched(self, items: Callable[[], Iterable[T]]) -> Iterator[T]:
-        """What `items()` yields, made in a helper thread while this thread watches the cancel event:
-        a cancel raises `DownloadCancelled` here within CANCEL_POLL_SECONDS even while the request
-        blocks (a DNS lookup, a connection that stalls, a server that does not answer). The helper
-        is then left to end at its own timeout, and what it still makes is dropped: only this thread
-        writes files and reports progress. Use it in `contextlib.closing`, so that stopping early
-        lets the helper go. Without a cancel event, `items()` runs in this thread."""
-        if self.cancel is None:
-            yield from items()
-            return
-        channel: queue.Queue = queue.Queue(maxsize=16)
-        stop = threading.Event()
-
-        def send(message: tuple[bool, object]) -> bool:
-            while not stop.is_set():
-                try:
-                    channel.put(message, timeout=CANCEL_POLL_SECONDS)
-                    return True
-                except queue.Full:
-                    pass
-            return False
-
-        def make() -> None:
-            try:
-                made = iter(items())
-                try:
-                    for item in made:
-                        if not send((True, item)):
-                            return
-                finally:
-                    getattr(made, "close", lambda: None)()  # a request's `with` block ends here
-            except BaseException as error:  # raised again in the download's thread
-                send((False, error))
-            else:
-                send((False, None))
-
-        threading.Thread(target=make, daemon=True, name="download-request").start()
-        try:
-            while True:
-                try:
-                    more, value = channel.get(timeout=CANCEL_POLL_SECONDS)
-                except queue.Empty:
-                    self.stop_if_cancelled()
-                    continue
-                self.stop_if_cancelled()
-                if more:
-                    yield value
-                elif value is None:
-                    return
-                else:
-                    raise value
-        finally:
-            stop.set()
-
-    def run(self, call: Callable[[], T]) -> T:
-        """`call()` in a helper thread (`watched`): its result, or `DownloadCancelled` at once on a cancel."""
-        with closing(self.watched(lambda: [call()])) as results:
-            return next(results)
-
-    def stop_if_cancelled(self) -> None:
-        if self.cancel is not None and self.cancel.is_set():
-            raise DownloadCancelled()
-
-    def pause(self, seconds: float) -> None:
-        """Wait before the next try; a cancel ends the wait at once."""
-        if self.cancel is None:
-            time.sleep(seconds)
-        elif self.cancel.wait(seconds):
-            raise DownloadCancelled()
 
 
 @dataclass(frozen=True)
@@ -223,10 +115,10 @@ class _Plan:
         return sum(file.size - _part_size(self.model, file) for file in self.to_fetch)
 
 
-def _plan(model: ModelSpec, hub: _Hub) -> _Plan:
+def _plan(model: ModelSpec, hub: Hub) -> _Plan:
     from huggingface_hub.utils import filter_repo_objects
 
-    entries = _list_files(model, hub)
+    entries = list_files(model, hub)
     wanted = set(filter_repo_objects([entry.path for entry in entries], allow_patterns=ALLOW_PATTERNS,
                                      ignore_patterns=IGNORE_PATTERNS))
     files = tuple(_RemoteFile(entry.path, entry.lfs.size if entry.lfs else entry.size,
@@ -243,66 +135,7 @@ def _plan(model: ModelSpec, hub: _Hub) -> _Plan:
     return _Plan(model, files, to_fetch)
 
 
-def _list_files(model: ModelSpec, hub: _Hub) -> list:
-    """The files of the model's repo at its revision (`RepoFile`s), as `HfApi.list_repo_tree(recursive=True)`
-    lists them, page by page, each page tried as huggingface_hub tries it (`_get_page`)."""
-    from huggingface_hub import constants
-    from huggingface_hub.hf_api import RepoFile
-    from huggingface_hub.utils import build_hf_headers
-
-    url: str | None = (f"{hub.endpoint or constants.ENDPOINT}/api/models/{model.repo}/tree/"
-                       f"{quote(model.revision, safe='')}")
-    params: dict | None = {"recursive": True, "expand": False}
-    headers = build_hf_headers(token=hub.token)
-    files = []
-    while url:
-        page, url = _get_page(url, params, headers, model, hub)
-        params = None  # the next page's link carries them
-        files += [RepoFile(**entry) for entry in page if entry.get("type") == "file"]
-    return files
-
-
-def _get_page(url: str, params: dict | None, headers: dict, model: ModelSpec, hub: _Hub) -> tuple[list, str | None]:
-    """One page of a listing and the next one's link. A broken connection, a timeout or a
-    408/429/5xx answer is tried again after each of RETRY_PAUSES (huggingface_hub's backoff), in
-    a pause a cancel ends at once."""
-    import httpx2
-    from huggingface_hub import constants
-    from huggingface_hub.utils import get_session, hf_raise_for_status
-
-    for attempt, pause in enumerate(RETRY_PAUSES + (None,)):
-        hub.stop_if_cancelled()
-        try:
-            response = hub.run(lambda: get_session().get(url, params=params, headers=headers, follow_redirects=True,
-                                                         timeout=constants.HF_HUB_ETAG_TIMEOUT))
-        except httpx2.TransportError as error:
-            if pause is None:
-                hub.call(model, lambda: _raise(error))
-            why = type(error).__name__
-        else:
-            if pause is None or response.status_code not in RETRY_STATUSES:
-                hub.call(model, lambda: hf_raise_for_status(response))
-                return response.json(), response.links.get("next", {}).get("url")
-            pause, why = max(pause, _retry_after(response)), f"HTTP {response.status_code}"
-        logging.getLogger(__name__).warning("listing the files of %s failed (%s): try %d of %d in %.0f s", model.repo,
-                                            why, attempt + 2, len(RETRY_PAUSES) + 1, pause)
-        hub.pause(pause)
-    raise AssertionError("unreachable: the last try returns or raises")
-
-
-def _raise(error: BaseException):
-    raise error
-
-
-def _retry_after(response) -> float:
-    """The seconds a 429 or 503 answer asks to wait (`Retry-After`), at most MAX_RETRY_AFTER; 0 without."""
-    try:
-        return min(float(response.headers.get("Retry-After", "")) + 1, MAX_RETRY_AFTER)
-    except ValueError:
-        return 0.0
-
-
-def _fetch(plan: _Plan, hub: _Hub, counter: _ProgressCounter) -> Path:
+def _fetch(plan: _Plan, hub: Hub, counter: _ProgressCounter) -> Path:
     from huggingface_hub import snapshot_download
 
     model = plan.model
@@ -343,7 +176,7 @@ def _part_size(model: ModelSpec, file: _RemoteFile) -> int:
         return 0
 
 
-def _fetch_file(model: ModelSpec, file: _RemoteFile, hub: _Hub, counter: _ProgressCounter) -> None:
+def _fetch_file(model: ModelSpec, file: _RemoteFile, hub: Hub, counter: _ProgressCounter) -> None:
     """Download one file into its blob (resuming a partial one), verify it, link it into the snapshot."""
     blob = repo_folder(model) / "blobs" / file.digest
     if not (blob.is_file() and blob.stat().st_size == file.size and _blob_matches(blob)):
@@ -363,7 +196,7 @@ def _fetch_file(model: ModelSpec, file: _RemoteFile, hub: _Hub, counter: _Progre
     _link(blob, snapshot_folder(model) / file.name)
 
 
-def _transfer(model: ModelSpec, file: _RemoteFile, part: Path, hub: _Hub, counter: _ProgressCounter) -> None:
+def _transfer(model: ModelSpec, file: _RemoteFile, part: Path, hub: Hub, counter: _ProgressCounter) -> None:
     """Stream the rest of `file` into `part`; a broken or stalled connection resumes where it stopped.
     The bytes are written as they arrive, so a cancel keeps every one of them."""
     import httpx2
@@ -380,7 +213,7 @@ def _transfer(model: ModelSpec, file: _RemoteFile, part: Path, hub: _Hub, counte
             yield response.status_code
             yield from response.iter_bytes()
 
-    for attempt, pause in enumerate(RETRY_PAUSES + (None,)):
+    for attempt, pause in enumerate(hub_requests.RETRY_PAUSES + (None,)):
         hub.stop_if_cancelled()
         start = part.stat().st_size if part.exists() else 0
         if start >= file.size:
@@ -460,35 +293,6 @@ def _check_disk_space(needed: int) -> None:
         raise DownloadError(f"not enough disk space: the download needs {human_size(needed)} (plus {human_size(DISK_MARGIN_BYTES)} "
                             f"to spare) but {folder} has {human_size(free)} free; free some space or point "
                             "HF_HUB_CACHE at a larger disk")
-
-
-def _hub_call(call, model: ModelSpec, pair: ModelPair):
-    """Run a huggingface_hub call and turn its failures into one actionable sentence."""
-    import httpx2
-    from huggingface_hub import errors
-
-    try:
-        return call()
-    except httpx2.TransportError as error:
-        raise DownloadError(f"cannot reach the Hub to download {model.repo} ({type(error).__name__}); check the "
-                            "connection, or set HF_HUB_OFFLINE=1 to use only what is cached") from None
-    except errors.GatedRepoError:
-        raise DownloadError(
-            f"{model.repo} is gated: accept its licence ({pair.license}) at https://huggingface.co/{model.repo} "
-            "with your account, then log in with `hf auth login` (or set HF_TOKEN) and run the download again"
-        ) from None
-    except errors.RevisionNotFoundError:
-        raise DownloadError(f"{model.repo} has no revision {model.revision}: the registry entry for "
-                            f"{pair.id} is out of date") from None
-    except errors.RepositoryNotFoundError:
-        raise DownloadError(f"{model.repo} was not found on the Hub (or is private): check the registry entry "
-                            f"for {pair.id} and your token") from None
-    except errors.LocalEntryNotFoundError:
-        raise DownloadError(f"cannot reach the Hub to download {model.repo}; check the connection, or use "
-                            "what is cached with HF_HUB_OFFLINE=1") from None
-    except (errors.HfHubHTTPError, OSError) as error:
-        raise DownloadError(f"downloading {model.repo} failed: {first_line(error) or type(error).__name__}; "
-                            "run the download again to resume") from None
 
 
 class _ProgressCounter:

@@ -21,8 +21,9 @@ from hub_pairs import DRAFT_REPO, TARGET_REPO, UNWANTED, build_tiny_pair
 from standin_hub import StandinHub, hub_online
 from test_cli import SPECCHAT, assert_bad_input
 
-from specchat.core import download, model_cache
-from specchat.core.download import DownloadCancelled, DownloadError, download_pair
+from specchat.core import download, hub_requests, model_cache
+from specchat.core.download import download_pair
+from specchat.core.hub_requests import DownloadCancelled, DownloadError
 from specchat.core.model_cache import NotDownloaded, model_status, remove_pair
 from specchat.core.files import human_size
 from specchat.core.registry import load_registry
@@ -266,7 +267,7 @@ def test_a_listing_that_gets_no_answer_or_a_server_error_is_tried_again(hub, cac
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
-    monkeypatch.setattr(download, "RETRY_PAUSES", (0.1,) * 5)
+    monkeypatch.setattr(hub_requests, "RETRY_PAUSES", (0.1,) * 5)
     hub.hold("/api/models/", times=1)
     hub.fail("/api/models/", 503, times=2)
     pair = registry.get("tiny")

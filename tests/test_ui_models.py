@@ -231,10 +231,10 @@ def test_cancel_ends_a_stalled_download_at_once_not_after_its_retries(hub, cache
 
     from huggingface_hub import constants
 
-    from specchat.core import download
+    from specchat.core import hub_requests
 
     monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)  # each stalled try times out in 1 s
-    monkeypatch.setattr(download, "RETRY_PAUSES", (30.0,) * 5)  # a pause a cancel must cut short
+    monkeypatch.setattr(hub_requests, "RETRY_PAUSES", (30.0,) * 5)  # a pause a cancel must cut short
     panel = panel_for(models_file, str(tiny_model_dir), endpoint=hub.endpoint)
     size = len(tiny_pair.target.files["model.safetensors"])
     hub.stall(TARGET_WEIGHTS, size // 3)
