@@ -560,3 +560,23 @@ def test_greedy_dsi_over_cuda_instances_equals_plain_on_a_document(embedded_dir)
     pool = engine.dsi.pool
     assert all(count > 0 for count in pool.finished), pool.finished  # the spawned process verified too
     pool.close()
+
+
+def test_a_plain_step_commits_its_own_token_only_and_keeps_the_drafts_after_a_match():
+    """A non-lean DSI plain step whose token equals the next draft drops that draft and
+    commits nothing else; the drafts after it wait for an instance's verdict (a mutation audit found
+    the sampled tests, which docs/tests.md credited with this, let it through)."""
+    target = tiny_llama(0, weight_scale=8.0)
+    prompt = torch.tensor(prompts(0)["no n-gram hits"])
+    state = DecodeState(target, target.new_cache(), prompt, SamplingParams(), make_generator(0))
+    prefill_all(target, state.cache, prompt[:-1], 16)  # the cache holds all but the last
+    expected = int(target.forward(prompt[-1:], torch.tensor([len(prompt) - 1]),
+                                  state.cache.clone_prefix(state.cache.length))[-1].argmax())
+    wrong = (expected + 1) % target.vocab_size
+    decoder = DsiDecoder(PromptLookupDrafter(), SimpleNamespace(size=2, cancel=lambda tasks: None))
+    decoder.policy.lean, decoder.policy.lean_run = 0, None  # a plain step with its bookkeeping
+    decoder.drafts, decoder.q = [expected, wrong, wrong], [None] * 3
+    step = decoder._plain_step(state, 16)
+    assert step.tokens == [expected]
+    assert state.ids.tolist() == prompt.tolist() + [expected]
+    assert decoder.drafts == [wrong, wrong]

@@ -127,3 +127,18 @@ def test_draft_equal_to_target_accepts_everything():
         p = torch.stack([random_dist(generator) for _ in range(4)]).float()
         tokens = torch.stack([torch.multinomial(row, 1, generator=generator)[0] for row in p[:3]])
         assert verify_chain(tokens, p[:3], p, generator).accepted == 3
+
+
+def test_a_zero_uniform_never_accepts_a_token_the_target_gives_no_mass(monkeypatch):
+    """Accept iff u < min(1, P/Q): u = 0 is a possible float32 uniform (2**-24 of draws), and `<=`
+    would then accept a token the target gives no mass (a mutation audit found no test for it)."""
+    from specchat.core.speculative.dsi.orchestrator import resolve
+    from specchat.core.speculative.verify import verify_node
+
+    p = torch.eye(5)[[2, 1]]  # greedy: the target says 2
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros_like(real_rand(*a, **k)))
+    verdict = verify_chain(torch.tensor([3]), None, p, torch.Generator().manual_seed(0))
+    assert (verdict.accepted, verdict.next_token) == (0, 2)
+    assert resolve(p[:1], torch.tensor([3]), None, torch.Generator().manual_seed(0)) == (0, 2)
+    assert verify_node(p[0], None, [3], [0.0])[0] is None
