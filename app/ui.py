@@ -200,7 +200,7 @@ class _ChatHandlers:
     def send_message(self, request: gr.Request, box, attached, pasted_text, chat, *values):
         def views():
             # A file dropped just before sending may not have been attached by its change event yet.
-            dropped = self.attach_dropped(box)
+            dropped = self.attach_dropped(box, attached)
             yield dropped
             if dropped.message is not None and dropped.attachment is None:  # a file that could not be read
                 return
@@ -208,9 +208,10 @@ class _ChatHandlers:
                                        self.settings_of(values), request.session_hash)
         yield from self.streamed(views)
 
-    def attach_dropped(self, box) -> View:
-        """A file put in the message box (📎 or dropped) becomes the attachment; the box keeps the
-        text. A file that cannot be read leaves the box, saying why: left there, it failed every Send."""
+    def attach_dropped(self, box, attached: dict | None = None) -> View:
+        """A file put in the message box (📎 or dropped) becomes the attachment, in place of the one
+        `attached` (a question carries one document), saying so; the box keeps the text. A file
+        that cannot be read leaves the box, saying why: left there, it failed every Send."""
         files = (box or {}).get("files") or []
         if not files:
             return View()
@@ -222,6 +223,9 @@ class _ChatHandlers:
             return View(status=f"{problem_text(error)} It was taken out of the message box; your text stays.",
                         message=typed(box))
         view.message = typed(box)
+        if attached is not None:
+            name = view.attachment["name"]
+            view.status = view.status.replace(f"Attached {name}.", f"Attached {name} in place of {attached['name']}.", 1)
         return view
 
     def again(self, handler):
@@ -284,7 +288,8 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     for box in (page.pasted, page.max_new_tokens, page.system):
         box.change(on.update_meter, meter_inputs, page.meter, trigger_mode="always_last", **METERING)
     # Typing recounts the meter; a file put in the box is attached first, then counted.
-    reading = page.message.change(on.once(on.attach_dropped), page.message, outputs, trigger_mode="always_last",
+    reading = page.message.change(on.once(on.attach_dropped), [page.message, page.attachment], outputs,
+                                  trigger_mode="always_last",
                                   **READING)
     reading.then(on.update_meter, meter_inputs, page.meter, **METERING)
     pasting = page.pasted.change(on.pasted_chip, [page.attachment, page.pasted], page.attachment_line,

@@ -200,3 +200,14 @@ def test_a_file_that_cannot_be_read_leaves_the_box_and_sends_nothing(logic, hand
     status = drawn[-1][page.status]
     assert status.startswith("⚠️ notes.txt ") and str(binary.parent) not in status and "your text stays" in status
     assert logic.store.list() == []  # nothing sent
+
+
+def test_a_second_file_says_which_one_it_replaces(logic, handlers, tmp_path, monkeypatch):
+    # Found: a question carries one document, and a second file replaced the first without a word.
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
+    second = tmp_path / "uploads" / "beef" / "beta.md"
+    second.parent.mkdir(parents=True)
+    second.write_text("Beta notes.")
+    view = handlers.attach_dropped({"text": "Compare?", "files": [str(second)]}, {"name": "alpha.txt", "text": "A."})
+    assert view.status == "Attached beta.md in place of alpha.txt." and view.attachment["name"] == "beta.md"
+    assert handlers.attach_dropped({"text": "", "files": [str(second)]}).status == "Attached beta.md."
