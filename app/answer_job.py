@@ -1,15 +1,16 @@
 """The chat tab's answer as a job for the engine thread (`engine_queue`): its prompt (a new answer,
-or the last one carried on from its last word), the opening document's saved KV, and first the
-mode that runs."""
+or the last one carried on from its last word), the conversation its KV is kept for, the opening
+document's saved KV, and first the mode that runs."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
 from ..core.request import Request
 from .chat_versions import continued_ids
-from .conversation import Conversation
+from .conversation import Conversation, model_messages
 from .documents import document_tokens
 
 
@@ -19,17 +20,36 @@ class Started:
     mode: str
 
 
-def answer_job(messages: list[dict], max_new_tokens: int, sampling, mode: str, document: str = "",
+@dataclass(frozen=True)
+class ConversationKv:
+    """What an answer's KV is kept as. `conversation`: the id of the conversation it belongs to
+    (the engine keeps one KV per conversation, taken back by its next answer whatever it changed:
+    a retry or an edit never leaves a copy behind). `document`: the text of the document whose KV
+    is saved to disk, so that the conversation reopened after a restart does not read it again;
+    `before`: what the model reads ahead of that document's turn."""
+    conversation: str = ""
+    before: tuple[dict, ...] = ()
+    document: str = ""
+
+
+def conversation_kv(conversation: Conversation) -> ConversationKv:
+    """The conversation's id, and the document it opens with (if any)."""
+    system = model_messages(dataclasses.replace(conversation, messages=[]))
+    return ConversationKv(conversation.id, tuple(system), opening_document(conversation))
+
+
+def answer_job(messages: list[dict], max_new_tokens: int, sampling, mode: str, kept: ConversationKv | None = None,
                continued: bool = False):
-    """The job answering `messages`. `document`: the text the conversation opens with, whose KV is
-    saved to disk, so that the conversation reopened after a restart does not read it again.
-    `continued`: the last message is an answer to carry on, its text the start of the assistant's
-    turn (`chat_versions.continued_ids`)."""
+    """The job answering `messages`, its KV kept as `kept` says (None: no conversation's, no
+    document saved). `continued`: the last message is an answer to carry on, its text the start
+    of the assistant's turn (`chat_versions.continued_ids`)."""
+    kept = kept or ConversationKv()
+
     def job(engine, cancel) -> Iterator:
-        system = messages[:1] if messages and messages[0]["role"] == "system" else []
-        saved = document_tokens(engine, system, document) if document else 0
+        saved = document_tokens(engine, list(kept.before), kept.document) if kept.document else 0
         prompt = continued_ids(engine, messages) if continued else engine.chat_ids(messages)
-        events = engine.generate(prompt, Request(max_new_tokens, sampling, mode, document_tokens=saved), cancel)
+        request = Request(max_new_tokens, sampling, mode, document_tokens=saved, conversation=kept.conversation)
+        events = engine.generate(prompt, request, cancel)
         yield Started(engine.resolve_mode(mode))
         yield from events
     return job

@@ -26,7 +26,7 @@ from . import chat_versions as versions
 from .chat_list import ConversationList
 from .chat_view import Settings, View, problem_text
 from .context_meter import Meter, describe, document_text, measure, turn_in_preparation
-from .answer_job import answer_job, opening_document
+from .answer_job import ConversationKv, answer_job, conversation_kv
 from .answer_stream import STARTING, answer_views
 from .conversation import (PASTED_NAME, Conversation, attachment_label, model_messages, shown_messages,
                            title_from)
@@ -63,11 +63,11 @@ class ChatLogic:
             waiting.set()
 
     def submit(self, session: str, messages: list[dict], max_new_tokens: int, settings: Settings,
-               document: str = "", continued: bool = False) -> Ticket:
+               kept: ConversationKv | None = None, continued: bool = False) -> Ticket:
         """An answer to `messages` (or their last answer `continued`) put in the engine's line as the
         session's, for `stop` to cancel."""
         ticket = self._cancels[session] = self.handle.submit(
-            answer_job(messages, max_new_tokens, settings.sampling(), settings.mode, document, continued))
+            answer_job(messages, max_new_tokens, settings.sampling(), settings.mode, kept, continued))
         return ticket
 
     def release(self, session: str, ticket: Ticket) -> None:
@@ -330,7 +330,7 @@ class ChatLogic:
             # closing (the page moved on to another conversation) gives the engine up now.
             self.stop(session)
             ticket = self.submit(session, model_messages(conversation), int(settings.max_new_tokens), settings,
-                                 opening_document(conversation), continued=bool(start))
+                                 conversation_kv(conversation), continued=bool(start))
             ahead = ticket.position
             if ahead:
                 waiting = f"Waiting for the engine: {ahead} answer{'s' if ahead > 1 else ''} before yours…"

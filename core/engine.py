@@ -197,7 +197,8 @@ class Engine:
         # DSI's instances run in parallel: t(n) of one forward after another does not price it.
         times = None if decoder is self.dsi.answering else self.settings.step_times
         events = self._generate(prompt_ids, max_new_tokens, request.sampling, mode, decoder,
-                                AnswerPrediction(times, self.model, triforce), cancel, request.document_tokens)
+                                AnswerPrediction(times, self.model, triforce), cancel, request.document_tokens,
+                                request.conversation)
         # The lock is held while the engine computes, never across a yield: a caller that stops
         # listening without closing this generator cannot keep the engine from others.
         try:
@@ -241,12 +242,13 @@ class Engine:
         return self.dsi.decoder(options.workers, options.plain_steps) if options else self.dsi.decoder()
 
     def _generate(self, prompt_ids, max_new_tokens, sampling, mode, decoder, prediction, cancel,
-                  document_tokens) -> Iterator[Event]:
+                  document_tokens, conversation) -> Iterator[Event]:
         """One answer on a cache that starts from the longest reusable prefix; afterwards the
         cache is kept for the next turn (also when the answer was stopped: at every event the
-        cache is consistent), and the document prefix is saved to disk when asked."""
+        cache is consistent) as `conversation`'s, and the document prefix is saved to disk when
+        asked."""
         started = time.perf_counter()
-        cache, reused, source = self._reusable_cache(prompt_ids)
+        cache, reused, source = self._reusable_cache(prompt_ids, conversation)
         if self.documents is not None:
             for problem in self.documents.take_problems():
                 yield Notice(problem)
@@ -268,7 +270,7 @@ class Engine:
             if finished:
                 if document_tokens and self.documents is not None and state.cache.length >= document_tokens:
                     self.documents.save_once(prompt_ids[:document_tokens], state.cache)
-                self.prefixes.put(state.ids[:state.cache.length].tolist(), state.cache)
+                self.prefixes.put(state.ids[:state.cache.length].tolist(), state.cache, conversation)
                 self.answers.add(state.ids[len(prompt_ids):].tolist())
         if not finished:  # out of memory: this answer's KV goes, never kept for reuse
             del state, cache
@@ -277,9 +279,10 @@ class Engine:
             raise SpecchatError(f"the GPU ran out of memory while {doing}: try a shorter "
                                 f"{'answer' if answering else 'document'} or a smaller pair")
 
-    def _reusable_cache(self, prompt_ids: list[int]) -> tuple[FullCache, int, str]:
+    def _reusable_cache(self, prompt_ids: list[int], conversation: str = "") -> tuple[FullCache, int, str]:
         """A cache already holding the longest available prefix of the prompt: from a recent
-        answer in memory, or a saved document on disk when that is longer."""
+        answer in memory (`conversation`'s own is taken back, not copied), or a saved document on
+        disk when that is longer."""
         in_memory = self.prefixes.best_length(prompt_ids)
         emptied: list = []  # the cache a chosen file was read into, kept if the file proves unreadable
         if self.documents is not None and in_memory < len(prompt_ids) - 1:  # the disk could offer more
@@ -287,7 +290,7 @@ class Engine:
                                          at_least=in_memory, device=self.model.device)
             if loaded is not None:
                 return loaded.cache, loaded.length, "disk"
-        taken = self.prefixes.take(prompt_ids)
+        taken = self.prefixes.take(prompt_ids, conversation)
         if taken is not None:
             return taken[0], taken[1], "memory" if taken[1] else ""
         if emptied:  # an offloaded slot's memory, emptied for that file: never allocated twice

@@ -52,6 +52,9 @@ class Request:
     options: ModeOptions | None = None  # the mode's own options (default: the engine's settings)
     # The prompt's first tokens hold a document whose KV is saved to disk for later runs.
     document_tokens: int = 0
+    # The conversation the answer belongs to (a stable id; "": none named, as from the API): the
+    # engine keeps one KV in memory per conversation (its next answer takes it back, never copies it).
+    conversation: str = ""
 
     def __post_init__(self):
         if self.mode not in REQUEST_MODES:

@@ -80,6 +80,51 @@ def test_the_store_stays_within_its_budget_least_recently_used_first(tiny):
     assert common_prefix_length([1, 2, 3], [1, 2]) == 2
 
 
+def test_a_conversation_keeps_one_entry_and_takes_it_back_where_its_prompt_leaves_it(tiny):
+    """A retry, an edit or a turn left out makes a conversation's prompt leave its entry after the
+    document: the entry is taken back trimmed, never copied (a copy kept the dead branch, ~380 MB
+    per turn at 8K on the embedded model). Another conversation, or one naming none, still copies
+    what it shares, so the entry's own conversation keeps it."""
+    store = PrefixStore(UNLIMITED)
+    original = filled_cache(tiny, [1, 2, 3, 4, 5])
+    store.put([1, 2, 3, 4, 5], original, "a")
+    for other in ("b", ""):
+        cache, length = store.take([1, 2, 3, 7, 8], other)
+        assert length == 3 and cache is not original and original.length == 5 and len(store) == 1
+    cache, length = store.take([1, 2, 3, 7, 8], "a")  # a's own retry: its entry, trimmed
+    assert cache is original and length == cache.length == 3 and len(store) == 0
+    model_forward(tiny, cache, [7, 8])
+    store.put([1, 2, 3, 7, 8], cache, "a")
+    store.put([1, 2, 3, 9], filled_cache(tiny, [1, 2, 3, 9]), "b")
+    assert len(store) == 2
+    # a's next answer left elsewhere (disk, a longer shared entry): its earlier entry goes anyway.
+    store.put([1, 2, 3, 8, 8], filled_cache(tiny, [1, 2, 3, 8, 8]), "a")
+    assert sorted(entry.owner for entry in store._entries) == ["a", "b"] and store.best_length([1, 2, 3, 7, 8, 1]) == 3
+    # Between entries sharing as much, the conversation's own is taken (no copy of the other's).
+    own = store._entries[-1].cache
+    assert store.take([1, 2, 3, 5], "a") == (own, 3) and len(store) == 1
+
+
+def test_a_conversation_s_own_entry_set_aside_comes_back_to_its_devices_trimmed(tiny):
+    """On a GPU another conversation's answer sets the entry aside in host memory: the
+    conversation's retry takes it back from there, trimmed, onto the devices it was computed on
+    (here the CPU plays both: setting aside copies it, and `home` is set)."""
+    store = PrefixStore(UNLIMITED, host="cpu", aside=("cpu",))
+    store.put([1, 2, 3, 4, 5], filled_cache(tiny, [1, 2, 3, 4, 5]), "a")
+    store.put([6, 7, 8], filled_cache(tiny, [6, 7, 8]), "b")
+    cache, _ = store.take([6, 7, 8, 9], "b")
+    assert store._entries[0].home == [torch.device("cpu")] * tiny.num_layers  # a's, set aside
+    store.put([6, 7, 8], cache, "b")
+    cache, length = store.take([1, 2, 3, 9], "a")
+    assert length == cache.length == 3 and on("cpu", cache) and [entry.owner for entry in store._entries] == ["b"]
+    for (keys, values), (expected_keys, expected_values) in zip(cache.layers(), filled_cache(tiny, [1, 2, 3]).layers()):
+        assert torch.allclose(keys, expected_keys, atol=1e-12) and torch.allclose(values, expected_values, atol=1e-12)
+
+
+def model_forward(model, cache, ids: list[int]) -> None:
+    model.forward(torch.tensor(ids), torch.arange(cache.length, cache.length + len(ids)), cache)
+
+
 def on(device: str, cache) -> bool:
     return all(d == torch.device(device) for d in cache.devices)
 
@@ -185,6 +230,33 @@ def test_a_follow_up_prefills_only_its_new_tokens_and_answers_as_from_scratch(ti
     assert follow_up.stats.reused_prompt_tokens == min(
         common_prefix_length(prompt, engine.chat_ids(messages[:1]) + first.token_ids[:-1]), len(prompt) - 1)
     assert from_scratch.stats.reused_prompt_tokens == 0
+
+
+def test_retries_edits_and_turns_left_out_keep_one_kv_per_conversation_and_answer_as_from_scratch(
+        tiny_engine_parts):
+    """Each answer below leaves the conversation's cached prompt after the document; the store
+    keeps one entry per conversation (it kept one more per answer: 11 entries, 1 GB, after 12
+    turns at 2K on the embedded model), every answer exact."""
+    engine = engine_with(tiny_engine_parts)
+    ask = [{"role": "user", "content": user_turn("What is it?", DOCUMENT)}]
+    first, _ = run(engine, ask, conversation="c1")
+    one = engine.prefixes.nbytes
+    other, _ = run(engine, [{"role": "user", "content": user_turn("Who wrote it?", DOCUMENT)}], conversation="c2")
+    turns = [ask,  # Retry: the same prompt again
+             [{"role": "user", "content": user_turn("What is it about?", DOCUMENT)}],  # the question edited
+             ask + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}],
+             [{"role": "user", "content": DOCUMENT}, {"role": "user", "content": "And then?"}]]  # left out
+    for messages in turns:
+        again, _ = run(engine, messages, conversation="c1")
+        assert again.stats.reused_from == "memory" and again.stats.reused_prompt_tokens > 0
+        assert again.token_ids == run(engine_with(tiny_engine_parts), messages)[0].token_ids
+        assert len(engine.prefixes) == 2 and sorted(entry.owner for entry in engine.prefixes._entries) == ["c1", "c2"]
+    assert engine.prefixes.nbytes < 3 * one
+    follow_up = [{"role": "user", "content": user_turn("Who wrote it?", DOCUMENT)},
+                 {"role": "assistant", "content": other.text}, {"role": "user", "content": "Why?"}]
+    kept, _ = run(engine, follow_up, conversation="c2")  # the other conversation kept its own
+    assert kept.stats.reused_prompt_tokens >= other.prompt_tokens - 1
+    assert kept.token_ids == run(engine_with(tiny_engine_parts), follow_up)[0].token_ids
 
 
 def test_a_stopped_prefill_is_picked_up_where_it_stopped(tiny_engine_parts):

@@ -32,9 +32,10 @@ class ConversationSlot:
             return 0
         return min(common_prefix_length(self._ids, prompt_ids), len(prompt_ids) - 1)
 
-    def take(self, prompt_ids: list[int]) -> tuple[KVCache, int] | None:
+    def take(self, prompt_ids: list[int], owner: str = "") -> tuple[KVCache, int] | None:
         """The held cache trimmed to what it shares with `prompt_ids` (maybe nothing), and that
-        length; None when the slot is empty. The slot is empty afterwards."""
+        length; None when the slot is empty. The slot is empty afterwards. (`owner`: one cache is
+        never copied, whoever asks.)"""
         if self._cache is None:
             return None
         length = self.best_length(prompt_ids)
@@ -51,7 +52,7 @@ class ConversationSlot:
         cache.trim(0)
         return cache
 
-    def put(self, ids: list[int], cache: KVCache) -> None:
+    def put(self, ids: list[int], cache: KVCache, owner: str = "") -> None:
         if len(ids) != cache.length:
             raise ValueError(f"{len(ids)} token ids for a cache of {cache.length} positions")
         self._ids, self._cache = list(ids), cache

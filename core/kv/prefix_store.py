@@ -5,6 +5,12 @@ Matching on token ids alone makes it work for any caller: the terminal chat and 
 stateless API that resends the whole conversation. A follow-up's prompt repeats the conversation
 so far, so only its new tokens need a prefill.
 
+A conversation (an `owner` named by the request) keeps one entry: its next answer takes that
+entry back, trimmed to what the new prompt shares with it, and never copies it, whether the prompt
+continues it (a follow-up) or leaves it after the document (Retry, an edited question, the oldest
+turn left out): the branch it leaves is dead. Only another conversation, or a request naming
+none (the API), copies what it shares, so that the entry's own conversation keeps it.
+
 On a GPU the plan budgets one KV, the answer's own. The cache of the conversation answered last
 stays where it is (its follow-up continues it in place); before another cache is needed there,
 the store sets every entry it is not handing out aside in host memory, and copies one back when
@@ -26,6 +32,7 @@ class _Entry:
     cache: FullCache
     nbytes: int
     home: list[torch.device] | None = None  # while set aside on the host: each layer's device before
+    owner: str = ""  # the conversation whose KV this is ("": none named)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -60,20 +67,22 @@ class PrefixStore:
         # A cache that a copy would not reproduce (a sliding window's) is only continued whole.
         return length if length == len(entry.ids) or entry.cache.movable else 0
 
-    def take(self, prompt_ids: list[int]) -> tuple[FullCache, int] | None:
+    def take(self, prompt_ids: list[int], owner: str = "") -> tuple[FullCache, int] | None:
         """The stored cache sharing the longest prefix with `prompt_ids`, trimmed to that prefix,
         on the devices it was computed on, and the prefix length; None when nothing shares a
         token. Every other entry is set aside on the host first.
 
         At most `len(prompt_ids) - 1` positions are reused: the last prompt token must run to
-        give the first answer token's logits. An entry reused whole leaves the store (its owner
-        carries on from it); one reused in part is copied, so the conversation it belongs to
-        keeps its own (set aside first: the copy is then the only KV on the device).
+        give the first answer token's logits. An entry reused whole, or one of `owner`'s (the
+        conversation asking: what it does not share is a branch the conversation left), leaves
+        the store trimmed; one reused in part by another conversation is copied, so that the
+        conversation it belongs to keeps its own (set aside first: the copy is then the only KV
+        on the device). Between entries sharing as much, `owner`'s own is taken.
         """
         best, best_length = None, 0
         for entry in self._entries:
             length = self._reusable(entry, prompt_ids)
-            if length > best_length:
+            if length > best_length or (length == best_length > 0 and owner and entry.owner == owner):
                 best, best_length = entry, length
         for entry in self._entries:
             if entry is not best:
@@ -81,7 +90,8 @@ class PrefixStore:
         if best is None:
             return None
         copy_bytes = best.nbytes * best_length // len(best.ids)
-        if best_length == len(best.ids) or self.nbytes + copy_bytes > self.budget_bytes:
+        own = bool(owner) and best.owner == owner
+        if own or best_length == len(best.ids) or self.nbytes + copy_bytes > self.budget_bytes:
             self._entries.remove(best)
             best.cache.trim(best_length)
             return self._at_home(best), best_length
@@ -113,16 +123,19 @@ class PrefixStore:
         """`entry`'s cache on the devices it was computed on."""
         return entry.cache if entry.home is None else entry.cache.copy_to(entry.home)
 
-    def put(self, ids: list[int], cache: FullCache) -> None:
-        """Keep `cache` (holding `ids`) as the most recent entry; evict the least recently used
-        entries until the store fits its budget. A cache larger than the whole budget is dropped."""
+    def put(self, ids: list[int], cache: FullCache, owner: str = "") -> None:
+        """Keep `cache` (holding `ids`) as the most recent entry, `owner`'s one (any it had goes);
+        evict the least recently used entries until the store fits its budget. A cache larger than
+        the whole budget is dropped."""
         if len(ids) != cache.length:
             raise ValueError(f"{len(ids)} token ids for a cache of {cache.length} positions")
         if not ids:  # an answer stopped inside its first prompt chunk: nothing to reuse
             return
-        entry = _Entry(list(ids), cache, cache.nbytes)
-        # An entry whose ids start another's is superseded by it: the longer one serves both.
-        self._entries = [old for old in self._entries if common_prefix_length(old.ids, entry.ids) < len(old.ids)]
+        entry = _Entry(list(ids), cache, cache.nbytes, owner=owner)
+        # An entry whose ids start another's is superseded by it: the longer one serves both. A
+        # conversation's earlier entry is a branch it has left (its answer started from elsewhere).
+        self._entries = [old for old in self._entries if common_prefix_length(old.ids, entry.ids) < len(old.ids)
+                         and not (owner and old.owner == owner)]
         if entry.nbytes > self.budget_bytes:
             return
         self._entries.append(entry)
