@@ -1,5 +1,5 @@
 """The chat tab's answer as a job for the engine thread (`engine_queue`): its prompt (a new answer,
-or the last one carried on from its last word), the conversation its KV is kept for, the opening
+or the last one carried on from its last word), the conversation its KV is kept for, its latest
 document's saved KV, and first the mode that runs."""
 
 from __future__ import annotations
@@ -33,9 +33,23 @@ class ConversationKv:
 
 
 def conversation_kv(conversation: Conversation) -> ConversationKv:
-    """The conversation's id, and the document it opens with (if any)."""
-    system = model_messages(dataclasses.replace(conversation, messages=[]))
-    return ConversationKv(conversation.id, tuple(system), opening_document(conversation))
+    """The conversation's id, and its latest document: that of the last question carrying one,
+    wherever in the conversation it was attached (a summary of its parts, a cut, are documents
+    too), with the turns before it as the model reads them now."""
+    latest = latest_document(conversation)
+    if latest is None:
+        return ConversationKv(conversation.id)
+    before = model_messages(dataclasses.replace(conversation, messages=conversation.messages[:latest]))
+    return ConversationKv(conversation.id, tuple(before), conversation.messages[latest]["document"]["text"])
+
+
+def latest_document(conversation: Conversation) -> int | None:
+    """The index of the last question that carries a document (None: none does)."""
+    for index in range(len(conversation.messages) - 1, -1, -1):
+        message = conversation.messages[index]
+        if message["role"] == "user" and ((message.get("document") or {}).get("text") or "").strip():
+            return index
+    return None
 
 
 def answer_job(messages: list[dict], max_new_tokens: int, sampling, mode: str, kept: ConversationKv | None = None,
@@ -53,9 +67,3 @@ def answer_job(messages: list[dict], max_new_tokens: int, sampling, mode: str, k
         yield Started(engine.resolve_mode(mode))
         yield from events
     return job
-
-
-def opening_document(conversation: Conversation) -> str:
-    """The text of the document the conversation opens with ("" when it opens without one)."""
-    first = conversation.messages[0] if conversation.messages else {}
-    return (first.get("document") or {}).get("text", "") if first.get("role") == "user" else ""

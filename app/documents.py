@@ -145,11 +145,12 @@ def user_turn(question: str, document: str | None) -> str:
     return question
 
 
-def document_tokens(engine, system: list[dict], document: str) -> int:
-    """How many leading prompt tokens hold the document, for a conversation that opens with it:
+def document_tokens(engine, before: list[dict], document: str) -> int:
+    """How many leading prompt tokens hold the document, for a question that carries it after
+    `before` (the system prompt, earlier turns: what the model reads ahead of that question):
     the prompts of two different questions agree up to the end of the document."""
     from ..core.kv.prefix_store import common_prefix_length
 
-    first, second = (engine.chat_ids(system + [{"role": "user", "content": user_turn(question, document)}])
+    first, second = (engine.chat_ids(before + [{"role": "user", "content": user_turn(question, document)}])
                      for question in ("A?", "B?"))
     return common_prefix_length(first, second)

@@ -327,6 +327,23 @@ def test_a_saved_document_reloads_in_a_new_engine(tiny_engine_parts, tmp_path):
     assert other.stats.reused_prompt_tokens == 0
 
 
+def test_a_document_attached_to_a_later_question_reloads_in_a_new_engine(tiny_engine_parts, tmp_path):
+    """The saved prefix runs through the earlier turns to the end of the document (what the chat
+    page saves for the latest document); reloaded, it answers as from scratch."""
+    engine = engine_with(tiny_engine_parts, documents=DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED))
+    hello, _ = run(engine, [{"role": "user", "content": "Hello."}])
+    before = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": hello.text}]
+    saved = document_tokens(engine, before, DOCUMENT)
+    ask = before + [{"role": "user", "content": user_turn("What is it?", DOCUMENT)}]
+    first, _ = run(engine, ask, document_tokens=saved)
+    assert saved >= len(engine.chat_ids(before)) + engine.count_tokens(DOCUMENT)
+    messages = ask + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
+    restarted, _ = run(engine_with(tiny_engine_parts, documents=DocumentStore(tmp_path, "tiny@1:float64",
+                                                                              UNLIMITED)), messages)
+    assert restarted.stats.reused_from == "disk" and restarted.stats.reused_prompt_tokens == saved
+    assert restarted.token_ids == run(engine_with(tiny_engine_parts), messages)[0].token_ids
+
+
 @pytest.mark.parametrize("damage, reason", [
     (lambda path: path.write_bytes(path.read_bytes()[: path.stat().st_size // 2]), "unreadable"),
     (lambda path: path.write_bytes(b"\x00" * 64), "unreadable"),
