@@ -148,9 +148,10 @@ def user_turn(question: str, document: str | None) -> str:
 def document_tokens(engine, before: list[dict], document: str) -> int:
     """How many leading prompt tokens hold the document, for a question that carries it after
     `before` (the system prompt, earlier turns: what the model reads ahead of that question):
-    the prompts of two different questions agree up to the end of the document."""
+    the prompts of two different questions, and of the document without one (its question left
+    out), agree up to the end of the document, so every form of the turn shares one saved file."""
     from ..core.kv.prefix_store import common_prefix_length
 
-    first, second = (engine.chat_ids(before + [{"role": "user", "content": user_turn(question, document)}])
-                     for question in ("A?", "B?"))
-    return common_prefix_length(first, second)
+    first, *others = (engine.chat_ids(before + [{"role": "user", "content": user_turn(question, document)}])
+                      for question in ("A?", "B?", ""))
+    return min(common_prefix_length(first, other) for other in others)

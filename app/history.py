@@ -6,6 +6,9 @@ not a conversation (binary, not UTF-8, truncated, nested too deeply, wrong types
 over `CONVERSATION_FILE`, one we may not read) is left where it is and skipped. Either way it is
 reported once through `take_problems`.
 
+A deleted conversation goes to a bin (`<id>.json.deleted`) that the next start empties; the saved
+document caches that no other conversation uses go with it (`core/kv/document_owners.py`).
+
 Each tab holds its own copy of a conversation, so every file carries a revision and the store
 writes only the copy that is the file's latest: a stale copy (another tab wrote since, or an answer
 ended after the copy was opened) or a deleted conversation is refused (`ConversationChanged`)
@@ -27,6 +30,7 @@ from pathlib import Path
 from ..core.env_settings import folder_setting
 from ..core.errors import InputError, SpecchatError
 from ..core.files import human_size, write_atomically
+from ..core.kv import document_owners
 from ..core.limits import CONVERSATION_FILE
 from .conversation import NEW_TITLE, Conversation, from_json, one_line, to_json
 
@@ -79,8 +83,10 @@ def default_folder() -> Path:
 
 
 class HistoryStore:
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, documents: Path | None = None):
         self.folder = Path(folder)
+        # Saved document caches (None: none kept), listed by the conversations that use them.
+        self.documents = Path(documents) if documents is not None else None
         self._problems: list[str] = []
         # Summaries by id, with the (mtime, size) they were read at: the list is asked for after
         # every answer, and rereading every document each time would grow with the history.
@@ -300,8 +306,13 @@ class HistoryStore:
             self._problems.append(problem)
 
     def _empty_the_bin(self) -> None:
+        """Delete the conversations in the bin for good, and the saved documents only they used."""
+        gone = set()
         for deleted in self.folder.glob(f"*.json{DELETED_SUFFIX}") if self.folder.is_dir() else []:
             deleted.unlink(missing_ok=True)
+            gone.add(deleted.name.removesuffix(f".json{DELETED_SUFFIX}"))
+        if self.documents is not None:
+            document_owners.release(self.documents, {name for name in gone if ID_PATTERN.fullmatch(name)})
 
     def _remove_stale_temporaries(self) -> None:
         """Drop what a crash midway through `write_atomically` left behind."""

@@ -97,6 +97,17 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return listener
 
 
+def _documents_folder():
+    """Where saved document caches are (a deleted conversation's go as the bin is emptied); None
+    where the cache folder's setting is unusable (loading the model says why)."""
+    from ..core.embedded import documents_folder
+
+    try:
+        return documents_folder()
+    except InputError:
+        return None
+
+
 def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "embedded", registry_file: str | None = None,
            host: str = DEFAULT_HOST, port: int = 7860, open_browser: bool = True, api_key: str | None = None,
            allowed_hosts: Iterable[str] = ()) -> None:
@@ -116,7 +127,7 @@ def launch(load: Callable[[str, Callable[[str], None]], object], model: str = "e
     listener = _listening_socket(host, port)  # before the model loads and "ready" is printed
     head_seconds()
     handle = EngineHandle(load, model)
-    store = HistoryStore(default_folder())
+    store = HistoryStore(default_folder(), documents=_documents_folder())
     app = build_app(handle, store, registry_file, api_key, host, allowed_hosts)
     url = f"http://{host}:{port}"
     print(f"specchat: the chat is at {url}/ and the OpenAI-compatible API at {url}/v1; "

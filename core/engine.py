@@ -246,7 +246,7 @@ class Engine:
         """One answer on a cache that starts from the longest reusable prefix; afterwards the
         cache is kept for the next turn (also when the answer was stopped: at every event the
         cache is consistent) as `conversation`'s, and the document prefix is saved to disk when
-        asked."""
+        asked (listed as used by `conversation`)."""
         started = time.perf_counter()
         cache, reused, source = self._reusable_cache(prompt_ids, conversation)
         if self.documents is not None:
@@ -269,7 +269,7 @@ class Engine:
         finally:
             if finished:
                 if document_tokens and self.documents is not None and state.cache.length >= document_tokens:
-                    self.documents.save_once(prompt_ids[:document_tokens], state.cache)
+                    self.documents.save_once(prompt_ids[:document_tokens], state.cache, owner=conversation)
                 self.prefixes.put(state.ids[:state.cache.length].tolist(), state.cache, conversation)
                 self.answers.add(state.ids[len(prompt_ids):].tolist())
         if not finished:  # out of memory: this answer's KV goes, never kept for reuse

@@ -132,7 +132,7 @@ def _document_store(weights_key: str, model: TransformersLM, context: int) -> Do
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     row_bytes = head_dim + 4 if model.kv_dtype == "int8" else head_dim * model.dtype.itemsize  # int8: a scale per row
     one_document = 2 * config.num_hidden_layers * config.num_key_value_heads * row_bytes * context
-    return DocumentStore(embedded.cache_root() / "documents", f"{weights_key}:{model.dtype}{kv}",
+    return DocumentStore(embedded.documents_folder(), f"{weights_key}:{model.dtype}{kv}",
                          max(DOCUMENT_CACHE_BYTES, one_document))
 
 

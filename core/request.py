@@ -53,7 +53,8 @@ class Request:
     # The prompt's first tokens hold a document whose KV is saved to disk for later runs.
     document_tokens: int = 0
     # The conversation the answer belongs to (a stable id; "": none named, as from the API): the
-    # engine keeps one KV in memory per conversation (its next answer takes it back, never copies it).
+    # engine keeps one KV in memory per conversation (its next answer takes it back, never copies
+    # it), and lists the document files it saves or reuses as used by it (`kv/document_owners`).
     conversation: str = ""
 
     def __post_init__(self):

@@ -41,7 +41,7 @@ def started(tiny_model_dir, tmp_path):
     """The page's logic on a new engine (nothing in memory) and the same folders: a restart."""
     handle = EngineHandle(lambda model, progress: load_engine(model, progress), str(tiny_model_dir))
     handle.get()
-    return handle, ChatLogic(handle, HistoryStore(tmp_path / "conversations"))
+    return handle, ChatLogic(handle, HistoryStore(tmp_path / "conversations", tmp_path / "cache" / "documents"))
 
 
 def test_a_document_attached_to_a_later_question_is_saved_for_the_conversation_reopened(tiny_model_dir, tmp_path,
@@ -66,3 +66,58 @@ def test_a_document_attached_to_a_later_question_is_saved_for_the_conversation_r
         assert stats["reused_from"] == "disk" and stats["reused_prompt_tokens"] >= len(before) + 60
     finally:
         handle.close()
+
+
+def test_a_deleted_conversation_s_saved_document_goes_when_the_bin_is_emptied_unless_another_uses_it(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """A saved document holds its token ids: its text could be read back from the file after the
+    conversation was deleted (t12: "CONFIDENTIAL salary list..."), until the 8 GB budget evicted it."""
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    secret = "CONFIDENTIAL salary list: Alice Smith 183,000; Bob Jones 201,500. " * 3
+    documents = tmp_path / "cache" / "documents"
+    handle, logic = started(tiny_model_dir, tmp_path)
+    try:
+        first = run(logic.send("Summarize.", None, secret, None, SETTINGS))[-1].conversation
+        second = run(logic.send("Who earns most?", None, secret, None, SETTINGS))[-1].conversation
+        tokenizer = logic.handle.get().tokenizer
+    finally:
+        handle.close()
+    (path,) = documents.glob("*.safetensors")  # one file for both
+
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as file:
+        assert "CONFIDENTIAL salary list" in tokenizer.decode(file.get_tensor("token_ids").tolist())
+    logic.delete(first)
+    logic.undelete(first.id)  # brought back before a restart: nothing goes
+    logic.delete(first)
+    HistoryStore(tmp_path / "conversations", documents)  # a restart empties the bin
+    assert path.exists()  # the second conversation still uses it
+    logic.delete(second)
+    assert path.exists()  # until the bin is emptied: Undo still brings it back whole
+    HistoryStore(tmp_path / "conversations", documents)
+    assert list(documents.iterdir()) == []
+
+
+def test_the_saved_document_s_length_is_measured_once_per_document_not_per_answer(logic):
+    """Three prompts of the whole document measure where it ends: before every follow-up, that took
+    0.7 s at 122K tokens."""
+    from specchat.app.answer_job import saved_tokens
+    from specchat.app.documents import document_tokens
+
+    engine = logic.handle.get()
+
+    class Counting:
+        calls = 0
+
+        def chat_ids(self, messages):
+            self.calls += 1
+            return engine.chat_ids(messages)
+
+    counting = Counting()
+    before = ({"role": "system", "content": "Be brief."},)
+    assert saved_tokens(counting, before, DOCUMENT) == document_tokens(engine, list(before), DOCUMENT)
+    assert saved_tokens(counting, before, DOCUMENT) == document_tokens(engine, list(before), DOCUMENT)
+    assert counting.calls == 3
+    saved_tokens(counting, (), DOCUMENT)  # other turns before it: measured anew
+    assert counting.calls == 6

@@ -336,12 +336,59 @@ def test_a_document_attached_to_a_later_question_reloads_in_a_new_engine(tiny_en
     saved = document_tokens(engine, before, DOCUMENT)
     ask = before + [{"role": "user", "content": user_turn("What is it?", DOCUMENT)}]
     first, _ = run(engine, ask, document_tokens=saved)
-    assert saved >= len(engine.chat_ids(before)) + engine.count_tokens(DOCUMENT)
+    # Its turn's opening stands where the assistant's does in `before`'s ids; the document's last
+    # token may merge with what follows it.
+    assert saved >= len(engine.chat_ids(before)) + engine.count_tokens(DOCUMENT) - 1
     messages = ask + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
     restarted, _ = run(engine_with(tiny_engine_parts, documents=DocumentStore(tmp_path, "tiny@1:float64",
                                                                               UNLIMITED)), messages)
     assert restarted.stats.reused_from == "disk" and restarted.stats.reused_prompt_tokens == saved
     assert restarted.token_ids == run(engine_with(tiny_engine_parts), messages)[0].token_ids
+
+
+def test_the_saved_prefix_is_the_document_alone_so_its_turn_left_out_reloads_the_same_file(tiny_engine_parts,
+                                                                                         tmp_path):
+    """The first question left out (documents stay) makes the turn the document alone: it read a
+    second file for the same document when the saved prefix ran into the question's separator
+    (t2: 1 -> 2 files, 174 -> 349 MB)."""
+    def store():
+        return DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED)
+
+    engine = engine_with(tiny_engine_parts, documents=store())
+    saved = document_tokens(engine, [], DOCUMENT)
+    first, _ = run(engine, conversation("")[:1], document_tokens=saved)
+    left_out = [{"role": "user", "content": user_turn("", DOCUMENT)}, {"role": "user", "content": "And then?"}]
+    assert saved == common_prefix_length(engine.chat_ids(conversation("")[:1]), engine.chat_ids(left_out))
+    run(engine, left_out, document_tokens=document_tokens(engine, [], DOCUMENT))
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    restarted, _ = run(engine_with(tiny_engine_parts, documents=store()), left_out)
+    assert restarted.stats.reused_from == "disk" and restarted.stats.reused_prompt_tokens == saved
+    assert restarted.token_ids == run(engine_with(tiny_engine_parts), left_out)[0].token_ids
+
+
+def test_a_saved_document_goes_with_the_last_conversation_that_used_it(tiny_engine_parts, tmp_path):
+    """Each conversation that saves or reloads a document is listed beside its file; releasing
+    conversations deletes the files none of the others uses, never one saved with no owner."""
+    from specchat.core.kv import document_owners
+
+    saved = document_tokens(engine_with(tiny_engine_parts), [], DOCUMENT)
+    run(engine_with(tiny_engine_parts, documents=DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED)),
+        conversation("")[:1], document_tokens=saved, conversation="a")
+    (path,) = tmp_path.glob("*.safetensors")
+    again, _ = run(engine_with(tiny_engine_parts, documents=DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED)),
+                   [{"role": "user", "content": user_turn("Which line comes last?", DOCUMENT)}],
+                   document_tokens=saved, conversation="b")
+    assert again.stats.reused_from == "disk" and document_owners.owners(path) == {"a", "b"}
+    other = f"{DOCUMENT} Another version."
+    run(engine_with(tiny_engine_parts, documents=DocumentStore(tmp_path, "tiny@1:float64", UNLIMITED)),
+        [{"role": "user", "content": user_turn("What is it?", other)}],
+        document_tokens=document_tokens(engine_with(tiny_engine_parts), [], other))  # the command line's: no owner
+    ownerless = next(file for file in tmp_path.glob("*.safetensors") if file != path)
+    assert document_owners.release(tmp_path, {"a", "c"}) == [] and path.exists()
+    assert document_owners.owners(path) == {"b"}
+    assert document_owners.release(tmp_path, {"b"}) == [path]
+    assert not path.exists() and not document_owners.owners_path(path).exists() and ownerless.exists()
+    assert [file.suffix for file in tmp_path.iterdir()] == [".safetensors"]
 
 
 @pytest.mark.parametrize("damage, reason", [

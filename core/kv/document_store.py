@@ -6,7 +6,9 @@ scales as they are, so a reloaded document is attended to bit for bit as before)
 and metadata naming the model (weights and revision), the dtype and a hash of the ids. A file
 that cannot be read, or whose ids, shapes or dtype do not match what it claims, is reported,
 deleted and never trusted. The folder is kept under a disk budget, least recently used first;
-a save's temporary file left behind (a process killed mid-write) goes once it is stale.
+a save's temporary file left behind (a process killed mid-write) goes once it is stale. The
+conversations that use a file are listed beside it, and it goes with the last of them
+(`document_owners`).
 
 Files are written and read a layer at a time: an offloaded KV (`OffloadedCache`, 17 GB at 128K
 for an 8B model) is written from its pinned buffers and read back into them, never copied whole.
@@ -28,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from . import document_owners
 from .cache import KVCache
 from .full import FullCache
 from .int8 import Int8Cache
@@ -85,10 +88,17 @@ class DocumentStore:
     def path_for(self, ids: list[int]) -> Path:
         return self.folder / f"{hashlib.sha256(f'{self.model_key}:{ids_digest(ids)}'.encode()).hexdigest()[:32]}.safetensors"
 
-    def save_once(self, ids: list[int], cache: SavableCache) -> Path | None:
-        """`save`, unless this prefix is saved already."""
+    def save_once(self, ids: list[int], cache: SavableCache, owner: str = "") -> Path | None:
+        """`save`, unless this prefix is saved already; either way the file is listed as used by
+        `owner` (a conversation's id; "": none named)."""
         path = self.path_for(ids)
-        return path if path.is_file() else self.save(ids, cache)
+        saved = path if path.is_file() else self.save(ids, cache)
+        if saved is not None and owner:
+            try:
+                document_owners.add_owner(saved, owner)
+            except OSError:  # a folder now read-only, a full disk: the budget still bounds the file
+                pass
+        return saved
 
     def save(self, ids: list[int], cache: SavableCache) -> Path | None:
         """Write the first `len(ids)` positions of `cache`; None when it alone exceeds the budget
@@ -169,6 +179,7 @@ class DocumentStore:
     def _reject(self, path: Path, reason: str) -> None:
         self.problems.append(f"ignored the saved document cache {path.name}: {reason}; it was deleted")
         path.unlink(missing_ok=True)
+        document_owners.forget(path)
 
     def _remove_stale_temporaries(self) -> None:
         """Left-over temporaries: ours (`tmp*.tmp`, from `save`) and `.tmp*` (seen once in this
@@ -193,6 +204,7 @@ class DocumentStore:
             if path != keep:
                 total -= path.stat().st_size
                 path.unlink(missing_ok=True)
+                document_owners.forget(path)
 
 
 def _mismatch(file, ids: list[int], cache: SavableCache) -> str | None:
