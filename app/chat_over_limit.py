@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Iterator
 
 from ..core.errors import InputError
+from .answer_job import ConversationKv
 from .chat_view import Settings, View
 from .chat_follow_up import leave_out, turns_to_leave_out
 from .context_meter import CUT_MARGIN, CUTS, Meter, cut_document, cut_marker, split_document
@@ -149,7 +150,9 @@ def _part_summary(chat: ChatLogic, part: str, number: int, count: int, summary_t
     """One part's summary (None when stopped), the bubble showing the part's read meanwhile."""
     from ..core.engine import Finished, PrefillProgress
 
-    ticket = chat.submit(session, _part_messages(part, number, count), summary_tokens, settings)
+    # One KV for all the parts, each taking the last one's back: N parts never leave N copies in memory.
+    ticket = chat.submit(session, _part_messages(part, number, count), summary_tokens, settings,
+                         ConversationKv(conversation=f"{shown_turn.id}:parts"))
     if stopped.is_set():  # a Stop that came before the ticket could be cancelled
         ticket.cancel()
     reading = ReadProgress()
