@@ -231,14 +231,14 @@ def test_an_event_cannot_read_a_file_that_was_not_uploaded(server, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("TOP-SECRET-MARKER-7731 the password is hunter2\n")
     fn, trigger = upload_event(server)
-    refused = run_event(server, fn, trigger, [{"text": "", "files": [file_data(str(secret))]}])
+    refused = run_event(server, fn, trigger, [{"text": "", "files": [file_data(str(secret))]}, None])  # no attachment yet
     assert "TOP-SECRET-MARKER-7731" not in refused and "Attached" not in refused
     assert "not uploaded by a user" in refused or "only files uploaded through this page" in refused
 
     uploaded = post(server, "/gradio_api/upload", headers=BEARER,
                     files={"files": ("notes.txt", b"Notes uploaded the normal way.\n", "text/plain")})
     assert uploaded.status_code == 200, uploaded.text
-    attached = run_event(server, fn, trigger, [{"text": "", "files": [file_data(uploaded.json()[0])]}])
+    attached = run_event(server, fn, trigger, [{"text": "", "files": [file_data(uploaded.json()[0])]}, None])
     assert "Attached notes.txt" in attached
 
 
