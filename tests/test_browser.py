@@ -453,7 +453,7 @@ def test_a_reopened_conversation_keeps_its_preset_and_system_prompt(page):
         wait_for(lambda: answers(page).count() >= 1, what="the conversation to come back")
         open_accordion(page, "Settings")
         system = page.locator("#system textarea")
-        wait_for(lambda: system.input_value() == summarize.system, timeout=30, what="its system prompt")
+        wait_for(lambda: system.input_value() == summarize.system, timeout=60, what="its system prompt")
         shown = (page.locator("#preset input").input_value(), system.input_value(),
                  page.locator("#max-new-tokens input[type=number]").input_value())
         open_accordion(page, "Settings")

@@ -399,7 +399,7 @@ def test_the_tab_downloads_a_pair_in_the_browser(hub, caches, models_file, embed
             wait_for(lambda: "tiny:" in page.locator("#download-progress").inner_text(), timeout=10,
                      what="the download to start")
             page.locator("#use-pair").click()
-            wait_for(lambda: "still downloading" in page.locator("#pair-message").inner_text(), timeout=10,
+            wait_for(lambda: "still downloading" in page.locator("#pair-message").inner_text(), timeout=30,
                      what="the refusal while it downloads")
             hub.unstall(TARGET_WEIGHTS)
             wait_for(lambda: "downloaded" in page.locator("#download-progress").inner_text(), timeout=30,
