@@ -4,6 +4,7 @@ another model pair while the server runs, and used only from its own thread: the
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Callable
 
@@ -127,6 +128,13 @@ class EngineHandle:
     def submit(self, job: Job) -> Ticket:
         """Queue `job(engine, cancel)`; raises `engine_queue.Busy` when the line is full."""
         return self._line.submit(job)
+
+    def forget(self, conversation: str) -> None:
+        """Free the KV the engine keeps for `conversation` (deleted), in line after its answers;
+        without waiting. A full line (the memory budget evicts the KV in time) or one shutting down
+        skips it."""
+        with contextlib.suppress(SpecchatError):
+            self._line.submit(lambda engine, cancel: iter([engine.forget(conversation)]))
 
     def call(self, fn: Callable[[Any], Any], cancel: threading.Event | None = None):
         """`fn(engine)` run alone on the engine thread, in line with the answers; its result."""

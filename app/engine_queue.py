@@ -29,6 +29,7 @@ from ..core.errors import SpecchatError, first_line
 
 Job = Callable[[Any, threading.Event], Iterator[Any]]
 _END = object()  # the job ended (finished, cancelled or removed from the line)
+_NOTHING = object()  # no event has arrived yet (a job's event may be None: `call` of a function returning None)
 
 
 class Busy(SpecchatError):
@@ -107,7 +108,7 @@ class Ticket:
     # --- the consumer's side -------------------------------------------------------------------
 
     def _take(self):
-        """The next event, `_END`, or None when nothing is there yet (holding self._lock)."""
+        """The next event, `_END`, or `_NOTHING` when nothing is there yet (holding self._lock)."""
         if self._events:
             event = self._events.popleft()
             self._waiting_since = time.monotonic() if self._events else None
@@ -117,7 +118,7 @@ class Ticket:
                 error, self._error = self._error, None
                 raise error
             return _END
-        return None
+        return _NOTHING
 
     def __iter__(self) -> Iterator:
         return self._iterate()
@@ -127,7 +128,7 @@ class Ticket:
             while True:
                 with self._lock:
                     event = self._take()
-                    while event is None:
+                    while event is _NOTHING:
                         self._lock.wait()
                         event = self._take()
                 if event is _END:
@@ -165,9 +166,9 @@ class Ticket:
                 woken = asyncio.Event()
                 with self._lock:
                     event = self._take()
-                    if event is None:
+                    if event is _NOTHING:
                         self._wakers.append(lambda: _call_soon(loop, woken.set))
-                if event is None:
+                if event is _NOTHING:
                     await woken.wait()
                     continue
                 if event is _END:

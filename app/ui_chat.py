@@ -384,7 +384,10 @@ class ChatLogic:
         return self.conversations.rename(conversation, title)
 
     def delete(self, conversation: Conversation | None) -> View:
-        return self.conversations.delete(conversation)
+        view = self.conversations.delete(conversation)
+        if view.deleted:  # its KV in memory goes now; an undelete reads its saved document again
+            self.handle.forget(view.deleted)
+        return view
 
     def undelete(self, conversation_id: str | None) -> View:
         return self.conversations.undelete(conversation_id)

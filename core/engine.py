@@ -214,6 +214,11 @@ class Engine:
                 events.close()  # the answer's KV is kept for the next turn now, not when collected
                 self.dsi.release(decoder)
 
+    def forget(self, conversation: str) -> None:
+        """Free the KV kept in memory for `conversation` (deleted): not left to the budget's eviction."""
+        with self._lock:
+            self.prefixes.drop(conversation)
+
     def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> int:
         if not prompt_ids:
             raise InputError("the prompt is empty: type a question or give a prompt file")

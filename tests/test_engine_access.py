@@ -205,6 +205,13 @@ def test_call_runs_a_function_alone_on_the_engine_thread(handle):
     assert handle.call(lambda engine: (engine, threading.current_thread().name)) == ("engine:fake", "specchat-engine")
     with pytest.raises(ZeroDivisionError):
         handle.call(lambda engine: 1 / 0)
+    # None is an event like any other (it read as "nothing yet", and the caller waited for ever).
+    assert handle.call(lambda engine: None) is None
+    assert list(handle.submit(lambda engine, cancel: iter([None, 0]))) == [None, 0]
+
+    async def taken():
+        return [event async for event in handle.submit(lambda engine, cancel: iter([None, 0]))]
+    assert asyncio.run(asyncio.wait_for(taken(), WAIT)) == [None, 0]
     gate, started, cancel = threading.Event(), threading.Event(), threading.Event()
     running = handle.submit(counting(1, gate, started))
     assert started.wait(WAIT)

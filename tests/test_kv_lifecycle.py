@@ -5,11 +5,15 @@ it, never one that another conversation still uses."""
 
 import dataclasses
 
-from conftest import DATA, run
+import torch
+
+from conftest import DATA, run, tiny_llama
 from specchat.app.chat_view import Settings
 from specchat.app.engine_handle import EngineHandle
 from specchat.app.history import HistoryStore
 from specchat.app.ui_chat import ChatLogic
+from specchat.core.kv.conversation_slot import ConversationSlot
+from specchat.core.kv.prefix_store import PrefixStore
 from specchat.core.loading import load_engine
 
 SETTINGS = Settings(system="", preset="free", temperature=0.0, top_p=1.0, top_k=0, seed=None,
@@ -121,3 +125,44 @@ def test_the_saved_document_s_length_is_measured_once_per_document_not_per_answe
     assert counting.calls == 3
     saved_tokens(counting, (), DOCUMENT)  # other turns before it: measured anew
     assert counting.calls == 6
+
+
+def test_a_deleted_conversation_s_kv_leaves_memory_and_no_other_conversation_s(logic):
+    """Deleting a conversation left its KV in memory until the budget (RAM/4, up to 8 GB) evicted
+    it, other conversations' first."""
+    engine = logic.handle.get()
+    deleted = run(logic.send("What is this?", None, DOCUMENT, None, SETTINGS))[-1].conversation
+    kept = run(logic.send("Who wrote this?", None, DOCUMENT, None, SETTINGS))[-1].conversation
+    held = engine.prefixes.nbytes
+    logic.delete(deleted)
+    logic.handle.call(lambda engine: None)  # the line runs in order: the KV is freed by now
+    assert [entry.owner for entry in engine.prefixes._entries] == [kept.id] and engine.prefixes.nbytes < held
+    # Brought back, it answers again (its document read anew).
+    logic.undelete(deleted.id)
+    answered = run(logic.send("And then?", None, "", logic.open(deleted.id).conversation, SETTINGS))[-1].conversation
+    assert answered.messages[-1]["content"] and len(engine.prefixes) == 2
+
+
+def test_dropping_a_conversation_frees_its_own_entries_and_its_parts_only():
+    """A document read in parts keeps its KV as `<id>:parts`: it goes with the conversation."""
+    model = tiny_llama(0)
+
+    def filled(ids):
+        cache = model.new_cache()
+        model.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
+        return cache
+
+    store = PrefixStore(10**12)
+    for ids, owner in (([1, 2], "a"), ([3, 4], "a:parts"), ([5, 6], "ab"), ([7, 8], "b"), ([9, 9], "")):
+        store.put(ids, filled(ids), owner)
+    store.drop("a")
+    assert [entry.owner for entry in store._entries] == ["ab", "b", ""]
+    store.drop("")  # no conversation named: nothing is anyone's
+    assert len(store) == 3
+
+    slot, cache = ConversationSlot(), filled([1, 2, 3])
+    slot.put([1, 2, 3], cache, "b")
+    slot.drop("a")
+    assert slot.best_length([1, 2, 3, 4]) == 3
+    slot.drop("b")  # emptied, its memory kept for the next answer to fill
+    assert slot.best_length([1, 2, 3, 4]) == 0 and cache.length == 0 and slot.take([1, 2])[0] is cache

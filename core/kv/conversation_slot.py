@@ -9,7 +9,7 @@ only its new tokens are read. Another conversation takes the same cache trimmed 
 from __future__ import annotations
 
 from .cache import KVCache
-from .prefix_store import common_prefix_length
+from .prefix_store import belongs, common_prefix_length
 
 
 class ConversationSlot:
@@ -18,6 +18,7 @@ class ConversationSlot:
     def __init__(self):
         self._ids: list[int] = []  # the tokens whose keys and values the held cache holds
         self._cache: KVCache | None = None
+        self._owner = ""  # the conversation whose KV it holds ("": none named)
 
     @property
     def nbytes(self) -> int:
@@ -39,7 +40,7 @@ class ConversationSlot:
         if self._cache is None:
             return None
         length = self.best_length(prompt_ids)
-        cache, self._cache, self._ids = self._cache, None, []
+        cache, self._cache, self._ids, self._owner = self._cache, None, [], ""
         cache.trim(length)
         return cache, length
 
@@ -48,14 +49,21 @@ class ConversationSlot:
         None when the slot is empty. The slot is empty afterwards."""
         if self._cache is None:
             return None
-        cache, self._cache, self._ids = self._cache, None, []
+        cache, self._cache, self._ids, self._owner = self._cache, None, [], ""
         cache.trim(0)
         return cache
 
     def put(self, ids: list[int], cache: KVCache, owner: str = "") -> None:
         if len(ids) != cache.length:
             raise ValueError(f"{len(ids)} token ids for a cache of {cache.length} positions")
-        self._ids, self._cache = list(ids), cache
+        self._ids, self._cache, self._owner = list(ids), cache, owner
+
+    def drop(self, conversation: str) -> None:
+        """Empty the cache if it is `conversation`'s (`belongs`: it was deleted); the memory stays
+        held for the next answer, which fills it again rather than allocating the whole context."""
+        if belongs(self._owner, conversation) and self._cache is not None:
+            self._cache.trim(0)
+            self._ids, self._owner = [], ""
 
     def clear(self) -> None:
-        self._ids, self._cache = [], None
+        self._ids, self._cache, self._owner = [], None, ""

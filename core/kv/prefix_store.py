@@ -35,6 +35,12 @@ class _Entry:
     owner: str = ""  # the conversation whose KV this is ("": none named)
 
 
+def belongs(owner: str, conversation: str) -> bool:
+    """Whether an entry kept for `owner` is `conversation`'s: its own, or one of its parts'
+    (`conversation:parts`, a document read in parts)."""
+    return bool(conversation) and (owner == conversation or owner.startswith(conversation + ":"))
+
+
 def common_prefix_length(a: list[int], b: list[int]) -> int:
     length = min(len(a), len(b))
     for index in range(length):
@@ -141,6 +147,10 @@ class PrefixStore:
         self._entries.append(entry)
         while self.nbytes > self.budget_bytes:
             self._entries.pop(0)
+
+    def drop(self, conversation: str) -> None:
+        """Free `conversation`'s entries (`belongs`): it was deleted."""
+        self._entries = [entry for entry in self._entries if not belongs(entry.owner, conversation)]
 
     def clear(self) -> None:
         self._entries.clear()
