@@ -118,3 +118,32 @@ def test_sampled_chain_speculation_samples_from_the_target(params, lookahead):
     assert drafted >= samples and 0.1 * drafted < accepted < 0.9 * drafted
     assert partial > 100 or len(lengths) >= 3  # rollbacks, or (cost model) lengths moving with acceptance
     assert chi_square_p_value(counts, exact) > 1e-3
+
+
+def test_chain_verification_keeps_the_users_top_p():
+    """One ChainDecoder step after the prompt, then another until two tokens are committed: the
+    two follow the target's exact law at temperature 0.6 and top-p 0.7. Verifying against P
+    without top-p emits tokens outside the nucleus (a mutation audit: only the slow tests caught
+    it). Prompt lookup drafts two tokens a step; some are accepted, most rejected."""
+    params = SamplingParams(temperature=0.6, top_p=0.7)
+    model = tiny_llama(0, vocab_size=4, weight_scale=4.0)
+    prompt = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0, 1])
+    exact = exact_sequence_probs(model, prompt.tolist(), params, 2)
+    read = model.new_cache()
+    prefill_all(model, read, prompt[:-1], chunk_size=16)  # a step's cache: all but the last token
+    generator = make_generator(0)
+    counts = torch.zeros_like(exact)
+    drafted = accepted = 0
+    # 500 pairs: without top-p the first token leaves the nucleus with probability 0.23, and all
+    # 500 stay in it with probability < 1e-57 (an impossible outcome gives a p-value of 0); a
+    # correct decoder's p-value falls below 1e-6 with probability 1e-6.
+    for _ in range(500):
+        state = DecodeState(model, read.clone_prefix(read.length), prompt, params, generator)
+        decoder = ChainDecoder(PromptLookupDrafter(max_ngram=2, min_ngram=1), FixedLookahead(2))
+        while state.ids.shape[0] < prompt.shape[0] + 2:
+            step = decoder.step(state, 3)
+            drafted += step.drafted
+            accepted += step.accepted
+        counts[tuple(state.ids[prompt.shape[0]:prompt.shape[0] + 2].tolist())] += 1
+    assert 0.1 * drafted < accepted < 0.9 * drafted
+    assert chi_square_p_value(counts, exact) > 1e-6

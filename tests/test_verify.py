@@ -1,5 +1,7 @@
 """The chain verification rule is lossless: exact enumeration and chi-square on seeded samples."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -142,3 +144,44 @@ def test_a_zero_uniform_never_accepts_a_token_the_target_gives_no_mass(monkeypat
     assert (verdict.accepted, verdict.next_token) == (0, 2)
     assert resolve(p[:1], torch.tensor([3]), None, torch.Generator().manual_seed(0)) == (0, 2)
     assert verify_node(p[0], None, [3], [0.0])[0] is None
+
+
+def resolved_law(monkeypatch, p, drafts, q):
+    """Exact law [vocab, vocab] of the first two tokens when DSI's `resolve` judges two drafts at
+    its two positions of P (every position drafted: g == m), a token after a rejection at the first
+    continuing from p[1]. Each min(1, P/Q) must be a multiple of 1/4: u < min(1, P/Q) then holds
+    for exactly that share of the midpoints (k + 1/2) / 4, so their 16 pairs weigh the accept and
+    reject outcomes exactly; each recovered token's distribution is taken as `resolve` samples it."""
+    from specchat.core.speculative.dsi import orchestrator
+
+    uniforms, recovered = [], []
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(uniforms.pop()))
+    monkeypatch.setattr(orchestrator, "sample", lambda probs, generator: recovered.append(probs) or -1)
+    law = torch.zeros(p.shape[1], p.shape[1], dtype=torch.float64)
+    for pair in itertools.product([0.125, 0.375, 0.625, 0.875], repeat=2):
+        uniforms.append(pair)
+        accepted, token = orchestrator.resolve(p, drafts, q, None)
+        if accepted == 2:
+            assert token is None  # the position after needs a later task's P
+            law[drafts[0], drafts[1]] += 1 / 16
+        elif accepted == 1:
+            law[drafts[0]] += recovered.pop() / 16
+        else:
+            law += torch.outer(recovered.pop(), p[1]) / 16
+    return law
+
+
+def test_resolve_with_every_position_drafted_is_lossless(monkeypatch):
+    """DSI's `resolve` judges the drafts at every position of a task's P by itself (g == m, not
+    `verify_chain`): after a rejection it must sample the residual, not P (a mutation audit: only
+    the slow sampled DSI test caught that). Exact over every draft pair: sampled drafts weighted
+    by Q, and each fixed pair of deterministic drafts."""
+    p = torch.tensor([[0.25, 0.25, 0.5, 0.0], [0.5, 0.25, 0.25, 0.0]], dtype=torch.float64)
+    q = torch.tensor([[0.5, 0.25, 0.0, 0.25], [0.25, 0.5, 0.0, 0.25]], dtype=torch.float64)
+    target, pairs = torch.outer(p[0], p[1]), list(itertools.product(range(VOCAB), repeat=2))
+    drafted = sum(q[0, x] * q[1, y] * resolved_law(monkeypatch, p, torch.tensor([x, y]), q)
+                  for x, y in pairs if q[0, x] * q[1, y] > 0)
+    assert torch.allclose(drafted, target, atol=1e-12, rtol=0)
+    for x, y in pairs:
+        deterministic = resolved_law(monkeypatch, p, torch.tensor([x, y]), None)
+        assert torch.allclose(deterministic, target, atol=1e-12, rtol=0), (x, y)
