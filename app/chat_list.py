@@ -4,6 +4,7 @@ bring back, export. Each returns the `View` of what changed, as the chat's other
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 
 from ..core.errors import InputError
@@ -103,7 +104,12 @@ class ConversationList:
         return view
 
     def export(self, conversation: Conversation | None) -> list[str]:
-        return write_export(conversation)
+        """The conversation as saved: a tab's older copy may hold an answer that has ended since,
+        which it would show cut short."""
+        if conversation is not None:
+            with contextlib.suppress(ConversationChanged):  # deleted: the tab's copy is all there is
+                conversation = self.store.current(conversation)
+        return write_export(conversation, conversation is not None and conversation.id in self.store.live_answers)
 
 
 def when(updated: float, now: float) -> str:

@@ -85,5 +85,6 @@ def problem_text(error: Exception) -> str:
     return f"⚠️ {text}"
 
 
-def shown(conversation: Conversation | None, streaming: bool = False, pending: str = "") -> list[dict]:
-    return shown_messages(conversation, streaming=streaming, pending=pending) if conversation else []
+def shown(conversation: Conversation | None, streaming: bool = False, pending: str = "",
+          writing: bool = False) -> list[dict]:
+    return shown_messages(conversation, streaming, pending, writing) if conversation else []

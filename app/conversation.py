@@ -8,9 +8,10 @@ closed before it was counted, "note": str}}.
 An assistant message: {"role": "assistant", "content": str, "partial": bool, "stats": dict or None,
 "origins": list or None, "finish_reason": "stop" | "length" | "cancelled" | "repeating", "context_full": bool,
 "new_tokens": int, "continued": int, how many times Continue carried it on (absent: never)}; `partial`
-stays True while it streams and after a crash cut it short. The last answer may also carry its
-other versions (Retry keeps them): "versions": [the fields above, for each], "version": the shown
-one's place among all of them (`chat_versions`).
+stays True while it streams and after a crash cut it short: the views tell the two apart by whether
+this process is still writing it (`live_answers`), which their caller says. The last answer may
+also carry its other versions (Retry keeps them): "versions": [the fields above, for each],
+"version": the shown one's place among all of them (`chat_versions`).
 Either kind may carry "left_out": True: the user chose to leave it out of what the model reads, to
 make room (it stays in the chat; a left-out question's document is still read).
 `settings`: the sampling and decoding settings the conversation last answered with, restored when
@@ -34,6 +35,7 @@ from .terminal_text import for_terminal, json_escaped
 NEW_TITLE = "New chat"
 TITLE_LENGTH = 48
 INTERRUPTED = "*(interrupted)*"
+WRITING = "*(still being written: open the conversation again for the rest)*"
 PASTED_NAME = "pasted document"  # the name of a document pasted rather than uploaded
 LAST_SHOWABLE_TIME = 253402300799  # 9999-12-31 23:59:59 UTC: time.localtime's last year on every platform
 LEFT_OUT = "*(left out of what the model reads, to make room)*"
@@ -75,12 +77,15 @@ def model_messages(conversation: Conversation) -> list[dict]:
     return messages
 
 
-def shown_messages(conversation: Conversation, streaming: bool = False, pending: str = "") -> list[dict]:
+def shown_messages(conversation: Conversation, streaming: bool = False, pending: str = "",
+                   writing: bool = False) -> list[dict]:
     """The chat as the Chatbot shows it. `streaming`: the last answer is still being written, so it
     is not marked as interrupted; while it has no text yet its bubble shows `pending` (Markdown of
-    ours: the model loading, the document being read)."""
+    ours: the model loading, the document being read). `writing`: this process is writing the last
+    answer, shown here from a copy (another tab's answer, the conversation reopened)."""
     shown = []
     last = len(conversation.messages) - 1
+    written = last_answer_at(conversation) if writing else None
     for index, message in enumerate(conversation.messages):
         live = streaming and index == last
         if message["role"] == "user":
@@ -90,7 +95,7 @@ def shown_messages(conversation: Conversation, streaming: bool = False, pending:
         elif live and not message["content"] and pending:
             content = pending
         else:
-            content = inert_markdown(answer_text(message, live=live))
+            content = inert_markdown(answer_text(message, live=live, writing=index == written))
         if message.get("left_out"):
             content = f"{content}\n\n{LEFT_OUT}"
         shown.append({"role": message["role"], "content": content})
@@ -109,19 +114,28 @@ def _document_details(document: dict) -> list[str]:
     return details + [document["note"]] if document.get("note") else details
 
 
-def answer_text(message: dict, live: bool = False) -> str:
+def last_answer_at(conversation: Conversation) -> int | None:
+    """The index of the conversation's last answer, the one an answer being written is written
+    into (a question asked after it from another tab may follow it); None: no answer."""
+    return next((index for index in range(len(conversation.messages) - 1, -1, -1)
+                 if conversation.messages[index]["role"] == "assistant"), None)
+
+
+def answer_text(message: dict, live: bool = False, writing: bool = False) -> str:
     """An answer's text, marked where it did not end on its own: a crash or a stop cut it short,
-    or it ran into the answer limit or the end of the context."""
+    or it ran into the answer limit or the end of the context. `live`: shown as it streams, so
+    unmarked; `writing`: still being written in this process, shown from a copy (`ending_mark`)."""
     if live:
         return message["content"]
-    mark = ending_mark(message)
+    mark = ending_mark(message, writing)
     return f"{message['content']}\n\n{mark}" if mark and message["content"] else mark or message["content"]
 
 
-def ending_mark(message: dict) -> str:
-    """How an answer that did not end on its own ended, in a few words ("" when it did)."""
+def ending_mark(message: dict, writing: bool = False) -> str:
+    """How an answer that did not end on its own ended, in a few words ("" when it did). A partial
+    one is still being written when `writing` says this process writes it, else a crash cut it."""
     if message.get("partial"):
-        return INTERRUPTED
+        return WRITING if writing else INTERRUPTED
     reason = message.get("finish_reason")
     if reason == "cancelled":
         return "*(stopped)*"
@@ -196,17 +210,19 @@ def from_json(text: str) -> Conversation:
     return conversation
 
 
-def to_markdown(conversation: Conversation) -> str:
+def to_markdown(conversation: Conversation, writing: bool = False) -> str:
     """A readable export: title, system prompt, then each turn; documents fold away in <details>.
     Each text is made inert in the form it is written in (heading, quote), so no title, prompt,
     question or answer renders as HTML or loads an image wherever the file is opened; nor acts on a
-    terminal it is printed to, or shows text other than what was written (direction overrides)."""
+    terminal it is printed to, or shows text other than what was written (direction overrides).
+    `writing`: this process is still writing the last answer (exported mid-answer)."""
     started = time.strftime("%Y-%m-%d %H:%M", time.localtime(conversation.created))
     parts = [inert_markdown(f"# {conversation.title}"), f"*specchat conversation · started {started}*"]
     if conversation.system.strip():
         parts.append("**System prompt:**\n\n" + inert_markdown(_quote(conversation.system.strip())))
     parts.append("---")
-    for message in conversation.messages:
+    written = last_answer_at(conversation) if writing else None
+    for index, message in enumerate(conversation.messages):
         if message["role"] == "user":
             parts.append("**You:**")
             if message.get("document"):
@@ -215,7 +231,7 @@ def to_markdown(conversation: Conversation) -> str:
                 parts.append(inert_markdown(message["content"].strip()))
         else:
             parts.append("**specchat:**")
-            parts.append(inert_markdown(answer_text(message)))
+            parts.append(inert_markdown(answer_text(message, writing=index == written)))
             if message.get("versions"):
                 parts.append(_other_versions(message["versions"]))
     return for_terminal("\n\n".join(parts)) + "\n"

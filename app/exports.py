@@ -25,12 +25,13 @@ _lock = threading.Lock()
 _folder: Path | None = None
 
 
-def write_export(conversation: Conversation | None) -> list[str]:
-    """Write `conversation` as `<title>.md` and `<title>.json`; their paths, Markdown first."""
+def write_export(conversation: Conversation | None, writing: bool = False) -> list[str]:
+    """Write `conversation` as `<title>.md` and `<title>.json`; their paths, Markdown first.
+    `writing`: this process is still writing its last answer (`to_markdown`)."""
     if conversation is None or not conversation.messages:
         raise InputError("nothing to export yet: this conversation is empty")
     stem = file_stem(conversation.title)
-    files = {f"{stem}.md": to_markdown(conversation), f"{stem}.json": to_json(conversation)}
+    files = {f"{stem}.md": to_markdown(conversation, writing), f"{stem}.json": to_json(conversation)}
     with _lock:
         folder = export_folder()
         for old in folder.iterdir():

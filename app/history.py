@@ -13,6 +13,8 @@ Each tab holds its own copy of a conversation, so every file carries a revision 
 writes only the copy that is the file's latest: a stale copy (another tab wrote since, or an answer
 ended after the copy was opened) or a deleted conversation is refused (`ConversationChanged`)
 instead of silently overwriting newer turns; an answer being written merges into the newer copy.
+A copy's `partial` answer is being written while `live_answers` holds its conversation, else it
+was cut short (a crash, a kill).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..core.files import human_size, write_atomically
 from ..core.kv import document_owners
 from ..core.limits import CONVERSATION_FILE
 from .conversation import NEW_TITLE, Conversation, from_json, one_line, to_json
+from .live_answers import LiveAnswers
 
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 DELETED_SUFFIX = ".deleted"  # a deleted conversation, kept until the next start so that it can be undone
@@ -94,6 +97,7 @@ class HistoryStore:
         self._reported: set[str] = set()  # problems already reported about files left in place
         self._revisions: dict[str, tuple[tuple[int, int], int]] = {}  # by id: (mtime, size) -> revision
         self._deleted: set[str] = set()  # in the bin: no copy still open anywhere may write it again
+        self.live_answers = LiveAnswers()  # whose answer this process is writing: a new store knows none
         self._remove_stale_temporaries()
         self._empty_the_bin()
 

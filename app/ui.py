@@ -128,7 +128,7 @@ class _ChatHandlers:
         self.drafts_on_disk = DraftStore(logic.store.folder.parent / "drafts")
 
     def draw(self, view: View) -> dict:
-        return render(self.page, view, self.logic.conversation_choices)
+        return render(self.page, view, self.logic.conversation_choices, self.logic.store.live_answers)
 
     def streamed(self, views):
         """A handler's stream of views, rendered; an error ends it as a line in the page, and an

@@ -322,39 +322,41 @@ class ChatLogic:
         reply = conversation.messages[-1]
         start = reply["content"]  # "" unless the answer is continued
         ticket = None
-        try:
-            # The previous answer's figures go as this one starts: a stale "done" misleads.
-            yield View(conversation=conversation, streaming=True, stats="", stages="", tokens="",
-                       pending=STARTING)
-            # A browser session answers one question at a time: an earlier answer it left without
-            # closing (the page moved on to another conversation) gives the engine up now.
-            self.stop(session)
-            ticket = self.submit(session, model_messages(conversation), int(settings.max_new_tokens), settings,
-                                 conversation_kv(conversation), continued=bool(start))
-            ahead = ticket.position
-            if ahead:
-                waiting = f"Waiting for the engine: {ahead} answer{'s' if ahead > 1 else ''} before yours…"
-                yield View(conversation=conversation, streaming=True, status=waiting, pending=f"⏳ *{waiting}*")
-            result = yield from answer_views(conversation, reply, ticket, self.store, start)
-            self.pace = (Pace.of(result) if result else None) or self.pace  # what summarizing in parts is estimated by
-            if reply["partial"]:  # stopped while it waited in line: no answer, the question stays
-                conversation.messages[:] = restore
+        # Until its last save: meanwhile another tab, a reload or an export shows it as being written.
+        with self.store.live_answers.writing(conversation.id):
+            try:
+                # The previous answer's figures go as this one starts: a stale "done" misleads.
+                yield View(conversation=conversation, streaming=True, stats="", stages="", tokens="",
+                           pending=STARTING)
+                # A browser session answers one question at a time: an earlier answer it left without
+                # closing (the page moved on to another conversation) gives the engine up now.
+                self.stop(session)
+                ticket = self.submit(session, model_messages(conversation), int(settings.max_new_tokens), settings,
+                                     conversation_kv(conversation), continued=bool(start))
+                ahead = ticket.position
+                if ahead:
+                    waiting = f"Waiting for the engine: {ahead} answer{'s' if ahead > 1 else ''} before yours…"
+                    yield View(conversation=conversation, streaming=True, status=waiting, pending=f"⏳ *{waiting}*")
+                result = yield from answer_views(conversation, reply, ticket, self.store, start)
+                self.pace = (Pace.of(result) if result else None) or self.pace  # what summarizing in parts is estimated by
+                if reply["partial"]:  # stopped while it waited in line: no answer, the question stays
+                    conversation.messages[:] = restore
+                    reply["partial"] = False
+                    self.store.save(conversation)
+                    yield View(conversation=conversation, status="Stopped before the answer started.")
+            except Exception as error:  # shown in the page, never as a traceback; the question stays
+                if reply["content"] == start:  # nothing said is no answer: the question stays, to retry
+                    conversation.messages[:] = restore
                 reply["partial"] = False
-                self.store.save(conversation)
-                yield View(conversation=conversation, status="Stopped before the answer started.")
-        except Exception as error:  # shown in the page, never as a traceback; the question stays
-            if reply["content"] == start:  # nothing said is no answer: the question stays, to retry
-                conversation.messages[:] = restore
-            reply["partial"] = False
-            also = "" if isinstance(error, ConversationChanged) else self._save_after_error(conversation, reply)
-            yield View(conversation=conversation, status=" ".join(filter(None, [problem_text(error), also])))
-        finally:
-            # An error, or the page went away mid-answer: the engine is freed now, what was said kept.
-            if ticket is not None:
-                self.release(session, ticket)
-            if reply["partial"]:
-                reply.update(partial=False, finish_reason="cancelled")
-                self._save_after_error(conversation, reply)
+                also = "" if isinstance(error, ConversationChanged) else self._save_after_error(conversation, reply)
+                yield View(conversation=conversation, status=" ".join(filter(None, [problem_text(error), also])))
+            finally:
+                # An error, or the page went away mid-answer: the engine is freed now, what was said kept.
+                if ticket is not None:
+                    self.release(session, ticket)
+                if reply["partial"]:
+                    reply.update(partial=False, finish_reason="cancelled")
+                    self._save_after_error(conversation, reply)
 
     def _save_after_error(self, conversation: Conversation, answer: dict | None = None) -> str:
         """Save on a path that is already ending badly: a failure here (a full disk) becomes a

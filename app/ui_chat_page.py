@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Container
 
 import gradio as gr
 
@@ -110,16 +110,18 @@ class ChatPage:
                 self.deleted, self.undo]
 
 
-def render(page: ChatPage, view: View, choices: Callable[[], list[tuple[str, str]]]) -> dict:
+def render(page: ChatPage, view: View, choices: Callable[[], list[tuple[str, str]]],
+           writing: Container[str] = frozenset()) -> dict:
     """The view drawn onto the page: a value for each of `page.outputs`, keyed by component;
-    `gr.update()` keeps what the view leaves as None. `choices`: the conversations' list."""
+    `gr.update()` keeps what the view leaves as None. `choices`: the conversations' list; `writing`:
+    the ids of those whose answer this process is writing (`HistoryStore.live_answers`)."""
     drawn = dict.fromkeys(page.outputs, gr.update())
     chat = view.conversation
     if view.clear_conversation:
         drawn |= {page.conversation: None, page.chatbot: [], page.title: ""}
     elif chat is not None:
-        drawn |= {page.conversation: chat, page.chatbot: shown(chat, view.streaming, view.pending),
-                  page.title: chat.title}
+        chatbot = shown(chat, view.streaming, view.pending, writing=chat.id in writing)
+        drawn |= {page.conversation: chat, page.chatbot: chatbot, page.title: chat.title}
     if view.clear_conversation or chat is not None:
         drawn |= _answer_controls(page, None if view.clear_conversation else chat, view.streaming)
     if view.conversations_changed:

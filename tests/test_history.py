@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from specchat.app import history
-from specchat.app.conversation import (LEFT_OUT, PASTED_NAME, Conversation, from_json, model_messages, shown_messages,
-                                       title_from, to_json, to_markdown)
+from specchat.app.conversation import (INTERRUPTED, LEFT_OUT, PASTED_NAME, WRITING, Conversation, from_json,
+                                       model_messages, shown_messages, title_from, to_json, to_markdown)
 from specchat.app.documents import user_turn
 from specchat.app.history import ConversationChanged, HistoryStore, SaveFailed, default_folder
 from specchat.core.errors import InputError
@@ -84,6 +84,22 @@ def test_shown_messages_label_documents_and_mark_interrupted_answers():
     assert live[3]["content"] == "Stream"  # the one being written now is not marked
     assert live[1]["content"] == "Cut sho\n\n*(interrupted)*"
     assert shown_messages(chat(user("Hi"), assistant("", partial=True)))[1]["content"] == "*(interrupted)*"
+
+
+def test_the_last_answer_this_process_is_writing_reads_as_being_written_in_the_chat_and_the_export():
+    """`writing`: another tab or an export sees the saved copy of an answer still streaming here.
+    Only the last answer is the one being written: one cut by an earlier crash stays interrupted."""
+    conversation = chat(user("Q?"), assistant("Cut sho", partial=True), user("And?"), assistant("Stream", partial=True))
+    shown, exported = shown_messages(conversation, writing=True), to_markdown(conversation, writing=True)
+    assert shown[3]["content"] == f"Stream\n\n{WRITING}" and f"Stream\n\n{WRITING}" in exported
+    assert shown[1]["content"] == f"Cut sho\n\n{INTERRUPTED}" and f"Cut sho\n\n{INTERRUPTED}" in exported
+    assert WRITING not in to_markdown(conversation) and shown_messages(conversation)[3]["content"].endswith(INTERRUPTED)
+    assert shown_messages(conversation, streaming=True, writing=True)[3]["content"] == "Stream"  # this tab streams it
+    # A question another tab asked meanwhile follows the answer being written.
+    asked_after = chat(user("Q?"), assistant("", partial=True), user("From the other tab"))
+    assert shown_messages(asked_after, writing=True)[1]["content"] == WRITING
+    ended = chat(user("Q?"), {**assistant("Done"), "finish_reason": "cancelled"})
+    assert shown_messages(ended, writing=True)[1]["content"] == "Done\n\n*(stopped)*"
 
 
 @pytest.mark.parametrize("ended, mark", [

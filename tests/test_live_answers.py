@@ -1,0 +1,151 @@
+"""An answer still being written, seen from elsewhere: another tab, a reload or an export made
+meanwhile says it is being written, never "(interrupted)"; once it ends (done, stopped, the page
+gone, an error) every view shows how it ended; after a restart a saved partial answer was cut
+short, and says so. On the tiny model (256-token context)."""
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import gradio as gr
+import pytest
+
+from conftest import run
+from specchat.app.chat_view import Settings, View
+from specchat.app.conversation import INTERRUPTED, WRITING, Conversation, shown_messages
+from specchat.app.history import HistoryStore
+from specchat.app.terminal_text import for_terminal
+from specchat.app.ui import _ChatHandlers
+from specchat.app.ui_chat import ChatLogic
+from specchat.app.ui_chat_page import chat_page
+from specchat.core.errors import SpecchatError
+
+SETTINGS = Settings(system="", preset="free", temperature=0.0, top_p=1.0, top_k=0, seed=None,
+                    max_new_tokens=160, mode="auto")  # far from its end at its first words
+
+
+@dataclass
+class Streaming:
+    """An answer paused on the engine thread after its first words, which are saved (partial)."""
+    views: Iterator[View]  # the answering tab's handler
+    conversation: Conversation  # the answering tab's copy
+    go_on: threading.Event  # the engine writes on (or ends at once, when Stop or the page gone cancelled it)
+    fail: threading.Event  # set before `go_on`: it fails instead, as an engine's out-of-memory does
+
+
+@pytest.fixture
+def streaming(logic, monkeypatch):
+    from specchat.app import answer_stream, ui_chat
+    from specchat.core.engine import TextDelta
+
+    monkeypatch.setattr(answer_stream, "STREAM_UPDATE_SECONDS", 0.01)
+    monkeypatch.setattr(answer_stream, "SAVE_EVERY_SECONDS", 0.0)  # its first words saved, as 2 s into an answer
+    answer_job, go_on, fail = ui_chat.answer_job, threading.Event(), threading.Event()
+
+    def paused_job(*args, **kwargs):
+        job = answer_job(*args, **kwargs)
+
+        def paused(engine, cancel):
+            with contextlib.closing(job(engine, cancel)) as events:
+                for event in events:
+                    yield event
+                    if isinstance(event, TextDelta):
+                        go_on.wait(30)
+                        if fail.is_set():
+                            raise SpecchatError("out of memory")
+        return paused
+
+    monkeypatch.setattr(ui_chat, "answer_job", paused_job)
+    views = logic.send("Tell me a long story", None, "", None, SETTINGS, session="A")
+    answer = Streaming(views, next(view for view in views if view.stats).conversation, go_on, fail)
+    saved = logic.store.load(answer.conversation.id).messages[-1]
+    assert saved["partial"] and saved["content"]
+    yield answer
+    views.close()
+    go_on.set()
+
+
+@pytest.fixture
+def handlers(logic):
+    """The page's handlers, drawing views as every tab does."""
+    return handlers_of(logic)
+
+
+def handlers_of(chat: ChatLogic) -> _ChatHandlers:
+    with gr.Blocks():
+        page = chat_page(lambda: "")
+    return _ChatHandlers(page, chat)
+
+
+def shown_answer(handlers: _ChatHandlers, view_of) -> str:
+    """The last bubble of the chat a handler draws (`view_of`: what the page calls)."""
+    return handlers.draw(view_of())[handlers.page.chatbot][-1]["content"]
+
+
+def exported(chat: ChatLogic, conversation: Conversation) -> str:
+    return Path(chat.export(conversation)[0]).read_text(encoding="utf-8")
+
+
+def test_an_answer_streaming_here_reads_as_being_written_in_another_tab_a_reload_and_an_export(
+        logic, handlers, streaming):
+    conversation = streaming.conversation
+    for view_of in (lambda: logic.open(conversation.id), logic.newest):  # another tab opens it; a reload
+        bubble = shown_answer(handlers, view_of)
+        assert bubble.endswith(WRITING) and INTERRUPTED not in bubble
+    other_tab = logic.open(conversation.id).conversation
+    for copy in (conversation, other_tab):  # exported from the tab that streams it, and from the other
+        markdown = exported(logic, copy)
+        assert WRITING in markdown and INTERRUPTED not in markdown
+
+
+def test_after_a_restart_a_saved_partial_answer_was_interrupted(logic, streaming):
+    """The same file, read by a server that is not writing it (this one crashed, or was killed)."""
+    restarted = ChatLogic(logic.handle, HistoryStore(logic.store.folder))
+    bubble = shown_answer(handlers_of(restarted), lambda: restarted.open(streaming.conversation.id))
+    assert bubble.endswith(INTERRUPTED) and WRITING not in bubble
+    markdown = exported(restarted, restarted.open(streaming.conversation.id).conversation)
+    assert INTERRUPTED in markdown and WRITING not in markdown
+
+
+@pytest.mark.parametrize("ending", ["done", "stop", "page gone", "error"])
+def test_once_the_answer_ends_every_view_shows_how_it_ended(logic, handlers, streaming, ending):
+    """Another tab, reopening it or exporting, shows the answer as the tab that wrote it does;
+    even a copy that tab opened mid-answer exports the ended answer, not the cut one."""
+    conversation, other_tab = streaming.conversation, logic.open(streaming.conversation.id).conversation
+    if ending == "stop":
+        logic.stop("A")
+    elif ending == "page gone":
+        streaming.views.close()
+    elif ending == "error":
+        streaming.fail.set()
+    streaming.go_on.set()
+    last = run(streaming.views)
+    assert conversation.id not in logic.store.live_answers
+    answered = logic.store.load(conversation.id).messages[-1]
+    assert not answered["partial"] and answered["content"]
+    as_written = shown_messages(conversation)[-1]["content"]  # what the tab that wrote it shows
+    assert shown_answer(handlers, lambda: logic.open(conversation.id)) == as_written
+    assert WRITING not in as_written and INTERRUPTED not in as_written
+    assert as_written.endswith("*(stopped)*") == (ending in ("stop", "page gone"))
+    assert ending != "error" or "out of memory" in last[-1].status
+    markdown = exported(logic, other_tab)
+    assert for_terminal(as_written) in markdown and INTERRUPTED not in markdown  # the bubble's Markdown, whole
+
+
+def test_a_deleted_conversation_still_exports_as_its_tab_shows_it(logic):
+    conversation = run(logic.send("Hello there", None, "", None, SETTINGS))[-1].conversation
+    logic.delete(conversation)
+    assert "Hello there" in exported(logic, conversation)
+
+
+def test_a_conversation_is_live_while_any_of_its_answers_is_written(tmp_path):
+    """Two tabs answering in one conversation: the first to end leaves the other's live."""
+    live, conversation_id = HistoryStore(tmp_path).live_answers, "a" * 32
+    with live.writing(conversation_id):
+        with pytest.raises(RuntimeError), live.writing(conversation_id):
+            assert conversation_id in live
+            raise RuntimeError("the second answer fails")
+        assert conversation_id in live
+    assert conversation_id not in live
