@@ -306,15 +306,30 @@ esac
 
 @pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs /usr/bin/python3 to stand for macOS's")
 @pytest.mark.parametrize("tools", [False, True], ids=["no command line tools", "command line tools"])
-def test_macos_runs_usr_bin_python3_only_with_the_command_line_tools(tmp_path, tools):
-    # Without them, macOS's /usr/bin/python3 pops up a dialog asking to install them.
+def test_macos_runs_usr_bin_python3_and_git_only_with_the_command_line_tools(tmp_path, tools):
+    # Without them, macOS's /usr/bin/python3 and /usr/bin/git pop up a dialog asking to install them.
     xcode_select = write_script(tmp_path / "bin" / "xcode-select",
                                 "echo /Library/Developer/CommandLineTools\n" if tools else "exit 2\n")
     env = {key: value for key, value in os.environ.items() if key != "PYTHON"}
     env.update(SPECCHAT_DRY_RUN="1", SPECCHAT_DRY_RUN_OS="Darwin", PATH=f"{xcode_select.parent}:/usr/bin:/bin")
-    result = subprocess.run(["bash", "-c", 'source "$1"; system_python', "-", str(PACKAGING / "unix" / "launcher.sh")],
+    script = 'source "$1"; system_python; for git in /usr/bin/git /opt/homebrew/bin/git; do stand_in $git || echo $git; done'
+    result = subprocess.run(["bash", "-c", script, "-", str(PACKAGING / "unix" / "launcher.sh")],
                             capture_output=True, text=True, env=env, timeout=60)
-    assert result.stdout.strip() == ("/usr/bin/python3" if tools else "")
+    expected = ["/usr/bin/python3", "/usr/bin/git"] if tools else []
+    assert result.stdout.split() == [*expected, "/opt/homebrew/bin/git"]
+
+
+@pytest.mark.skipif(not Path("/usr/bin/git").exists(), reason="needs /usr/bin/git to stand for macOS's")
+def test_update_of_a_git_checkout_on_a_mac_without_the_tools_says_so_instead_of_running_git(tmp_path):
+    xcode_select = write_script(tmp_path / "bin" / "xcode-select", "exit 2\n")
+    (tmp_path / "checkout" / ".git").mkdir(parents=True)
+    env = {**os.environ, "SPECCHAT_DRY_RUN_OS": "Darwin", "PATH": f"{xcode_select.parent}:/usr/bin:/bin"}
+    script = ('checkout="$2"; source "$1"; dry=1; repo="$checkout"; inst="$checkout/installer_files"; '
+              'forget_moved_env() { :; }; install() { echo "install $1"; }; update')
+    result = subprocess.run(["bash", "-c", script, "-", str(PACKAGING / "unix" / "launcher.sh"),
+                             str(tmp_path / "checkout")], capture_output=True, text=True, env=env, timeout=60)
+    assert "git is not installed: install it (on a Mac: xcode-select --install)" in result.stdout, result.stderr
+    assert "Getting the newest" not in result.stdout and "install update" in result.stdout
 
 
 def fake_df(folder: Path, free_kb: int) -> Path:

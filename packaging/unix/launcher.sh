@@ -153,17 +153,21 @@ version_number() {
     echo $((10#$major * 100 + 10#${minor:-0}))
 }
 
+# On a Mac without the Command Line Tools, /usr/bin/python3 and /usr/bin/git are stand-ins whose
+# every run asks to install them (a dialog): use them only where the tools are installed.
+stand_in() {
+    case $1 in
+        /usr/bin/python3|/usr/bin/python|/usr/bin/git) [ "$(system)" = Darwin ] && ! xcode-select -p >/dev/null 2>&1 ;;
+        *) return 1 ;;
+    esac
+}
+
 system_python() {
     local candidate path
     for candidate in "${PYTHON:-}" python3 python; do
         [ -n "$candidate" ] || continue
         path=$(command -v "$candidate" 2>/dev/null) || continue
-        # On a Mac without the Command Line Tools, /usr/bin/python3 is a stand-in whose every run
-        # asks to install them (a dialog): use it only where they are installed.
-        case $path in
-            /usr/bin/python3|/usr/bin/python)
-                if [ "$(system)" = Darwin ] && ! xcode-select -p >/dev/null 2>&1; then continue; fi ;;
-        esac
+        if stand_in "$path"; then continue; fi
         if "$path" -c 'import sys' >/dev/null 2>&1; then
             echo "$path"
             return 0
@@ -589,10 +593,14 @@ gpu_hint() {
 
 update() {
     [ "$dry" = 1 ] || mkdir -p "$inst/logs"
-    if [ -d "$repo/.git" ] && command -v git >/dev/null 2>&1; then
+    local git_path
+    git_path=$(command -v git 2>/dev/null) || git_path=""
+    if [ -d "$repo/.git" ] && [ -n "$git_path" ] && ! stand_in "$git_path"; then
         say "Getting the newest specchat with git."
         run "git could not update this folder (no connection, or files changed here by hand: see the log)." \
             git -C "$repo" pull --ff-only
+    elif [ -d "$repo/.git" ]; then
+        say "This folder is a git checkout, but git is not installed: install it (on a Mac: xcode-select --install), then run update again, or unpack the new release over this folder. Refreshing the installed packages now."
     else
         say "This folder is not a git checkout: to get a newer specchat, unpack the new release over this folder, then run update again. Refreshing the installed packages now."
     fi
