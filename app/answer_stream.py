@@ -36,6 +36,7 @@ def answer_views(conversation, reply: dict, ticket: Ticket, store: HistoryStore,
     streamed = 0
     reading = ReadProgress()
     saved_at = time.monotonic()
+    shown_status = None  # the status line as this answer last drew it
     for batch in ticket.batches(STREAM_UPDATE_SECONDS):
         view, status, wrote = None, "", False
         for event in batch:
@@ -65,6 +66,10 @@ def answer_views(conversation, reply: dict, ticket: Ticket, store: HistoryStore,
                 store.save_answer(conversation, reply)
                 saved_at = time.monotonic()
         if view is not None:
+            if view.status == shown_status:  # left alone: a line another handler drew since (Renamed) stays
+                view.status = None
+            else:
+                shown_status = view.status
             yield view
     return result
 

@@ -121,7 +121,9 @@ def render(page: ChatPage, view: View, choices: Callable[[], list[tuple[str, str
         drawn |= {page.conversation: None, page.chatbot: [], page.title: ""}
     elif chat is not None:
         chatbot = shown(chat, view.streaming, view.pending, writing=chat.id in writing)
-        drawn |= {page.conversation: chat, page.chatbot: chatbot, page.title: chat.title}
+        drawn |= {page.conversation: chat, page.chatbot: chatbot}
+        if not view.streaming:  # a streaming answer's copy can predate a rename, and would undo a name being typed
+            drawn[page.title] = chat.title
     if view.clear_conversation or chat is not None:
         drawn |= _answer_controls(page, None if view.clear_conversation else chat, view.streaming)
     if view.conversations_changed:

@@ -1,7 +1,8 @@
 """An answer still being written, seen from elsewhere: another tab, a reload or an export made
 meanwhile says it is being written, never "(interrupted)"; once it ends (done, stopped, the page
 gone, an error) every view shows how it ended; after a restart a saved partial answer was cut
-short, and says so. On the tiny model (256-token context)."""
+short, and says so; a rename made meanwhile shows at once and stays. On the tiny model
+(256-token context)."""
 
 import contextlib
 import threading
@@ -132,6 +133,28 @@ def test_once_the_answer_ends_every_view_shows_how_it_ended(logic, handlers, str
     assert ending != "error" or "out of memory" in last[-1].status
     markdown = exported(logic, other_tab)
     assert for_terminal(as_written) in markdown and INTERRUPTED not in markdown  # the bubble's Markdown, whole
+
+
+def test_a_rename_while_the_answer_streams_shows_at_once_and_stays(logic, handlers, streaming, monkeypatch):
+    """Found in Chromium: each streamed update drew the answer's own copy's old title in the Name box
+    until its next save (every 2 s) merged the rename, and wiped "Renamed to …" from the status line."""
+    from specchat.app import answer_stream
+
+    monkeypatch.setattr(answer_stream, "SAVE_EVERY_SECONDS", 60.0)  # no save merges the rename before the end
+    page, conversation = handlers.page, streaming.conversation
+    renamed = handlers.once(logic.rename)(conversation, "Stories")
+    assert renamed[page.title] == "Stories" and renamed[page.status] == "Renamed to “Stories”."
+    streaming.go_on.set()
+    views, drawn = [], []
+    for view in streaming.views:  # each drawn as it comes: the views share the answer's copy, which the end merges
+        views.append(view)
+        drawn.append(handlers.draw(view))
+    assert any(view.streaming for view in views[:-1]) and not views[-1].streaming  # updates, then the end
+    titles, statuses = ([each[component] for each in drawn if each[component] != gr.update()]
+                        for component in (page.title, page.status))
+    assert titles == ["Stories"] and statuses == []  # only the end draws the name: the conversation as saved
+    ended = logic.store.load(conversation.id)
+    assert ended.title == "Stories" and not ended.messages[-1]["partial"]
 
 
 def test_a_deleted_conversation_still_exports_as_its_tab_shows_it(logic):
