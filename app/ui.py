@@ -30,6 +30,7 @@ from .presets import PRESETS  # noqa: E402
 from .security import uploaded_file  # noqa: E402
 from .ui_chat import ChatLogic  # noqa: E402
 from .ui_chat_page import ChatPage, chat_page, render  # noqa: E402
+from .ui_models import PAIRS_TABLE_CSS  # noqa: E402
 
 if TYPE_CHECKING:
     from .pair_download import PairDownload
@@ -48,8 +49,9 @@ DARK_MODE_JS = """() => { const dark = !document.body.classList.contains('dark')
   document.body.classList.toggle('dark', dark); localStorage.setItem('specchat-dark', dark ? '1' : '0'); }"""
 # The chat takes the height the window leaves, so the message box stays in view on a 680-800 px
 # laptop window. Below 900 px the conversations sidebar goes above the chat, which keeps the whole
-# width; table cells break between words, never inside one; the answer's "‹ 2/3 ›" stays together.
-APP_CSS = """
+# width; table cells break between words, never inside one (the models table scrolls sideways
+# where a word would not fit); the answer's "‹ 2/3 ›" stays together.
+APP_CSS = PAIRS_TABLE_CSS + """
 #chat { height: max(260px, calc(100vh - 410px)) !important; }
 @media (max-width: 900px) {
   #chat-row { flex-direction: column !important; }

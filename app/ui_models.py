@@ -40,6 +40,14 @@ PROFILE_WAIT_SECONDS = 2.0  # for the first read of the profile, before the pair
 PAIR_COLUMNS = ["ID", "Pair", "Context", "Size", "Fits this machine", "What it means", "On disk"]
 # The reasons are the long cells; the others are wide enough for an unbroken id or number at 800 px.
 PAIR_COLUMN_WIDTHS = ["12%", "19%", "11%", "8%", "12%", "28%", "10%"]
+# In a narrower window each column keeps its width in an 800 px window's 700 px table, and the table
+# scrolls sideways: squeezed to their share of a 400 px window, cells cut words. Gradio draws each
+# column as body cells, a header cell and the header's sizing cell.
+PAIRS_TABLE_MIN_PX = 700
+PAIRS_TABLE_CSS = "".join(
+    f"#pairs .body-cell:nth-child({column}), #pairs th:nth-child({column}), #pairs td:nth-child({column}) "
+    f"{{ min-width: {round(PAIRS_TABLE_MIN_PX * float(width.rstrip('%')) / 100)}px !important; }}\n"
+    for column, width in enumerate(PAIR_COLUMN_WIDTHS, 1))
 
 
 # ---- the hardware profile -------------------------------------------------------------------

@@ -467,22 +467,43 @@ def test_a_reopened_conversation_keeps_its_preset_and_system_prompt(page):
     shot(page, "reopened-keeps-its-settings")
 
 
-def test_at_800_px_the_chat_keeps_the_width_and_tables_break_between_words(page):
+def test_at_800_px_the_chat_keeps_the_width(page):
     page.set_viewport_size({"width": 800, "height": 900})
     try:
         wait_for(lambda: page.locator("#main-column").bounding_box()["width"] > 700, timeout=15,
                  what="the chat to take the whole width")
         assert page.locator("#message textarea").bounding_box()["width"] > 400  # it was 230 px
         shot(page, "800px-chat")
+    finally:
+        page.set_viewport_size({"width": 1200, "height": 1100})
+
+
+# Each shown cell of the pairs table, headers too: its text, how far its words reach past the cell's
+# right edge (which hides what is past it), and how its words break. A cell's own scrollWidth missed
+# it: the words overflow the text inside the cell, which clips them.
+PAIRS_CELLS_JS = """() => [...document.querySelectorAll('#pairs .body-cell, #pairs .header-cell')]
+    .filter(cell => cell.getBoundingClientRect().width > 0)
+    .map(cell => { const text = cell.querySelector('span.text') || cell, words = document.createRange();
+        words.selectNodeContents(text);
+        return [text.innerText, words.getBoundingClientRect().right - cell.getBoundingClientRect().right,
+                getComputedStyle(text).wordBreak]; })"""
+
+
+@pytest.mark.parametrize("width", [400, 800, 1280])
+def test_the_models_table_shows_whole_words_and_scrolls_sideways_only_when_narrow(page, width):
+    """Found at 400 px: the columns, squeezed to their share of the width, cut words ("embe", "Con").
+    Below 800 px the table keeps its 800 px column widths and scrolls sideways; the page never does."""
+    page.set_viewport_size({"width": width, "height": 900})
+    try:
         page.get_by_role("tab", name="Models & hardware").click()
         wait_for(lambda: "embedded" in page.locator("#pairs").inner_text(), what="the pairs table")
-        cells = page.evaluate("""() => [...document.querySelectorAll('#pairs .body-cell')]
-            .filter(cell => cell.getBoundingClientRect().width > 0)
-            .map(cell => [cell.innerText, cell.scrollWidth - cell.clientWidth,
-                          getComputedStyle(cell.querySelector('span') || cell).wordBreak])""")
-        assert len(cells) >= 7
-        assert all(overflow <= 1 and breaks == "normal" for _, overflow, breaks in cells), cells
-        shot(page, "800px-models")
+        cells = page.evaluate(PAIRS_CELLS_JS)
+        assert len(cells) >= 14
+        assert all(past < 1 and breaks == "normal" for _, past, breaks in cells), cells
+        table = page.locator("#pairs .virtual-table-viewport")
+        assert table.evaluate("table => table.scrollWidth > table.clientWidth") == (width < 800)
+        assert page.evaluate("() => document.documentElement.scrollWidth") <= width
+        shot(page, f"{width}px-models")
     finally:
         page.get_by_role("tab", name="Chat").click()
         page.set_viewport_size({"width": 1200, "height": 1100})
