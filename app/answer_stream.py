@@ -13,7 +13,7 @@ from typing import Generator
 
 from . import chat_versions as versions
 from .answer_job import Started
-from .chat_view import View
+from .chat_view import View, error_reason
 from .engine_queue import Ticket
 from .history import HistoryStore
 from .read_progress import ReadProgress
@@ -85,3 +85,14 @@ def _finished(conversation, reply: dict, result, store: HistoryStore, start: str
     # The list again as the answer ends (its time moved): the one drawn as it began can be
     # overdrawn by a slower event's (CI once kept a list without the conversation).
     return View(conversation=conversation, status="", conversations_changed=True, **versions.figures(reply))
+
+
+def cut_by_error(reply: dict, error: Exception, start: str) -> None:
+    """`reply` ends, ended by `error`. Cut after words of its own past `start` (a continued
+    answer's text so far), it says so and why, wherever it shows; with none it is no answer, which
+    the caller takes out. One that had ended (only its last save failed) keeps its ending."""
+    if reply["partial"] and reply["content"] != start:
+        if start:
+            reply["continued"] = reply.get("continued", 0) + 1
+        reply.update(finish_reason="error", error=error_reason(error))
+    reply["partial"] = False

@@ -1,6 +1,6 @@
 """The last answer's versions and continuations. Retry writes a new version of the last answer and
 keeps the earlier ones, to page through ("‹ 2/3 ›"); Continue carries an answer that was cut (at
-the answer limit, or stopped) on from its last word, in the same message.
+the answer limit, stopped, or cut short by an error) on from its last word, in the same message.
 
 An assistant message holds the version shown in its own fields (`conversation`'s answer format):
 that is the one the model, the exports and the figures read, so the conversation goes on from the
@@ -59,12 +59,13 @@ def pager(conversation: Conversation | None) -> tuple[int, int]:
 
 def can_continue(conversation: Conversation | None) -> bool:
     """The last answer was cut, with something to go on from: at the answer limit (not with the
-    context full: nothing more fits), or stopped. One that stopped repeating itself is not offered."""
+    context full: nothing more fits), stopped, or by an error. One that stopped repeating itself
+    is not offered."""
     answer = last_answer(conversation)
     if answer is None or not answer["content"] or answer.get("partial") or answer.get("left_out"):
         return False
     reason = answer.get("finish_reason")
-    return reason == "cancelled" or (reason == "length" and not answer.get("context_full"))
+    return reason in ("cancelled", "error") or (reason == "length" and not answer.get("context_full"))
 
 
 def continued_ids(engine, messages: list[dict]) -> list[int]:

@@ -3,9 +3,10 @@ a handler changed, which `ui.py` draws onto the page's components."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from ..core.errors import InputError, SpecchatError
+from ..core.errors import InputError, SpecchatError, first_line
 from .conversation import Conversation, shown_messages
 
 KEPT_SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "mode", "repetition_penalty",
@@ -14,6 +15,8 @@ KEPT_SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "mod
 # model reads, marked in the chat, or the over-limit choices are offered. Words, not a bool: a
 # conversation's saved settings hold numbers and words.
 LEAVE_OUT_OLDEST, ASK_FIRST = "leave out the oldest turns", "ask"
+# A path in an error's message (/home/…, ~/…, C:\…): left out of the reason saved with an answer.
+PATH = re.compile(r"(?<!\S)(?:[A-Za-z]:)?[\\/~]\S*")
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,15 @@ def problem_text(error: Exception) -> str:
     """An error as one line for the page, never a traceback."""
     text = str(error) if isinstance(error, SpecchatError) else f"unexpected error: {type(error).__name__}: {error}"
     return f"⚠️ {text}"
+
+
+def error_reason(error: Exception) -> str:
+    """Why `error` cut an answer short, in a few words saved with the answer: the first clause of
+    one of ours (the advice after it, and any path, left out), or only the kind of an unexpected
+    one (its message may quote paths, or a traceback's lines)."""
+    if not isinstance(error, SpecchatError):
+        return f"an unexpected {type(error).__name__}"
+    return PATH.sub("…", re.split(r"[:;]\s", first_line(error), maxsplit=1)[0]).strip()
 
 
 def shown(conversation: Conversation | None, streaming: bool = False, pending: str = "",

@@ -6,7 +6,8 @@ A user message: {"role": "user", "content": question as typed, "document": None 
 {"name": str, "text": str, "tokens": int, or None when sent while the model loaded and the tab
 closed before it was counted, "note": str}}.
 An assistant message: {"role": "assistant", "content": str, "partial": bool, "stats": dict or None,
-"origins": list or None, "finish_reason": "stop" | "length" | "cancelled" | "repeating", "context_full": bool,
+"origins": list or None, "finish_reason": "stop" | "length" | "cancelled" | "repeating" | "error" (an error cut it
+short after its first words), "error": str, why, in a few words (only with "error"), "context_full": bool,
 "new_tokens": int, "continued": int, how many times Continue carried it on (absent: never)}; `partial`
 stays True while it streams and after a crash cut it short: the views tell the two apart by whether
 this process is still writing it (`live_answers`), which their caller says. The last answer may
@@ -122,8 +123,8 @@ def last_answer_at(conversation: Conversation) -> int | None:
 
 
 def answer_text(message: dict, live: bool = False, writing: bool = False) -> str:
-    """An answer's text, marked where it did not end on its own: a crash or a stop cut it short,
-    or it ran into the answer limit or the end of the context. `live`: shown as it streams, so
+    """An answer's text, marked where it did not end on its own: a crash, an error or a stop cut it
+    short, or it ran into the answer limit or the end of the context. `live`: shown as it streams, so
     unmarked; `writing`: still being written in this process, shown from a copy (`ending_mark`)."""
     if live:
         return message["content"]
@@ -141,6 +142,9 @@ def ending_mark(message: dict, writing: bool = False) -> str:
         return "*(stopped)*"
     if reason == "repeating":
         return "*(stopped: repeating itself)*"
+    if reason == "error":
+        why = _escape_markdown(one_line(message.get("error") or ""))
+        return f"*(cut short by an error{': ' + why if why else ''}. Continue carries it on, or Retry answers again)*"
     if reason == "length" and message.get("context_full"):
         return "*(cut off: the model's context is full. Start a new conversation, or leave out earlier turns)*"
     if reason == "length":
@@ -308,6 +312,8 @@ def _check_answer(message: dict) -> None:
         raise ValueError("an answer's `partial` is true or false")
     if not (_is_number(message.get("continued", 0), int) and message.get("continued", 0) >= 0):
         raise ValueError("an answer's `continued` is a count")
+    if not isinstance(message.get("error", ""), str):  # shown in its mark
+        raise ValueError("an answer's `error` is a line of text")
     origins = message.get("origins")
     if origins is not None and not (isinstance(origins, list) and all(
             isinstance(piece, list) and len(piece) == 2 and all(isinstance(part, str) for part in piece)

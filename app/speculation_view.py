@@ -11,7 +11,7 @@ import html
 
 # How an answer ended (`ending`), as the figures line says it.
 ENDINGS = {"stop": "done", "length": "cut off at the answer limit", "context_full": "cut off: the context is full",
-           "cancelled": "stopped", "repeating": "stopped: repeating itself"}
+           "cancelled": "stopped", "repeating": "stopped: repeating itself", "error": "cut short by an error"}
 # A speed over a shorter stretch of decoding says more about timer noise than about the decoder.
 MEASURING_SECONDS = 0.5
 ORIGINS = {  # origin -> (legend, color); the colors stay readable on light and dark themes

@@ -27,7 +27,7 @@ from .chat_list import ConversationList
 from .chat_view import Settings, View, problem_text
 from .context_meter import Meter, describe, document_text, measure, turn_in_preparation
 from .answer_job import ConversationKv, answer_job, conversation_kv
-from .answer_stream import STARTING, answer_views
+from .answer_stream import STARTING, answer_views, cut_by_error
 from .conversation import (PASTED_NAME, Conversation, attachment_label, model_messages, shown_messages,
                            title_from)
 from .document_formats import textless_note
@@ -263,15 +263,16 @@ class ChatLogic:
     def continue_answer(self, conversation: Conversation | None, settings: Settings,
                         session: str = "") -> Iterator[View]:
         """Carry the last answer on from its last word, in the same message: one cut at the answer
-        limit, or stopped (`chat_versions.can_continue`)."""
+        limit, stopped, or cut short by an error (`chat_versions.can_continue`)."""
         if (stale := self.conversations.as_saved(conversation)) is not None:
             yield stale
             return
         if not versions.can_continue(conversation):
-            yield View(status="Only an answer cut off at the answer limit, or stopped, can be continued.")
+            yield View(status="Only an answer cut at the answer limit, stopped or cut by an error can be continued.")
             return
         restore = [*conversation.messages[:-1], copy.deepcopy(conversation.messages[-1])]
         conversation.messages[-1]["partial"] = True
+        conversation.messages[-1].pop("error", None)  # how it was cut goes: it ends anew
         yield from self._answer(conversation, settings, session, restore)
 
     def page_version(self, conversation: Conversation | None, step: int) -> View:
@@ -347,7 +348,7 @@ class ChatLogic:
             except Exception as error:  # shown in the page, never as a traceback; the question stays
                 if reply["content"] == start:  # nothing said is no answer: the question stays, to retry
                     conversation.messages[:] = restore
-                reply["partial"] = False
+                cut_by_error(reply, error, start)  # what was said reads as cut short, in every view of it
                 also = "" if isinstance(error, ConversationChanged) else self._save_after_error(conversation, reply)
                 yield View(conversation=conversation, status=" ".join(filter(None, [problem_text(error), also])))
             finally:

@@ -167,6 +167,7 @@ def test_continue_is_offered_only_for_an_answer_cut_with_room_to_go_on():
 
     assert versions.can_continue(chat(finish_reason="length"))
     assert versions.can_continue(chat(finish_reason="cancelled"))
+    assert versions.can_continue(chat(finish_reason="error", error="the GPU ran out of memory"))
     for not_cut in ({"finish_reason": "stop"}, {"finish_reason": "repeating"},
                     {"finish_reason": "length", "context_full": True}, {"finish_reason": "length", "content": ""},
                     {"finish_reason": "length", "partial": True}, {"finish_reason": "length", "left_out": True}):

@@ -106,7 +106,9 @@ def test_the_last_answer_this_process_is_writing_reads_as_being_written_in_the_c
     ({"finish_reason": "stop"}, None),
     ({"finish_reason": "cancelled"}, "(stopped)"),
     ({"finish_reason": "length", "context_full": False, "new_tokens": 512}, "answer limit of 512 tokens"),
-    ({"finish_reason": "length", "context_full": True, "new_tokens": 90}, "context is full")])
+    ({"finish_reason": "length", "context_full": True, "new_tokens": 90}, "context is full"),
+    ({"finish_reason": "error", "error": "the GPU ran out of memory"}, "(cut short by an error: the GPU ran out of memory."),
+    ({"finish_reason": "error"}, "(cut short by an error. Continue carries it on")])
 def test_each_answer_says_how_it_ended_in_the_chat_and_the_export(ended, mark):
     conversation = chat(user("Q?"), {**assistant("An answer"), **ended})
     shown, exported = shown_messages(conversation)[1]["content"], to_markdown(conversation)
@@ -165,6 +167,19 @@ def test_title_from_first_question():
     assert long.endswith("…") and len(long) <= 48
     assert long == "Summarize the obligations a redistributor takes…"
     assert len(title_from("x" * 200)) == 48
+
+
+def test_an_answer_cut_by_an_error_loads_with_its_reason_and_an_older_file_still_loads():
+    """The reason is shown in the mark: a file whose reason is no text (edited by hand) is refused,
+    and a reason with Markdown of its own or a line break cannot break the mark."""
+    cut = {**assistant("Half of it"), "finish_reason": "error", "error": "a *bold* claim\nsecond line"}
+    loaded = from_json(to_json(chat(user("Q?"), cut)))
+    assert loaded.messages[-1] == cut
+    assert shown_messages(loaded)[1]["content"].endswith(
+        r"*(cut short by an error: a \*bold\* claim second line. Continue carries it on, or Retry answers again)*")
+    assert from_json(to_json(chat(user("Q?"), assistant("Done")))).messages[-1]["content"] == "Done"  # no reason
+    with pytest.raises(ValueError, match="`error` is a line of text"):
+        from_json(to_json(chat(user("Q?"), {**cut, "error": 3})))
 
 
 def test_json_export_round_trips_and_bad_records_are_refused():

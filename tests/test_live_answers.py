@@ -5,6 +5,7 @@ short, and says so; a rename made meanwhile shows at once and stays. On the tiny
 (256-token context)."""
 
 import contextlib
+import dataclasses
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import gradio as gr
 import pytest
 
 from conftest import run
+from specchat.app import chat_versions as versions
 from specchat.app.chat_view import Settings, View
 from specchat.app.conversation import INTERRUPTED, WRITING, Conversation, shown_messages
 from specchat.app.history import HistoryStore
@@ -130,6 +132,7 @@ def test_once_the_answer_ends_every_view_shows_how_it_ended(logic, handlers, str
     assert shown_answer(handlers, lambda: logic.open(conversation.id)) == as_written
     assert WRITING not in as_written and INTERRUPTED not in as_written
     assert as_written.endswith("*(stopped)*") == (ending in ("stop", "page gone"))
+    assert ("*(cut short by an error: out of memory." in as_written) == (ending == "error")
     assert ending != "error" or "out of memory" in last[-1].status
     markdown = exported(logic, other_tab)
     assert for_terminal(as_written) in markdown and INTERRUPTED not in markdown  # the bubble's Markdown, whole
@@ -155,6 +158,56 @@ def test_a_rename_while_the_answer_streams_shows_at_once_and_stays(logic, handle
     assert titles == ["Stories"] and statuses == []  # only the end draws the name: the conversation as saved
     ended = logic.store.load(conversation.id)
     assert ended.title == "Stories" and not ended.messages[-1]["partial"]
+
+
+def test_an_answer_cut_by_an_error_says_so_after_a_restart_and_continue_carries_it_on(logic, streaming):
+    """Not only the writing tab's status line: the saved answer says it was cut, and why, in every
+    view after a restart too (it read as whole before); Continue carries it on, as a stopped one."""
+    streaming.fail.set()
+    streaming.go_on.set()
+    run(streaming.views)
+    restarted = ChatLogic(logic.handle, HistoryStore(logic.store.folder))
+    reopened = restarted.open(streaming.conversation.id).conversation
+    cut = reopened.messages[-1]
+    assert (cut["finish_reason"], cut["error"], cut["partial"]) == ("error", "out of memory", False)
+    mark = "*(cut short by an error: out of memory. Continue carries it on, or Retry answers again)*"
+    assert shown_answer(handlers_of(restarted), lambda: restarted.open(reopened.id)).endswith(mark)
+    assert mark in exported(restarted, reopened) and "cut short by an error" in restarted.open(reopened.id).stats
+    assert versions.can_continue(reopened)
+    said = cut["content"]
+    streaming.fail.clear()  # the engine has the memory again
+    run(restarted.continue_answer(reopened, dataclasses.replace(SETTINGS, max_new_tokens=4)))
+    carried = restarted.store.load(reopened.id).messages[-1]
+    assert carried["content"].startswith(said) and len(carried["content"]) > len(said) and carried["continued"] == 1
+    assert carried["finish_reason"] == "length" and "error" not in carried
+
+
+def test_the_reason_saved_with_a_cut_answer_is_a_few_words_without_paths():
+    from specchat.app.chat_view import error_reason
+    from specchat.app.history import CHANGED, SaveFailed
+
+    assert error_reason(SpecchatError("the GPU ran out of memory while writing the answer: try a shorter answer "
+                                      "or a smaller pair")) == "the GPU ran out of memory while writing the answer"
+    assert error_reason(SaveFailed("cannot write to /home/me/data: Permission denied; conversation not saved")) \
+        == error_reason(SaveFailed("cannot write to C:\\Users\\me: Permission denied")) == "cannot write to …"
+    assert error_reason(SaveFailed(CHANGED)).endswith("so nothing was saved")  # not the advice after it
+    assert error_reason(RuntimeError("CUDA error at /src/kernel.cu:12\nTraceback…")) == "an unexpected RuntimeError"
+
+
+def test_only_words_an_error_cut_are_marked_and_an_answer_that_had_ended_keeps_its_ending():
+    from specchat.app.answer_stream import cut_by_error
+
+    error = SpecchatError("out of memory")
+    for reply, start in (({"content": "", "partial": True}, ""), ({"content": "Once", "partial": True}, "Once")):
+        cut_by_error(reply, error, start)  # no words of its own: no answer, taken out by the caller
+        assert reply == {"content": start, "partial": False}
+    ended = {"content": "Done", "partial": False, "finish_reason": "stop"}  # only its last save failed
+    cut_by_error(ended, error, "")
+    assert ended == {"content": "Done", "partial": False, "finish_reason": "stop"}
+    carried = {"content": "Once upon", "partial": True, "continued": 1}
+    cut_by_error(carried, error, "Once")
+    assert carried == {"content": "Once upon", "partial": False, "continued": 2, "finish_reason": "error",
+                       "error": "out of memory"}
 
 
 def test_a_deleted_conversation_still_exports_as_its_tab_shows_it(logic):
