@@ -26,11 +26,16 @@ STARTING = "⏳ *Starting…*"
 
 def answer_views(conversation, reply: dict, ticket: Ticket, store: HistoryStore,
                  start: str = "") -> Generator[View, None, object]:
-    """The views of `ticket`'s answer, written into `reply` (the conversation's last message) after
-    `start` (a continued answer's text so far) and saved as it goes; returns the engine's `Result`,
-    or None when the answer never finished (cancelled while it waited in line)."""
+    """The views of `ticket`'s answer, first its place in the engine's line if it waits, written
+    into `reply` (the conversation's last message) after `start` (a continued answer's text so far)
+    and saved as it goes; returns the engine's `Result`, or None when the answer never finished
+    (cancelled while it waited in line)."""
     from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
 
+    ahead = ticket.position
+    if ahead:
+        waiting = f"Waiting for the engine: {ahead} answer{'s' if ahead > 1 else ''} before yours…"
+        yield View(conversation=conversation, streaming=True, status=waiting, pending=f"⏳ *{waiting}*")
     mode, pending, result = "", STARTING, None
     earlier = (reply.get("new_tokens") or 0) if start else 0  # a continued answer's tokens so far
     streamed = 0

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..core.errors import InputError, SpecchatError
+from . import answer_turns
 from . import chat_follow_up as follow_up
 from . import chat_over_limit as over_limit
 from . import chat_versions as versions
@@ -314,7 +315,7 @@ class ChatLogic:
                 restore: list[dict] | None = None) -> Iterator[View]:
         """Answer into the conversation's last message when `restore` is given (a retry's new
         version, or an answer continued: its text so far the start of the assistant's turn), else
-        into a new one; with no answer (an error before its first word, a Stop in the line) the
+        into a new one; with no answer (an error before its first word, a Stop while it waited) the
         messages go back to `restore` (by default, as they were)."""
         if restore is None:
             restore = [*conversation.messages]
@@ -324,7 +325,7 @@ class ChatLogic:
         start = reply["content"]  # "" unless the answer is continued
         ticket = None
         # Until its last save: meanwhile another tab, a reload or an export shows it as being written.
-        with self.store.live_answers.writing(conversation.id):
+        with self.store.live_answers.writing(conversation.id) as turn:
             try:
                 # The previous answer's figures go as this one starts: a stale "done" misleads.
                 yield View(conversation=conversation, streaming=True, stats="", stages="", tokens="",
@@ -332,15 +333,14 @@ class ChatLogic:
                 # A browser session answers one question at a time: an earlier answer it left without
                 # closing (the page moved on to another conversation) gives the engine up now.
                 self.stop(session)
-                ticket = self.submit(session, model_messages(conversation), int(settings.max_new_tokens), settings,
-                                     conversation_kv(conversation), continued=bool(start))
-                ahead = ticket.position
-                if ahead:
-                    waiting = f"Waiting for the engine: {ahead} answer{'s' if ahead > 1 else ''} before yours…"
-                    yield View(conversation=conversation, streaming=True, status=waiting, pending=f"⏳ *{waiting}*")
-                result = yield from answer_views(conversation, reply, ticket, self.store, start)
+                with self.waiting(session) as stopped:  # another tab's answer here first: this one reads it whole
+                    yield from answer_turns.after_earlier_answers(self.store, conversation, restore, turn, stopped)
+                ticket = None if stopped.is_set() else self.submit(
+                    session, model_messages(conversation), int(settings.max_new_tokens), settings,
+                    conversation_kv(conversation), continued=bool(start))
+                result = (yield from answer_views(conversation, reply, ticket, self.store, start)) if ticket else None
                 self.pace = (Pace.of(result) if result else None) or self.pace  # what summarizing in parts is estimated by
-                if reply["partial"]:  # stopped while it waited in line: no answer, the question stays
+                if reply["partial"]:  # stopped while it waited (another answer, the engine's line): the question stays
                     conversation.messages[:] = restore
                     reply["partial"] = False
                     self.store.save(conversation)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from specchat.app import history
+from specchat.app.answer_turns import follow_saved_turns
 from specchat.app.conversation import (INTERRUPTED, LEFT_OUT, PASTED_NAME, WRITING, Conversation, from_json,
                                        model_messages, shown_messages, title_from, to_json, to_markdown)
 from specchat.app.documents import user_turn
@@ -330,6 +331,47 @@ def test_an_answer_goes_into_the_newer_copy_when_the_turns_before_it_stayed(tmp_
     with pytest.raises(ConversationChanged, match="deleted meanwhile"):
         store.save_answer(edited, edited.messages[0])
     assert not (tmp_path / f"{answering.id}.json").exists()
+
+
+def test_an_answer_that_waited_for_another_follows_the_saved_turns_while_they_end_as_its_turn_did(tmp_path):
+    """Questions asked from other tabs while the first answer was written: once it ended, the last
+    one's answer goes on from the saved turns; refused where the saved conversation no longer ends
+    as the answer's turn did (another question after it, the answer a retry replaces changed)."""
+    store = HistoryStore(tmp_path)
+    answering = store.new()
+    answering.messages.append(user("Tell me a story"))
+    store.save(answering)
+    first = assistant("Once", partial=True)
+    answering.messages.append(first)
+    store.save_answer(answering, first)  # its first words
+    retrying = store.load(answering.id)
+    retry_restore = [*retrying.messages]
+    retrying.messages[-1] = assistant("", partial=True)
+
+    def asked(question: str) -> tuple[Conversation, list[dict]]:
+        """A tab's question, saved at once, and the answer to come; the messages without it."""
+        tab = store.load(answering.id)
+        tab.messages.append(user(question))
+        store.save(tab)
+        restore = [*tab.messages]
+        tab.messages.append(assistant("", partial=True))
+        return tab, restore
+
+    (second, second_restore), (third, third_restore) = asked("And then?"), asked("And the end?")
+    first.update(content="Once upon a time", partial=False)
+    store.save_answer(answering, first)  # the first answer ends, merged in before both questions
+    with pytest.raises(ConversationChanged, match="changed meanwhile"):  # it would answer after "And the end?"
+        follow_saved_turns(store, second, second_restore)
+    with pytest.raises(ConversationChanged, match="changed meanwhile"):  # nor a retry of the first words, now whole
+        follow_saved_turns(store, retrying, retry_restore)
+    answer = third.messages[-1]
+    follow_saved_turns(store, third, third_restore)
+    assert [m["content"] for m in third.messages] == ["Tell me a story", "Once upon a time", "And then?",
+                                                      "And the end?", ""]
+    assert third.messages[-1] is answer and third_restore == store.load(answering.id).messages
+    store.save_answer(third, answer)  # the file's latest: written as it is
+    follow_saved_turns(store, third, third_restore)  # nothing changed since
+    assert len(third.messages) == 5 and len(store.load(answering.id).messages) == 5
 
 
 def test_undo_never_puts_a_deleted_copy_over_a_newer_file(tmp_path):

@@ -1,8 +1,8 @@
 """An answer still being written, seen from elsewhere: another tab, a reload or an export made
 meanwhile says it is being written, never "(interrupted)"; once it ends (done, stopped, the page
 gone, an error) every view shows how it ended; after a restart a saved partial answer was cut
-short, and says so; a rename made meanwhile shows at once and stays. On the tiny model
-(256-token context)."""
+short, and says so; a rename made meanwhile shows at once and stays; a question another tab asks
+meanwhile is answered after it, from the whole answer. On the tiny model (256-token context)."""
 
 import contextlib
 import dataclasses
@@ -208,6 +208,45 @@ def test_only_words_an_error_cut_are_marked_and_an_answer_that_had_ended_keeps_i
     cut_by_error(carried, error, "Once")
     assert carried == {"content": "Once upon", "partial": False, "continued": 2, "finish_reason": "error",
                        "error": "out of memory"}
+
+
+def test_a_question_from_another_tab_while_an_answer_streams_is_answered_after_it(logic, streaming, monkeypatch):
+    """The other tab's question is saved at once (a tab closed meanwhile keeps it), waits for the
+    answer being written, then is answered from the turns as saved: after the whole first answer,
+    not after the first words its copy held (its first save failed "changed meanwhile")."""
+    from specchat.app import ui_chat
+
+    prompts, paused_job = [], ui_chat.answer_job
+    monkeypatch.setattr(ui_chat, "answer_job", lambda messages, *rest: prompts.append(messages) or paused_job(
+        messages, *rest))
+    conversation = streaming.conversation
+    other_tab = logic.open(conversation.id).conversation  # shows the answer's first words, being written
+    asking = logic.send("And then?", None, "", other_tab, dataclasses.replace(SETTINGS, max_new_tokens=8), session="B")
+    views = [next(asking) for _ in range(3)]  # the question saved, the start, the wait
+    assert [m["content"] for m in logic.store.load(conversation.id).messages][-1] == "And then?"
+    streaming.go_on.set()
+    run(streaming.views)
+    views += run(asking)
+    messages = logic.store.load(conversation.id).messages
+    first = conversation.messages[1]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"] and messages[1] == first
+    assert messages[3]["content"] and messages[3]["finish_reason"] in ("length", "stop", "repeating")
+    assert prompts[-1][-2:] == [{"role": "assistant", "content": first["content"]}, {"role": "user", "content": "And then?"}]
+    assert views[-1].conversation.messages == messages and not any("⚠️" in (view.status or "") for view in views)
+    assert "another tab" in views[2].status
+
+
+def test_stop_while_a_question_waits_for_the_other_tabs_answer_leaves_it_unanswered(logic, streaming):
+    other_tab = logic.open(streaming.conversation.id).conversation
+    asking = logic.send("And then?", None, "", other_tab, SETTINGS, session="B")
+    assert "another tab" in [next(asking) for _ in range(3)][-1].status
+    logic.stop("B")
+    assert run(asking)[-1].status == "Stopped before the answer started."
+    streaming.go_on.set()
+    run(streaming.views)
+    messages = logic.store.load(streaming.conversation.id).messages
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"] and messages[-1]["content"] == "And then?"
+    assert messages[1] == streaming.conversation.messages[1] and not messages[1]["partial"]
 
 
 def test_a_deleted_conversation_still_exports_as_its_tab_shows_it(logic):

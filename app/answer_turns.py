@@ -1,0 +1,51 @@
+"""One answer at a time in a conversation. A question sent from a second tab while the first tab's
+answer in the same conversation is written is saved at once (a tab closed meanwhile keeps it);
+its answer then waits for that one to end, and reads the turns as saved: the first answer whole,
+not the first words the tab's copy held. Which answer began first: `LiveAnswers`' line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Iterator
+
+from .chat_view import View
+from .conversation import Conversation
+from .history import CHANGED, ConversationChanged, HistoryStore
+
+# How soon the wait sees the other answer end; a view each time, as Gradio closes a handler (the
+# tab gone) only between two of its views.
+POLL_SECONDS = 0.5
+WAITING = "⏳ Waiting for the answer being written in this conversation (another tab): yours follows it…"
+
+
+def after_earlier_answers(store: HistoryStore, conversation: Conversation, restore: list[dict], answer: object,
+                          stopped: threading.Event) -> Iterator[View]:
+    """Views saying so while an answer begun before `answer` (`LiveAnswers.writing`'s) is written in
+    the conversation, until it ends or Stop sets `stopped`; then, having waited, the conversation
+    follows the saved turns (`follow_saved_turns`). Its last message is the answer to come."""
+    if not store.live_answers.ahead_of(conversation.id, answer):
+        return
+    # Shown without the answer to come, the one being written is the last answer, and reads so.
+    asked = dataclasses.replace(conversation, messages=conversation.messages[:-1])
+    while store.live_answers.ahead_of(conversation.id, answer) and not stopped.is_set():
+        yield View(conversation=asked, streaming=True, status=WAITING)
+        stopped.wait(POLL_SECONDS)
+    follow_saved_turns(store, conversation, restore)
+
+
+def follow_saved_turns(store: HistoryStore, conversation: Conversation, restore: list[dict]) -> None:
+    """The conversation (its last message the answer to come) as saved, with that answer, where the
+    saved one still ends as the answer's turn did (`restore`: the messages without the answer to
+    come, or with the one it writes over): on its question, or that and the answer a retry or a
+    continuation replaces. `restore` follows too. `ConversationChanged` when it ends otherwise
+    (another tab edited it, or asked after this question)."""
+    saved = store.current(conversation)
+    if saved is conversation:
+        return
+    question = len(conversation.messages) - 2
+    if saved.messages[question:] != restore[question:]:
+        raise ConversationChanged(CHANGED)
+    restore[:] = saved.messages
+    vars(conversation).update(vars(saved), messages=[*saved.messages[:question + 1], conversation.messages[-1]])
