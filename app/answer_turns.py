@@ -49,3 +49,15 @@ def follow_saved_turns(store: HistoryStore, conversation: Conversation, restore:
         raise ConversationChanged(CHANGED)
     restore[:] = saved.messages
     vars(conversation).update(vars(saved), messages=[*saved.messages[:question + 1], conversation.messages[-1]])
+
+
+def taken_back(store: HistoryStore, conversation: Conversation, restore: list[dict]) -> None:
+    """No answer came (a Stop while it waited): the conversation back to `restore`, saved. A file
+    that moved on meanwhile holding those very turns (renamed) is taken as it is: it was a
+    "changed meanwhile" warning."""
+    conversation.messages[:] = restore
+    saved = store.current(conversation)
+    if saved is not conversation and saved.messages == restore:
+        vars(conversation).update(vars(saved))
+        return
+    store.save(conversation)

@@ -323,9 +323,12 @@ def test_an_answer_waits_in_the_engines_line_and_stop_takes_it_out(small_line):
         views = small_line.send("Waiting here", None, "", None, SETTINGS, session="s1")
         statuses = [next(views).status for _ in range(3)]  # the question, the start, the wait
         assert statuses[-1] == "Waiting for the engine: 1 answer before yours…"
+        # Renamed meanwhile (the file moved on): the Stop takes the name, no "changed meanwhile".
+        small_line.rename(saved(small_line), "Named while waiting")
         small_line.stop("s1")
         (last,) = run(views)
         assert last.status == "Stopped before the answer started."
+        assert last.conversation.title == saved(small_line).title == "Named while waiting"
         assert [m["role"] for m in saved(small_line).messages] == ["user"]  # the question stays
     finally:
         gate.set()
