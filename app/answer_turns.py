@@ -27,7 +27,7 @@ def after_earlier_answers(store: HistoryStore, conversation: Conversation, resto
     follows the saved turns (`follow_saved_turns`). Its last message is the answer to come."""
     if not store.live_answers.ahead_of(conversation.id, answer):
         return
-    # Shown without the answer to come, the one being written is the last answer, and reads so.
+    # Shown without the answer to come: the one being written is the last answer, unmarked (the status says).
     asked = dataclasses.replace(conversation, messages=conversation.messages[:-1])
     while store.live_answers.ahead_of(conversation.id, answer) and not stopped.is_set():
         yield View(conversation=asked, streaming=True, status=WAITING)

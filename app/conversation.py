@@ -80,15 +80,16 @@ def model_messages(conversation: Conversation) -> list[dict]:
 
 def shown_messages(conversation: Conversation, streaming: bool = False, pending: str = "",
                    writing: bool = False) -> list[dict]:
-    """The chat as the Chatbot shows it. `streaming`: the last answer is still being written, so it
-    is not marked as interrupted; while it has no text yet its bubble shows `pending` (Markdown of
-    ours: the model loading, the document being read). `writing`: this process is writing the last
-    answer, shown here from a copy (another tab's answer, the conversation reopened)."""
+    """The chat as the Chatbot shows it. `streaming`: the last answer is still being written (a
+    question another tab asked meanwhile may follow it), so it is not marked as interrupted; while
+    it has no text yet its bubble shows `pending` (Markdown of ours: the model loading, the document
+    being read). `writing`: this process is writing the last answer, shown here from a copy
+    (another tab's answer, the conversation reopened)."""
     shown = []
-    last = len(conversation.messages) - 1
+    streamed = last_answer_at(conversation) if streaming else None
     written = last_answer_at(conversation) if writing else None
     for index, message in enumerate(conversation.messages):
-        live = streaming and index == last
+        live = index == streamed
         if message["role"] == "user":
             label = [attachment_label(message["document"])] if message.get("document") else []
             question = [message["content"]] if message["content"].strip() else []

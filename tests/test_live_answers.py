@@ -264,3 +264,20 @@ def test_a_conversation_is_live_while_any_of_its_answers_is_written(tmp_path):
             raise RuntimeError("the second answer fails")
         assert conversation_id in live
     assert conversation_id not in live
+
+
+def test_the_answering_tab_shows_its_answer_live_with_another_tab_s_question_below(logic, handlers, streaming):
+    """Once its save took in the question another tab asked after it, the answer being written was
+    no longer the chat's last message, and its own tab marked it "(still being written…)"."""
+    other_tab = logic.open(streaming.conversation.id).conversation
+    asking = logic.send("And then?", None, "", other_tab, SETTINGS, session="B")
+    [next(asking) for _ in range(3)]  # saved, and waiting for the answer being written
+    streaming.go_on.set()
+    drawn = [(view, handlers.draw(view)) for view in streaming.views]
+    merged = [chat for view, chat in drawn if view.streaming and view.conversation.messages[-1]["role"] == "user"]
+    assert merged  # the answer's saves (one per update here) took the question in
+    for chat in merged:
+        answer, question = chat[handlers.page.chatbot][-2:]
+        assert question["content"] == "And then?" and WRITING not in answer["content"]
+    logic.stop("B")
+    run(asking)
