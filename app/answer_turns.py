@@ -61,3 +61,17 @@ def taken_back(store: HistoryStore, conversation: Conversation, restore: list[di
         vars(conversation).update(vars(saved))
         return
     store.save(conversation)
+
+
+def renamed_meanwhile(store: HistoryStore, asked: Conversation) -> str:
+    """The name `asked` (a question saved while the model loaded) was given since, which it takes
+    with the file's revision; "" when none (or deleted meanwhile). Its restore then saves, where it
+    failed "changed meanwhile" and left a second conversation holding the question."""
+    try:
+        saved = store.current(asked)
+    except ConversationChanged:
+        return ""
+    if saved is asked or saved.messages != asked.messages:  # not only renamed: the restore stays refused
+        return ""
+    asked.revision, asked.title = saved.revision, saved.title
+    return saved.title

@@ -159,9 +159,10 @@ class ChatLogic:
             if saved is not conversation:
                 conversation, changed = saved, ("ℹ️ This conversation had changed since it was shown (another tab, or "
                                                 "an answer that ended later): your question follows its saved turns.")
+        named = ""  # given to the conversation while the model loaded
         if self.handle.status() == "loading":
-            loaded = yield from self._wait_for_the_model(question, attachment, pasted, conversation, settings, session)
-            if not loaded:
+            named = yield from self._wait_for_the_model(question, attachment, pasted, conversation, settings, session)
+            if named is None:
                 return
         attachment = self.with_pasted(attachment, pasted)
         kept = [*conversation.messages] if conversation else []  # what a failed save puts back
@@ -176,7 +177,7 @@ class ChatLogic:
         conversation.system, conversation.preset = settings.system, settings.preset
         conversation.settings = settings.kept()
         if not conversation.messages:
-            conversation.title = title_from(question, attachment)
+            conversation.title = named or title_from(question, attachment)
         conversation.messages.append({"role": "user", "content": question, "document": attachment})
         try:
             self.store.save(conversation)  # the question is on disk before the answer starts
@@ -192,9 +193,10 @@ class ChatLogic:
                             settings: Settings, session: str) -> Iterator[View]:
         """While the model loads, the question shows in the chat at once, its answer's bubble
         saying so, and it is saved: a tab closed meanwhile leaves it in its conversation, to
-        answer once reopened. True once the model is ready. Whatever the wait's end, with the page
-        still there the saved question comes back out: `send` saves it again with its document's
-        tokens counted, or puts it back in the box (a failed load, Stop, or too long to fit)."""
+        answer once reopened. Whatever the wait's end, with the page still there the saved question
+        comes back out: `send` saves it again with its document's tokens counted, or puts it back in
+        the box (a failed load, Stop, too long). The name given meanwhile ("" for none) once the model
+        is ready, else None."""
         document = attachment or ({"name": PASTED_NAME, "text": pasted, "tokens": None} if (pasted or "").strip()
                                   else None)
         asked = self._asked(conversation, question, document, settings)
@@ -207,20 +209,21 @@ class ChatLogic:
                 yield View(conversation=shown_turn, streaming=True, message="", status=problem,
                            pending="⏳ *Loading the model, then this answer starts…* " + inert_markdown(progress))
                 stopped.wait(LOADING_POLL_SECONDS)
+        named = answer_turns.renamed_meanwhile(self.store, asked)
         # The disk as it was: the conversation itself, or no file for a new one.
         if conversation is not None:
-            conversation.revision = asked.revision  # the copy just written over its file is this conversation
+            conversation.revision, conversation.title = asked.revision, asked.title  # its file's latest copy
         self._save_after_error(conversation if conversation else dataclasses.replace(asked, messages=[]))
         back = View(conversation=conversation, clear_conversation=conversation is None, message=question)
         if stopped.is_set():
             yield dataclasses.replace(back, status="Stopped while the model loaded: your question is back in the box.")
-            return False
+            return None
         try:
             self.handle.get()
         except SpecchatError as error:
             yield dataclasses.replace(back, status=problem_text(error))
-            return False
-        return True
+            return None
+        return named
 
     def _asked(self, conversation: Conversation | None, question: str, document: dict | None,
                settings: Settings) -> Conversation:

@@ -255,6 +255,28 @@ def test_a_question_sent_while_the_model_loads_is_answered_and_saved_once(loadin
     assert [view.status for view in rest if view.status is not None][-1] == ""  # the status line ends empty
 
 
+@pytest.mark.parametrize("new", [True, False], ids=["new conversation", "earlier conversation"])
+def test_a_rename_while_the_model_loads_is_kept_and_the_question_answered_once(loading_logic, new):
+    """A new conversation renamed while its question waited for the model was kept beside a second
+    one holding the answer; an earlier one failed "changed meanwhile", its question unanswered."""
+    logic, release = loading_logic
+    earlier = None
+    if not new:
+        earlier = logic.store.new()
+        earlier.messages = [{"role": "user", "content": "Earlier", "document": None},
+                            {"role": "assistant", "content": "Earlier answer", "partial": False}]
+        logic.store.save(earlier)
+    views = logic.send("Second question", None, "", earlier, SETTINGS, "tab")
+    logic.rename(next(views).conversation, "Named while loading")
+    release.set()
+    rest = run(views)
+    assert not any("⚠️" in (view.status or "") for view in rest)
+    (summary,) = logic.store.list()
+    kept = logic.store.load(summary.id)
+    assert kept.title == "Named while loading" and kept.messages[-2]["content"] == "Second question"
+    assert [m["role"] for m in kept.messages] == ["user", "assistant"] * (1 if new else 2)
+
+
 def test_a_file_attached_while_the_model_loads_attaches_at_once_and_is_counted_when_sent(loading_logic, tmp_path):
     logic, release = loading_logic
     notes = tmp_path / "notes.txt"
