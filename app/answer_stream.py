@@ -28,10 +28,11 @@ def answer_views(conversation, reply: dict, ticket: Ticket, store: HistoryStore,
                  start: str = "") -> Generator[View, None, object]:
     """The views of `ticket`'s answer, first its place in the engine's line if it waits, written
     into `reply` (the conversation's last message) after `start` (a continued answer's text so far)
-    and saved as it goes; returns the engine's `Result`, or None when the answer never finished
+    and saved as it goes, from its start; returns the engine's `Result`, or None when the answer never finished
     (cancelled while it waited in line)."""
     from ..core.engine import Finished, Notice, PrefillProgress, TextDelta
 
+    store.save_answer(conversation, reply)  # saved empty at once: another tab or a reload shows it being written
     ahead = ticket.position
     if ahead:
         waiting = f"Waiting for the engine: {ahead} answer{'s' if ahead > 1 else ''} before yours…"

@@ -27,10 +27,11 @@ def after_earlier_answers(store: HistoryStore, conversation: Conversation, resto
     follows the saved turns (`follow_saved_turns`). Its last message is the answer to come."""
     if not store.live_answers.ahead_of(conversation.id, answer):
         return
-    # Shown without the answer to come: the one being written is the last answer, unmarked (the status says).
+    # Shown without the answer to come, and not as this tab's stream: the one being written is the
+    # last answer, marked so (its copy here stops at the words it had when this tab asked).
     asked = dataclasses.replace(conversation, messages=conversation.messages[:-1])
     while store.live_answers.ahead_of(conversation.id, answer) and not stopped.is_set():
-        yield View(conversation=asked, streaming=True, status=WAITING)
+        yield View(conversation=asked, status=WAITING)
         stopped.wait(POLL_SECONDS)
     follow_saved_turns(store, conversation, restore)
 
@@ -44,22 +45,22 @@ def follow_saved_turns(store: HistoryStore, conversation: Conversation, restore:
     saved = store.current(conversation)
     if saved is conversation:
         return
-    question = len(conversation.messages) - 2
-    if saved.messages[question:] != restore[question:]:
+    turn = restore[len(conversation.messages) - 2:]  # the question, and the answer a retry or continuation replaces
+    if saved.messages[-len(turn):] != turn:
         raise ConversationChanged(CHANGED)
+    question = len(saved.messages) - len(turn)  # the turns before it may have grown (the answer waited for)
     restore[:] = saved.messages
     vars(conversation).update(vars(saved), messages=[*saved.messages[:question + 1], conversation.messages[-1]])
 
 
 def taken_back(store: HistoryStore, conversation: Conversation, restore: list[dict]) -> None:
     """No answer came (a Stop while it waited): the conversation back to `restore`, saved. A file
-    that moved on meanwhile holding those very turns (renamed) is taken as it is: it was a
+    that moved on meanwhile holding the same turns (renamed) gives its name and revision: it was a
     "changed meanwhile" warning."""
-    conversation.messages[:] = restore
     saved = store.current(conversation)
-    if saved is not conversation and saved.messages == restore:
-        vars(conversation).update(vars(saved))
-        return
+    if saved is not conversation and saved.messages in (conversation.messages, restore):  # its empty answer saved, or not yet
+        conversation.title, conversation.revision = saved.title, saved.revision
+    conversation.messages[:] = restore
     store.save(conversation)
 
 

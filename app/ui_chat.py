@@ -344,8 +344,8 @@ class ChatLogic:
                 result = (yield from answer_views(conversation, reply, ticket, self.store, start)) if ticket else None
                 self.pace = (Pace.of(result) if result else None) or self.pace  # what summarizing in parts is estimated by
                 if reply["partial"]:  # stopped while it waited (another answer, the engine's line): the question stays
-                    reply["partial"] = False
                     answer_turns.taken_back(self.store, conversation, restore)
+                    reply["partial"] = False
                     yield View(conversation=conversation, status="Stopped before the answer started.")
             except Exception as error:  # shown in the page, never as a traceback; the question stays
                 if reply["content"] == start:  # nothing said is no answer: the question stays, to retry

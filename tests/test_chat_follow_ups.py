@@ -31,6 +31,11 @@ def handlers(logic):
     return _ChatHandlers(page, logic)
 
 
+def shown_status(views) -> str:
+    """The status line as the views leave it drawn (None: a view leaves it as it was)."""
+    return [view.status for view in views if view.status is not None][-1]
+
+
 def page_values(settings: Settings) -> list:
     """The settings as the page sends them, one value per component."""
     return [getattr(settings, field.name) for field in dataclasses.fields(Settings)]
@@ -53,7 +58,8 @@ def test_a_follow_up_that_does_not_fit_leaves_the_oldest_turns_out_unasked_and_s
     assert all(kept.messages[index + 1].get("left_out") for index in left if kept.messages[index]["role"] == "user")
     answer = kept.messages[-1]
     assert answer["role"] == "assistant" and not answer["partial"] and not answer.get("left_out")
-    assert views[-1].status.startswith("✂ The ") and "left out of what the model reads" in views[-1].status
+    status = shown_status(views)
+    assert status.startswith("✂ The ") and "left out of what the model reads" in status
     assert all(LEFT_OUT in shown_messages(kept)[index]["content"] for index in left)  # marked in the chat
     read = model_messages(kept)
     assert document in read[0]["content"] and read[-2] == {"role": "user", "content": question}
@@ -176,7 +182,7 @@ def test_an_edit_makes_room_by_leaving_the_oldest_turns_out_as_a_follow_up_does(
     kept = saved(logic).messages
     assert [message.get("left_out", False) for message in kept] == [True, True, False, False]
     assert kept[2]["content"] == question and kept[3]["role"] == "assistant" and not kept[3]["partial"]
-    assert views[-1].status.startswith("✂ The oldest turn was left out")
+    assert shown_status(views).startswith("✂ The oldest turn was left out")
 
 
 def test_a_retry_that_no_longer_fits_its_answer_limit_changes_nothing(logic):

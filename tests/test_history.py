@@ -374,6 +374,26 @@ def test_an_answer_that_waited_for_another_follows_the_saved_turns_while_they_en
     assert len(third.messages) == 5 and len(store.load(answering.id).messages) == 5
 
 
+def test_a_question_asked_before_the_first_answer_was_saved_follows_it_once_merged_in(tmp_path):
+    """The other tab's copy held no answer yet (opened before its first save): the answer, merged in
+    ahead of the question, grew the turns before it; the question still ends the saved turns."""
+    store = HistoryStore(tmp_path)
+    answering = store.new()
+    answering.messages.append(user("Tell me a story"))
+    store.save(answering)
+    tab = store.load(answering.id)
+    tab.messages.append(user("And then?"))
+    store.save(tab)
+    restore = [*tab.messages]
+    tab.messages.append(assistant("", partial=True))
+    first = assistant("Once upon a time")
+    answering.messages.append(first)
+    store.save_answer(answering, first)
+    follow_saved_turns(store, tab, restore)
+    assert [m["content"] for m in tab.messages] == ["Tell me a story", "Once upon a time", "And then?", ""]
+    assert restore == store.load(answering.id).messages
+
+
 def test_undo_never_puts_a_deleted_copy_over_a_newer_file(tmp_path):
     store = HistoryStore(tmp_path)
     conversation = saved(store)

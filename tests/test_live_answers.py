@@ -14,7 +14,7 @@ from typing import Iterator
 import gradio as gr
 import pytest
 
-from conftest import run
+from conftest import holding, run
 from specchat.app import chat_versions as versions
 from specchat.app.chat_view import Settings, View
 from specchat.app.conversation import INTERRUPTED, WRITING, Conversation, shown_messages
@@ -210,7 +210,8 @@ def test_only_words_an_error_cut_are_marked_and_an_answer_that_had_ended_keeps_i
                        "error": "out of memory"}
 
 
-def test_a_question_from_another_tab_while_an_answer_streams_is_answered_after_it(logic, streaming, monkeypatch):
+def test_a_question_from_another_tab_while_an_answer_streams_is_answered_after_it(logic, handlers, streaming,
+                                                                                   monkeypatch):
     """The other tab's question is saved at once (a tab closed meanwhile keeps it), waits for the
     answer being written, then is answered from the turns as saved: after the whole first answer,
     not after the first words its copy held (its first save failed "changed meanwhile")."""
@@ -223,6 +224,8 @@ def test_a_question_from_another_tab_while_an_answer_streams_is_answered_after_i
     other_tab = logic.open(conversation.id).conversation  # shows the answer's first words, being written
     asking = logic.send("And then?", None, "", other_tab, dataclasses.replace(SETTINGS, max_new_tokens=8), session="B")
     views = [next(asking) for _ in range(3)]  # the question saved, the start, the wait
+    # Meanwhile the answer it waits for shows marked as being written, not cut mid-sentence.
+    assert handlers.draw(views[2])[handlers.page.chatbot][-2]["content"].endswith(WRITING)
     assert [m["content"] for m in logic.store.load(conversation.id).messages][-1] == "And then?"
     streaming.go_on.set()
     run(streaming.views)
@@ -281,3 +284,30 @@ def test_the_answering_tab_shows_its_answer_live_with_another_tab_s_question_bel
         assert question["content"] == "And then?" and WRITING not in answer["content"]
     logic.stop("B")
     run(asking)
+
+
+def test_an_answer_waiting_to_start_reads_as_being_written_and_a_question_asked_meanwhile_follows_it(
+        logic, handlers):
+    """Before its first words were saved (waiting in the engine's line, reading a long document),
+    another tab or a reload showed the question unanswered and unmarked; a question asked there
+    was answered after the first answer but then refused "changed meanwhile", though saved."""
+    gate, held = holding(logic.handle)
+    short = dataclasses.replace(SETTINGS, max_new_tokens=8)
+    try:
+        answering = logic.send("Hello there", None, "", None, short, session="A")
+        waiting = [next(answering) for _ in range(3)][-1]  # the question, the start, the engine's line
+        assert "Waiting for the engine" in waiting.status
+        conversation_id = waiting.conversation.id
+        assert shown_answer(handlers, lambda: logic.open(conversation_id)) == WRITING
+        other_tab = logic.open(conversation_id).conversation
+        asking = logic.send("And then?", None, "", other_tab, short, session="B")
+        assert "another tab" in [next(asking) for _ in range(3)][-1].status
+    finally:
+        gate.set()
+    assert list(held) == ["held"]
+    run(answering)
+    views = run(asking)
+    messages = logic.store.load(conversation_id).messages
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert all(m["content"] and not m.get("partial") for m in messages)
+    assert not any("⚠️" in (view.status or "") for view in views)
