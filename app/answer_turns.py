@@ -18,6 +18,7 @@ from .history import CHANGED, ConversationChanged, HistoryStore
 # tab gone) only between two of its views.
 POLL_SECONDS = 0.5
 WAITING = "⏳ Waiting for the answer being written in this conversation (another tab): yours follows it…"
+STOPPED = "Stopped before the answer started; the question stays, for Retry to answer."
 
 
 def after_earlier_answers(store: HistoryStore, conversation: Conversation, restore: list[dict], answer: object,

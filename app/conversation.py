@@ -151,6 +151,8 @@ def ending_mark(message: dict, writing: bool = False) -> str:
     if reason == "length":
         count = message.get("new_tokens")
         limit = f" of {count:,} tokens" if isinstance(count, int) else ""
+        if limit and message.get("continued"):  # the count sums every part; the limit is each part's
+            limit = f" ({count:,} tokens in all)"
         return f"*(cut off at the answer limit{limit}: Continue carries it on, or raise the limit in Settings)*"
     return ""
 

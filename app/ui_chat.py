@@ -346,7 +346,7 @@ class ChatLogic:
                 if reply["partial"]:  # stopped while it waited (another answer, the engine's line): the question stays
                     answer_turns.taken_back(self.store, conversation, restore)
                     reply["partial"] = False
-                    yield View(conversation=conversation, status="Stopped before the answer started.")
+                    yield View(conversation=conversation, status=answer_turns.STOPPED)
             except Exception as error:  # shown in the page, never as a traceback; the question stays
                 if reply["content"] == start:  # nothing said is no answer: the question stays, to retry
                     conversation.messages[:] = restore

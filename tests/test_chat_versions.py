@@ -9,6 +9,7 @@ import gradio as gr
 import pytest
 
 from conftest import holding, run, saved
+from specchat.app.answer_turns import STOPPED
 from specchat.app import chat_versions as versions
 from specchat.app.chat_view import Settings, View
 from specchat.app.conversation import from_json, model_messages, to_json, to_markdown
@@ -62,7 +63,7 @@ def test_a_retry_stopped_in_the_line_keeps_the_answer_it_was_to_replace(logic):
         views = logic.regenerate(conversation, seeded(2), session="s1")
         [next(views) for _ in range(2)]  # the start, the wait
         logic.stop("s1")
-        assert run(views)[-1].status == "Stopped before the answer started."
+        assert run(views)[-1].status == STOPPED
     finally:
         gate.set()
     assert list(held) == ["held"]
@@ -155,7 +156,7 @@ def test_stop_during_continue_keeps_what_was_added_and_a_stop_in_the_line_keeps_
         views = logic.continue_answer(conversation, long, session="s1")
         [next(views) for _ in range(2)]  # the start, the wait
         logic.stop("s1")
-        assert run(views)[-1].status == "Stopped before the answer started."
+        assert run(views)[-1].status == STOPPED
     finally:
         gate.set()
     assert list(held) == ["held"] and saved(logic).messages == before == conversation.messages

@@ -107,6 +107,7 @@ def test_the_last_answer_this_process_is_writing_reads_as_being_written_in_the_c
     ({"finish_reason": "stop"}, None),
     ({"finish_reason": "cancelled"}, "(stopped)"),
     ({"finish_reason": "length", "context_full": False, "new_tokens": 512}, "answer limit of 512 tokens"),
+    ({"finish_reason": "length", "new_tokens": 407, "continued": 1}, "answer limit (407 tokens in all)"),
     ({"finish_reason": "length", "context_full": True, "new_tokens": 90}, "context is full"),
     ({"finish_reason": "error", "error": "the GPU ran out of memory"}, "(cut short by an error: the GPU ran out of memory."),
     ({"finish_reason": "error"}, "(cut short by an error. Continue carries it on")])

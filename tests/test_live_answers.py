@@ -15,6 +15,7 @@ import gradio as gr
 import pytest
 
 from conftest import holding, run
+from specchat.app.answer_turns import STOPPED
 from specchat.app import chat_versions as versions
 from specchat.app.chat_view import Settings, View
 from specchat.app.conversation import INTERRUPTED, WRITING, Conversation, shown_messages
@@ -244,7 +245,7 @@ def test_stop_while_a_question_waits_for_the_other_tabs_answer_leaves_it_unanswe
     asking = logic.send("And then?", None, "", other_tab, SETTINGS, session="B")
     assert "another tab" in [next(asking) for _ in range(3)][-1].status
     logic.stop("B")
-    assert run(asking)[-1].status == "Stopped before the answer started."
+    assert run(asking)[-1].status == STOPPED
     streaming.go_on.set()
     run(streaming.views)
     messages = logic.store.load(streaming.conversation.id).messages

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from conftest import DATA, holding, run, saved
+from specchat.app.answer_turns import STOPPED
 from specchat.app import chat_over_limit as over_limit
 from specchat.app import chat_versions as versions
 from specchat.app.conversation import model_messages
@@ -349,7 +350,7 @@ def test_an_answer_waits_in_the_engines_line_and_stop_takes_it_out(small_line):
         small_line.rename(saved(small_line), "Named while waiting")
         small_line.stop("s1")
         (last,) = run(views)
-        assert last.status == "Stopped before the answer started."
+        assert last.status == STOPPED
         assert last.conversation.title == saved(small_line).title == "Named while waiting"
         assert [m["role"] for m in saved(small_line).messages] == ["user"]  # the question stays
     finally:
