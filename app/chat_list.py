@@ -83,7 +83,8 @@ class ConversationList:
         if conversation is None:
             raise InputError("start the conversation before naming it")
         renamed = self.store.rename(conversation.id, title)  # the tab's copy becomes the file's latest
-        return View(conversation=renamed, conversations_changed=True, status=f"Renamed to “{renamed.title}”.")
+        return View(conversation=renamed, same_messages=True, conversations_changed=True,
+                    status=f"Renamed to “{renamed.title}”.")
 
     def delete(self, conversation: Conversation | None) -> View:
         """Delete the conversation; it can be brought back (`undelete`) until the app restarts."""

@@ -71,6 +71,9 @@ class View:
     in_parts: bool = False  # the document can be summarized in parts
     longer_pairs: list[tuple[str, str]] | None = None
     streaming: bool = False
+    # The chat's bubbles as drawn (a rename: redrawn from the saved copy, they would flash an
+    # answer streaming in this tab back to its last save).
+    same_messages: bool = False
     pending: str = ""  # shown in the streaming answer's bubble until its first word (Markdown of ours)
     conversations_changed: bool = False
     clear_conversation: bool = False  # show an empty, new conversation

@@ -120,11 +120,12 @@ def render(page: ChatPage, view: View, choices: Callable[[], list[tuple[str, str
     if view.clear_conversation:
         drawn |= {page.conversation: None, page.chatbot: [], page.title: ""}
     elif chat is not None:
-        chatbot = shown(chat, view.streaming, view.pending, writing=chat.id in writing)
-        drawn |= {page.conversation: chat, page.chatbot: chatbot}
+        drawn[page.conversation] = chat
+        if not view.same_messages:
+            drawn[page.chatbot] = shown(chat, view.streaming, view.pending, writing=chat.id in writing)
         if not view.streaming:  # a streaming answer's copy can predate a rename, and would undo a name being typed
             drawn[page.title] = chat.title
-    if view.clear_conversation or chat is not None:
+    if view.clear_conversation or (chat is not None and not view.same_messages):
         drawn |= _answer_controls(page, None if view.clear_conversation else chat, view.streaming)
     if view.conversations_changed:
         drawn[page.conversations] = gr.update(choices=choices(), value=chat.id if chat else None)

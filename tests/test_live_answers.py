@@ -148,6 +148,9 @@ def test_a_rename_while_the_answer_streams_shows_at_once_and_stays(logic, handle
     page, conversation = handlers.page, streaming.conversation
     renamed = handlers.once(logic.rename)(conversation, "Stories")
     assert renamed[page.title] == "Stories" and renamed[page.status] == "Renamed to “Stories”."
+    # The streaming bubble is left as it is (redrawn from the saved copy, it flashed back to the
+    # last save, marked "being written", in the very tab writing it).
+    assert renamed[page.chatbot] == gr.update() and renamed[page.conversation].title == "Stories"
     streaming.go_on.set()
     views, drawn = [], []
     for view in streaming.views:  # each drawn as it comes: the views share the answer's copy, which the end merges
