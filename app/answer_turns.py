@@ -77,3 +77,13 @@ def renamed_meanwhile(store: HistoryStore, asked: Conversation) -> str:
         return ""
     asked.revision, asked.title = saved.revision, saved.title
     return saved.title
+
+
+def only_written_on(copy: Conversation, saved: Conversation) -> bool:
+    """Whether the saved conversation differs from a tab's copy only as the answer being written
+    when the copy was shown has gone on since: worth no note (a tab opened mid-answer)."""
+    if len(copy.messages) != len(saved.messages) or copy.messages[:-1] != saved.messages[:-1] or not copy.messages:
+        return False
+    shown, written = copy.messages[-1], saved.messages[-1]
+    return (shown["role"] == written["role"] == "assistant" and bool(shown.get("partial"))
+            and written["content"].startswith(shown["content"]))

@@ -156,9 +156,10 @@ class ChatLogic:
             except ConversationChanged as gone:
                 yield View(status=problem_text(gone), message=question)
                 return
-            if saved is not conversation:
-                conversation, changed = saved, ("ℹ️ This conversation had changed since it was shown (another tab, or "
-                                                "an answer that ended later): your question follows its saved turns.")
+            if saved is not conversation and not answer_turns.only_written_on(conversation, saved):
+                changed = ("ℹ️ This conversation had changed since it was shown (another tab, or an answer that "
+                           "ended later): your question follows its saved turns.")
+            conversation = saved
         named = ""  # given to the conversation while the model loaded
         if self.handle.status() == "loading":
             named = yield from self._wait_for_the_model(question, attachment, pasted, conversation, settings, session)

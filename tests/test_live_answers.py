@@ -315,3 +315,15 @@ def test_an_answer_waiting_to_start_reads_as_being_written_and_a_question_asked_
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
     assert all(m["content"] and not m.get("partial") for m in messages)
     assert not any("⚠️" in (view.status or "") for view in views)
+
+
+def test_a_tab_opened_mid_answer_asks_after_the_ended_answer_without_a_changed_note(logic, streaming):
+    """Its copy differed from the file only by the answer written on since it was shown: every
+    follow-up from it said "This conversation had changed since it was shown", and kept saying so."""
+    other_tab = logic.open(streaming.conversation.id).conversation  # the answer's first words
+    streaming.go_on.set()
+    run(streaming.views)
+    views = run(logic.send("And then?", None, "", other_tab, dataclasses.replace(SETTINGS, max_new_tokens=8)))
+    assert not any("had changed" in (view.status or "") for view in views)
+    messages = logic.store.load(other_tab.id).messages
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"] and not messages[1]["partial"]
