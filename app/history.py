@@ -14,16 +14,19 @@ writes only the copy that is the file's latest: a stale copy (another tab wrote 
 ended after the copy was opened) or a deleted conversation is refused (`ConversationChanged`)
 instead of silently overwriting newer turns; an answer being written merges into the newer copy.
 A copy's `partial` answer is being written while `live_answers` holds its conversation, else it
-was cut short (a crash, a kill).
+was cut short (a crash, a kill). Each call is one step under one lock: an answer saves on its own
+thread while the page renames or deletes on another.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import os
 import re
 import stat
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -85,6 +88,16 @@ def default_folder() -> Path:
     return Path(platformdirs.user_data_dir("specchat", appauthor=False)) / "conversations"
 
 
+def _locked(method):
+    """`method` as one step of the store: its reads, checks and writes never interleave with
+    another thread's (`HistoryStore._lock`)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class HistoryStore:
     def __init__(self, folder: Path, documents: Path | None = None):
         self.folder = Path(folder)
@@ -98,6 +111,9 @@ class HistoryStore:
         self._revisions: dict[str, tuple[tuple[int, int], int]] = {}  # by id: (mtime, size) -> revision
         self._deleted: set[str] = set()  # in the bin: no copy still open anywhere may write it again
         self.live_answers = LiveAnswers()  # whose answer this process is writing: a new store knows none
+        # An answer saves on its own thread while the page renames or deletes on another: a write
+        # landing between another's revision check and its write would be lost for good.
+        self._lock = threading.RLock()
         self._remove_stale_temporaries()
         self._empty_the_bin()
 
@@ -107,6 +123,7 @@ class HistoryStore:
         return Conversation(id=uuid.uuid4().hex, title=NEW_TITLE, created=now, updated=now,
                             system=system, preset=preset)
 
+    @_locked
     def save(self, conversation: Conversation) -> None:
         """Write `conversation` (bumping `updated` and `revision`); one without messages leaves no
         file (and takes away the file of a question saved while the model loaded, then taken back).
@@ -120,6 +137,7 @@ class HistoryStore:
         conversation.updated = time.time()
         self._write(conversation)
 
+    @_locked
     def save_answer(self, conversation: Conversation, answer: dict) -> None:
         """Save while `answer`, one of the conversation's messages, is being written. When the
         conversation moved on meanwhile but still holds the turns before the answer (renamed,
@@ -143,6 +161,7 @@ class HistoryStore:
         conversation.revision = newer.revision
         self.save(conversation)
 
+    @_locked
     def current(self, conversation: Conversation) -> Conversation:
         """The conversation as saved: `conversation` itself when nothing wrote it since the copy was
         read (or it was never saved), else the newer copy; `ConversationChanged` when deleted."""
@@ -155,6 +174,7 @@ class HistoryStore:
             raise ConversationChanged(DELETED)
         return self._saved_revision(conversation.id) in (None, conversation.revision)
 
+    @_locked
     def load(self, conversation_id: str) -> Conversation:
         path = self._path(conversation_id)
         try:
@@ -167,6 +187,7 @@ class HistoryStore:
         conversation.id = conversation_id  # the file name is the id the list knows it by
         return conversation
 
+    @_locked
     def list(self) -> list[Summary]:
         """Every saved conversation, most recently updated first."""
         summaries = []
@@ -177,6 +198,7 @@ class HistoryStore:
                     summaries.append(summary)
         return sorted(summaries, key=lambda summary: summary.updated, reverse=True)
 
+    @_locked
     def rename(self, conversation_id: str, title: str) -> Conversation:
         """The conversation as saved, renamed."""
         title = one_line(title)
@@ -187,6 +209,7 @@ class HistoryStore:
         self._write(conversation)  # renaming is not activity: the list order stays
         return conversation
 
+    @_locked
     def delete(self, conversation_id: str) -> None:
         """Take the conversation out of the list; `undelete` brings it back until the next start
         of the app, which empties the bin."""
@@ -196,6 +219,7 @@ class HistoryStore:
         self._deleted.add(conversation_id)
         self._summaries.pop(conversation_id, None)
 
+    @_locked
     def undelete(self, conversation_id: str) -> None:
         path = self._path(conversation_id)
         deleted = path.with_name(f"{conversation_id}.json{DELETED_SUFFIX}")
@@ -204,6 +228,7 @@ class HistoryStore:
         os.replace(deleted, path)
         self._deleted.discard(conversation_id)
 
+    @_locked
     def take_problems(self) -> list[str]:
         """Messages about files set aside since the last call, for the UI to show once."""
         problems, self._problems = self._problems, []

@@ -11,9 +11,11 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -406,6 +408,90 @@ def test_undo_never_puts_a_deleted_copy_over_a_newer_file(tmp_path):
     assert store.load(conversation.id).messages == conversation.messages
     assert (tmp_path / f"{conversation.id}.json.deleted").exists()
 
+
+class _Watched:
+    """The store's lock, setting `blocked` when a thread has to wait for it: a step started on
+    another thread is then known to wait for the one under way, without sleeping."""
+
+    def __init__(self, lock, blocked: threading.Event):
+        self.lock, self.blocked = lock, blocked
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            self.blocked.set()
+            self.lock.acquire()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+@pytest.fixture
+def race(tmp_path, monkeypatch):
+    """A store (`race.store`) whose next write on this thread first runs `race.step` on another
+    thread, until it ends or waits for the store: the step lands inside this thread's, as far as
+    the store lets it; `race.ended()` waits for the step to end. `race.answering` holds an answer
+    (`race.reply`) saved with its first words."""
+    store, settled, steps = HistoryStore(tmp_path), threading.Event(), []
+    monkeypatch.setattr(store, "_lock", _Watched(store._lock, settled))
+    answering = store.new()
+    answering.title = "Old name"
+    answering.messages.append(user("Tell me a story"))
+    store.save(answering)
+    reply = assistant("Once", partial=True)
+    answering.messages.append(reply)
+    store.save_answer(answering, reply)
+    race = SimpleNamespace(store=store, answering=answering, reply=reply, step=None,
+                           ended=lambda: [step.join(10) for step in steps])
+    here, write = threading.current_thread(), history.write_atomically
+
+    def the_step():
+        try:
+            race.step()
+        finally:
+            settled.set()
+
+    def step_first(path, text):
+        if threading.current_thread() is here and race.step and not steps:
+            steps.append(threading.Thread(target=the_step))
+            steps[0].start()
+            settled.wait(10)
+        write(path, text)
+
+    monkeypatch.setattr(history, "write_atomically", step_first)
+    yield race
+    race.ended()
+
+
+def test_a_rename_while_an_answer_saves_waits_for_the_save_and_stays(race):
+    """Found in Chromium: a rename landing between the answer's revision check and its write was
+    written over, and the answer's later saves kept the old name for good."""
+    store, answering, reply = race.store, race.answering, race.reply
+    race.step = lambda: store.rename(answering.id, "New name")
+    reply["content"] += " upon"
+    store.save_answer(answering, reply)  # the rename lands inside it
+    reply.update(content="Once upon a time", partial=False)
+    store.save_answer(answering, reply)
+    race.ended()
+    saved = store.load(answering.id)
+    assert saved.title == "New name" and saved.messages[-1] == reply
+
+
+def test_an_answer_ending_while_a_rename_writes_keeps_its_end(race):
+    """Found in Chromium: the answer's last save landing between a rename's read and its write was
+    written over with the first words, still partial, which read "(interrupted)" after a restart."""
+    store, answering, reply = race.store, race.answering, race.reply
+    ended = []
+
+    def the_answer_ends():
+        reply.update(content="Once upon a time", partial=False)
+        store.save_answer(answering, reply)
+        ended.append(reply)
+
+    race.step = the_answer_ends
+    store.rename(answering.id, "New name")  # the answer's last save lands inside it
+    race.ended()
+    saved = store.load(answering.id)
+    assert ended and saved.title == "New name" and saved.messages[-1] == reply
 
 def test_unreadable_files_are_set_aside_and_reported_once(tmp_path):
     store = HistoryStore(tmp_path)
