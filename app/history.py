@@ -12,7 +12,8 @@ document caches that no other conversation uses go with it (`core/kv/document_ow
 Each tab holds its own copy of a conversation, so every file carries a revision and the store
 writes only the copy that is the file's latest: a stale copy (another tab wrote since, or an answer
 ended after the copy was opened) or a deleted conversation is refused (`ConversationChanged`)
-instead of silently overwriting newer turns; an answer being written merges into the newer copy.
+instead of silently overwriting newer turns; an answer being written merges into the newer copy,
+or into the bin's for a deleted conversation, so that Undo brings back all that was written.
 A copy's `partial` answer is being written while `live_answers` holds its conversation, else it
 was cut short (a crash, a kill). Each call is one step under one lock: an answer saves on its own
 thread while the page renames or deletes on another.
@@ -108,7 +109,7 @@ class HistoryStore:
         # every answer, and rereading every document each time would grow with the history.
         self._summaries: dict[str, tuple[tuple[int, int], Summary]] = {}
         self._reported: set[str] = set()  # problems already reported about files left in place
-        self._revisions: dict[str, tuple[tuple[int, int], int]] = {}  # by id: (mtime, size) -> revision
+        self._revisions: dict[str, tuple[tuple[int, int], int]] = {}  # by file name: (mtime, size) -> revision
         self._deleted: set[str] = set()  # in the bin: no copy still open anywhere may write it again
         self.live_answers = LiveAnswers()  # whose answer this process is writing: a new store knows none
         # An answer saves on its own thread while the page renames or deletes on another: a write
@@ -142,24 +143,26 @@ class HistoryStore:
         """Save while `answer`, one of the conversation's messages, is being written. When the
         conversation moved on meanwhile but still holds the turns before the answer (renamed,
         another tab asked after it), the answer goes into the newer copy, which `conversation`
-        becomes; `ConversationChanged` when those turns changed or it was deleted."""
-        try:
-            self.save(conversation)
-            return
-        except ConversationChanged:
-            if conversation.id in self._deleted:
-                raise
-        place = next(index for index, message in enumerate(conversation.messages) if message is answer)
-        newer = self.load(conversation.id)
-        if newer.messages[:place] != conversation.messages[:place]:
-            raise ConversationChanged(CHANGED) from None
-        after = newer.messages[place:]
-        if after and after[0]["role"] == "assistant":  # the answer as saved before: replaced
-            after = after[1:]
-        conversation.messages[:] = [*newer.messages[:place], answer, *after]
-        conversation.title, conversation.settings = newer.title, newer.settings
-        conversation.revision = newer.revision
-        self.save(conversation)
+        becomes; `ConversationChanged` when those turns changed. Deleted meanwhile, it goes into
+        the bin's copy, which stays there: Undo brings back the answer as its tab shows it."""
+        binned = conversation.id in self._deleted
+        path = self._path(conversation.id, binned)
+        saved = self._saved_revision(path)
+        if binned and saved is None:  # nothing in the bin for Undo to bring back
+            raise ConversationChanged(DELETED)
+        if saved not in (None, conversation.revision):
+            place = next(index for index, message in enumerate(conversation.messages) if message is answer)
+            newer = self._load(conversation.id, path)
+            if newer.messages[:place] != conversation.messages[:place]:
+                raise ConversationChanged(CHANGED)
+            after = newer.messages[place:]
+            if after and after[0]["role"] == "assistant":  # the answer as saved before: replaced
+                after = after[1:]
+            conversation.messages[:] = [*newer.messages[:place], answer, *after]
+            conversation.title, conversation.settings = newer.title, newer.settings
+            conversation.revision = newer.revision
+        conversation.updated = time.time()
+        self._write(conversation, path)
 
     @_locked
     def current(self, conversation: Conversation) -> Conversation:
@@ -172,11 +175,13 @@ class HistoryStore:
         the conversation was deleted."""
         if conversation.id in self._deleted:
             raise ConversationChanged(DELETED)
-        return self._saved_revision(conversation.id) in (None, conversation.revision)
+        return self._saved_revision(self._path(conversation.id)) in (None, conversation.revision)
 
     @_locked
     def load(self, conversation_id: str) -> Conversation:
-        path = self._path(conversation_id)
+        return self._load(conversation_id, self._path(conversation_id))
+
+    def _load(self, conversation_id: str, path: Path) -> Conversation:
         try:
             conversation = self._read(path)
         except FileNotFoundError:
@@ -215,14 +220,13 @@ class HistoryStore:
         of the app, which empties the bin."""
         path = self._path(conversation_id)
         if path.exists():
-            os.replace(path, path.with_name(path.name + DELETED_SUFFIX))
+            os.replace(path, self._path(conversation_id, binned=True))
         self._deleted.add(conversation_id)
         self._summaries.pop(conversation_id, None)
 
     @_locked
     def undelete(self, conversation_id: str) -> None:
-        path = self._path(conversation_id)
-        deleted = path.with_name(f"{conversation_id}.json{DELETED_SUFFIX}")
+        path, deleted = self._path(conversation_id), self._path(conversation_id, binned=True)
         if not deleted.exists() or path.exists():  # gone, or saved again since (never overwritten)
             raise InputError("that conversation can no longer be brought back")
         os.replace(deleted, path)
@@ -234,12 +238,13 @@ class HistoryStore:
         problems, self._problems = self._problems, []
         return problems
 
-    def _path(self, conversation_id: str) -> Path:
+    def _path(self, conversation_id: str, binned: bool = False) -> Path:
+        """The conversation's file, or its copy in the bin."""
         _check_id(conversation_id)
-        return self.folder / f"{conversation_id}.json"
+        return self.folder / f"{conversation_id}.json{DELETED_SUFFIX if binned else ''}"
 
-    def _write(self, conversation: Conversation) -> None:
-        path = self._path(conversation.id)
+    def _write(self, conversation: Conversation, path: Path | None = None) -> None:
+        path = path or self._path(conversation.id)
         text = to_json(dataclasses.replace(conversation, revision=conversation.revision + 1))
         # Written larger than the limit, it could never be opened again.
         CONVERSATION_FILE.check(len(text.encode("utf-8")), f"the conversation {conversation.title!r}")
@@ -253,7 +258,7 @@ class HistoryStore:
                              "conversation not saved") from None
         conversation.revision += 1
         info = path.stat()
-        self._revisions[conversation.id] = ((info.st_mtime_ns, info.st_size), conversation.revision)
+        self._revisions[path.name] = ((info.st_mtime_ns, info.st_size), conversation.revision)
 
     def _summary(self, path: Path) -> Summary | None:
         """The summary of one file, from the cache while the file is unchanged; None when it is
@@ -298,15 +303,14 @@ class HistoryStore:
             conversation = from_json(data.decode("utf-8-sig"))  # -sig: a file saved again by Notepad
         except ValueError:  # UnicodeDecodeError is a ValueError too
             raise _Unreadable(self._set_aside(path)) from None
-        self._revisions[path.stem] = ((info.st_mtime_ns, info.st_size), conversation.revision)
+        self._revisions[path.name] = ((info.st_mtime_ns, info.st_size), conversation.revision)
         return conversation
 
-    def _saved_revision(self, conversation_id: str) -> int | None:
+    def _saved_revision(self, path: Path) -> int | None:
         """The revision of the file on disk (None: no file, or one that cannot be read)."""
-        path = self._path(conversation_id)
         try:
             info = path.stat()
-            cached = self._revisions.get(conversation_id)
+            cached = self._revisions.get(path.name)
             if cached and cached[0] == (info.st_mtime_ns, info.st_size):
                 return cached[1]
             return self._read(path).revision

@@ -305,7 +305,7 @@ def test_a_stale_copy_never_writes_over_newer_turns(tmp_path):
 
 def test_an_answer_goes_into_the_newer_copy_when_the_turns_before_it_stayed(tmp_path):
     """Renamed, or asked again in another tab while an answer was written: the answer is merged in
-    its place; with the turns before it changed, or the conversation deleted, nothing is written."""
+    its place; with the turns before it changed, nothing is written."""
     store = HistoryStore(tmp_path)
     answering = store.new()
     answering.messages.append(user("Tell me a story"))
@@ -330,10 +330,36 @@ def test_an_answer_goes_into_the_newer_copy_when_the_turns_before_it_stayed(tmp_
     reply["content"] += " there was"
     with pytest.raises(ConversationChanged, match="changed meanwhile"):
         store.save_answer(answering, reply)
+    assert store.load(answering.id).messages == [user("Tell me a poem")]
+
+
+def test_an_answer_whose_conversation_is_deleted_goes_into_the_bin_and_undo_brings_all_of_it_back(tmp_path):
+    """Found in Chromium: deleted mid-answer, its saves were refused, and Undo brought back the last
+    periodic one (seconds short, still partial: "(interrupted)"). Anything else stays refused."""
+    store = HistoryStore(tmp_path)
+    answering = store.new()
+    answering.messages.append(user("Tell me a story"))
+    store.save(answering)
+    reply = assistant("Once", partial=True)
+    answering.messages.append(reply)
+    store.save_answer(answering, reply)
+    store.rename(answering.id, "Stories")  # the bin's copy is newer: the answer merges into it
     store.delete(answering.id)
+    reply.update(content="Once upon a time", partial=False)
+    store.save_answer(answering, reply)
+    assert store.list() == [] and not (tmp_path / f"{answering.id}.json").exists()
     with pytest.raises(ConversationChanged, match="deleted meanwhile"):
-        store.save_answer(edited, edited.messages[0])
-    assert not (tmp_path / f"{answering.id}.json").exists()
+        store.save(answering)
+    store.undelete(answering.id)
+    assert asdict(store.load(answering.id)) == asdict(answering) and answering.title == "Stories"
+    assert answering.messages[-1] == reply
+
+    never_saved = store.new()  # nothing in the bin: nothing written
+    never_saved.messages[:] = [user("Hi"), assistant("Hel", partial=True)]
+    store.delete(never_saved.id)
+    with pytest.raises(ConversationChanged, match="deleted meanwhile"):
+        store.save_answer(never_saved, never_saved.messages[-1])
+    assert sorted(path.name for path in tmp_path.iterdir()) == [f"{answering.id}.json"]
 
 
 def test_an_answer_that_waited_for_another_follows_the_saved_turns_while_they_end_as_its_turn_did(tmp_path):

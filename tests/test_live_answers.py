@@ -2,7 +2,8 @@
 meanwhile says it is being written, never "(interrupted)"; once it ends (done, stopped, the page
 gone, an error) every view shows how it ended; after a restart a saved partial answer was cut
 short, and says so; a rename made meanwhile shows at once and stays; a question another tab asks
-meanwhile is answered after it, from the whole answer. On the tiny model (256-token context)."""
+meanwhile is answered after it, from the whole answer; deleted meanwhile, Undo brings it back as
+its tab showed it. On the tiny model (256-token context)."""
 
 import contextlib
 import dataclasses
@@ -261,6 +262,34 @@ def test_a_deleted_conversation_still_exports_as_its_tab_shows_it(logic):
     logic.delete(conversation)
     assert "Hello there" in exported(logic, conversation)
 
+
+@pytest.mark.parametrize("deleting", ["another tab", "this tab"])
+def test_an_answer_deleted_meanwhile_comes_back_with_undo_as_its_tab_showed_it(logic, handlers, streaming, deleting):
+    """Found in Chromium: deleted mid-answer, Undo brought back its last periodic save (seconds
+    short, still partial: "(interrupted)", no Continue) and the answering tab called it an error.
+    Another tab's Delete leaves it to its end; this tab's stops it (the page's Delete presses Stop
+    and Gradio closes the answer's handler)."""
+    conversation, views = streaming.conversation, []
+    if deleting == "this tab":
+        logic.delete(conversation)
+        logic.stop("A")
+        streaming.views.close()
+    else:
+        logic.delete(logic.open(conversation.id).conversation)
+        streaming.go_on.set()
+        views = run(streaming.views)
+    assert conversation.id not in logic.store.live_answers and logic.conversation_choices() == []
+    logic.undelete(conversation.id)
+    back = logic.open(conversation.id).conversation
+    answer = back.messages[-1]
+    assert back.messages == conversation.messages and not answer["partial"] and "error" not in answer
+    bubble = shown_answer(handlers, lambda: logic.open(conversation.id))
+    assert bubble == shown_messages(conversation)[-1]["content"] and INTERRUPTED not in bubble
+    if deleting == "this tab":
+        assert bubble.endswith("*(stopped)*") and versions.can_continue(back)
+    else:
+        assert answer["finish_reason"] in ("length", "stop", "repeating")
+        assert not any("⚠️" in (view.status or "") for view in views)
 
 def test_a_conversation_is_live_while_any_of_its_answers_is_written(tmp_path):
     """Two tabs answering in one conversation: the first to end leaves the other's live."""
