@@ -183,14 +183,15 @@ def test_enter_in_a_second_tab_while_one_answers_waits_in_sight_and_its_stop_wor
     other = open_page(playwright_browser, page.url)
     try:
         new_conversation(other)
-        other.locator("#message textarea").fill("Name three colors.")  # ready: the answer below is short
+        # Questions no other test asks: later tests pick conversations from the list by their names.
+        other.locator("#message textarea").fill("List two fruits.")  # ready: the answer below is short
         new_conversation(page)
-        send(page, "Write a long story about a dragon who loves books.")
+        send(page, "Tell me a very long tale about a river.")
         wait_for(lambda: len(last_answer(page)) > 20, what="the first tab's answer to stream")
         other.locator("#message textarea").press("Enter")
         status = other.locator("#status")
         wait_for(lambda: "Waiting for the engine" in status.inner_text(), timeout=10, what="the question's wait")
-        assert questions(other).all_inner_texts() == ["Name three colors."]
+        assert questions(other).all_inner_texts() == ["List two fruits."]
         other.locator("#stop").click()
         wait_for(lambda: "Stopped before the answer started" in status.inner_text(), timeout=10, what="its Stop")
         assert "stopped" not in stats(page)  # the first answer streams on, or ended by itself
