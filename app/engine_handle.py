@@ -129,11 +129,6 @@ class EngineHandle:
         """Queue `job(engine, cancel)`; raises `engine_queue.Busy` when the line is full."""
         return self._line.submit(job)
 
-    @property
-    def capacity(self) -> int:
-        """How many jobs the line holds, running and waiting; `submit` raises `engine_queue.Busy` beyond."""
-        return self._line.max_waiting + 1
-
     def forget(self, conversation: str) -> None:
         """Free the KV the engine keeps for `conversation` (deleted), in line after its answers;
         without waiting. A full line (the memory budget evicts the KV in time) or one shutting down

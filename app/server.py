@@ -28,7 +28,6 @@ import uvicorn  # noqa: E402
 DEFAULT_HOST = "127.0.0.1"
 SHUTDOWN_GRACE_SECONDS = 1
 LISTEN_BACKLOG = 2048  # uvicorn's own
-GRADIO_THREADS = 40  # Gradio's default `max_threads`: for every event but the answers
 
 
 def build_app(handle: EngineHandle, store: HistoryStore, registry_file: str | None = None,
@@ -41,11 +40,7 @@ def build_app(handle: EngineHandle, store: HistoryStore, registry_file: str | No
 
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     add_api(app, handle)  # the key is the Guard's, for every route alike
-    demo = build_ui(handle, store, registry_file)
-    # Gradio runs at most `max_threads` events at once, each on a worker thread: an answer waiting in
-    # the engine's line holds one, so the rest keep Gradio's default 40 besides the answers'.
-    demo.max_threads = handle.capacity + GRADIO_THREADS
-    demo.queue(default_concurrency_limit=1)
+    demo = build_ui(handle, store, registry_file).queue(default_concurrency_limit=1)
     app = gr.mount_gradio_app(app, demo, path="/", ssr_mode=False, footer_links=[], css=APP_CSS,
                               max_file_size=limits.UPLOAD.bytes)
     # Gradio checks that a file an event receives was uploaded (processing_utils._check_allowed)

@@ -266,22 +266,19 @@ def _wire_answers(page: ChatPage, logic: ChatLogic, on: _ChatHandlers) -> list:
     leaving the conversation cancels: those that answer, and reading a file put in the box."""
     outputs, settings_inputs = page.outputs, page.settings_inputs
     send_inputs, meter_inputs = page.send_inputs, page.meter_inputs
-    # The engine's line is the answers' one queue (each told its place, Busy when full): Gradio runs as
-    # many at once as it holds; its one per event held a second tab's Enter unseen, deaf to Stop.
-    answer = {**QUIET, "concurrency_id": "answer", "concurrency_limit": logic.handle.capacity}
-    answering = [trigger(on.send_message, send_inputs, outputs, **answer)
+    answering = [trigger(on.send_message, send_inputs, outputs, **QUIET)
                  for trigger in (page.message.submit, page.send.click)]
     chat_inputs = [page.conversation, *settings_inputs]
-    answering.append(page.chatbot.retry(on.again(logic.regenerate), chat_inputs, outputs, **answer))
-    answering.append(page.chatbot.edit(on.edit, chat_inputs, outputs, **answer))
-    answering.append(page.go_on.click(on.again(logic.continue_answer), chat_inputs, outputs, **answer))
+    answering.append(page.chatbot.retry(on.again(logic.regenerate), chat_inputs, outputs, **QUIET))
+    answering.append(page.chatbot.edit(on.edit, chat_inputs, outputs, **QUIET))
+    answering.append(page.go_on.click(on.again(logic.continue_answer), chat_inputs, outputs, **QUIET))
     # The over-limit choices each change what is sent, then send it: the question and document are kept.
     choices = {button: functools.partial(over_limit.cut, logic, where) for where, button in page.cut_buttons.items()}
     choices |= {page.shorter: functools.partial(over_limit.shorter_answer, logic),
                 page.leave_out: functools.partial(over_limit.leave_out_turns, logic)}
-    answering += [button.click(on.choose_then_send(choose), send_inputs, outputs, **answer)
+    answering += [button.click(on.choose_then_send(choose), send_inputs, outputs, **QUIET)
                   for button, choose in choices.items()]
-    answering.append(page.in_parts.click(on.summarize_in_parts, send_inputs, outputs, **answer))
+    answering.append(page.in_parts.click(on.summarize_in_parts, send_inputs, outputs, **QUIET))
     for event in answering:
         event.then(on.update_meter, meter_inputs, page.meter, **METERING)
     for button, step in ((page.older, -1), (page.newer, 1)):  # paging a version saves: never behind an answer

@@ -176,32 +176,6 @@ def test_answer_streams_in_and_stop_stops_it(page):
     assert last_answer(page) == stopped  # nothing more arrives after Stop
 
 
-def test_enter_in_a_second_tab_while_one_answers_waits_in_sight_and_its_stop_works(page, playwright_browser):
-    """Enter in another tab while an answer streams: its question shows at once with its place in
-    the engine's line, and its Stop takes it out, not the first answer. Gradio held that Enter
-    unseen until the first answer ended, and the tab's Stop did nothing."""
-    other = open_page(playwright_browser, page.url)
-    try:
-        new_conversation(other)
-        # Questions no other test asks: later tests pick conversations from the list by their names.
-        other.locator("#message textarea").fill("List two fruits.")  # ready: the answer below is short
-        new_conversation(page)
-        send(page, "Tell me a very long tale about a river.")
-        wait_for(lambda: len(last_answer(page)) > 20, what="the first tab's answer to stream")
-        other.locator("#message textarea").press("Enter")
-        status = other.locator("#status")
-        wait_for(lambda: "Waiting for the engine" in status.inner_text(), timeout=10, what="the question's wait")
-        assert questions(other).all_inner_texts() == ["List two fruits."]
-        other.locator("#stop").click()
-        wait_for(lambda: "Stopped before the answer started" in status.inner_text(), timeout=10, what="its Stop")
-        assert "stopped" not in stats(page)  # the first answer streams on, or ended by itself
-        shot(other, "second-tab-stopped-while-waiting")
-    finally:
-        other.close()
-    page.locator("#stop").click()
-    wait_until_finished(page, lambda: True, what="the first answer to end")
-
-
 def test_regenerate_replaces_the_last_answer(page):
     set_max_new_tokens(page, 48)
     page.get_by_label("Retry").last.click()  # the stopped answer's figures say "stopped", never "done"

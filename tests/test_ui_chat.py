@@ -372,28 +372,6 @@ def test_a_full_line_is_one_busy_line_and_the_question_stays(small_line):
     assert list(held) == ["held"] and list(waiting) == ["waited"]
 
 
-def test_every_way_of_asking_waits_in_the_engines_line_not_unseen_in_gradios_queue(tmp_path, monkeypatch):
-    """Gradio ran each answering event one at a time: Enter in a second tab while another tab's Enter
-    answered waited in Gradio's queue, unshown, unsaved, deaf to Stop. They share one Gradio limit
-    as large as the engine's line, and Gradio has a worker for each besides its 40 for the rest."""
-    from specchat.app import server, ui
-
-    built = []
-    monkeypatch.setattr(server, "build_ui", lambda *args: built.append(ui.build_ui(*args)) or built[-1])
-    handle = EngineHandle(lambda _model, _progress: threading.Event().wait(), "never loads", max_waiting=5)
-    server.build_app(handle, HistoryStore(tmp_path))
-    (demo,) = built
-    ids = {block.elem_id: key for key, block in demo.blocks.items() if block.elem_id}
-    asking = {(ids["message"], "submit"), (ids["chat"], "retry"), (ids["chat"], "edit"),
-              *((ids[name], "click") for name in ("send", "continue", "shorter-answer", "leave-out", "in-parts")),
-              *((ids[name], "click") for name in ids if name.startswith("cut-"))}
-    answering = [fn for fn in demo.fns.values() if set(map(tuple, fn.targets)) & asking]
-    assert len(answering) == len(asking) > 10
-    (group,) = {fn.concurrency_id for fn in answering}
-    assert {fn.concurrency_limit for fn in demo.fns.values() if fn.concurrency_id == group} == {handle.capacity} == {6}
-    assert demo.max_threads == demo._queue.max_thread_count == handle.capacity + 40  # the queue's worker slots too
-
-
 def test_a_new_answer_in_the_same_session_ends_the_one_the_page_left(logic):
     """The page leaves an answer without closing it (another conversation opened mid-answer);
     the session's next question cancels it, so the engine need not wait for the stall backstop."""
