@@ -303,16 +303,22 @@ def test_a_stale_copy_never_writes_over_newer_turns(tmp_path):
     assert HistoryStore(tmp_path).current(tab_a) is tab_a  # the revision is in the file, not only in memory
 
 
-def test_an_answer_goes_into_the_newer_copy_when_the_turns_before_it_stayed(tmp_path):
-    """Renamed, or asked again in another tab while an answer was written: the answer is merged in
-    its place; with the turns before it changed, nothing is written."""
-    store = HistoryStore(tmp_path)
+def story_being_written(store: HistoryStore) -> tuple[Conversation, dict]:
+    """A conversation whose answer has its first word saved, and that answer."""
     answering = store.new()
     answering.messages.append(user("Tell me a story"))
     store.save(answering)
     reply = assistant("Once", partial=True)
     answering.messages.append(reply)
     store.save_answer(answering, reply)
+    return answering, reply
+
+
+def test_an_answer_goes_into_the_newer_copy_when_the_turns_before_it_stayed(tmp_path):
+    """Renamed, or asked again in another tab while an answer was written: the answer is merged in
+    its place; with the turns before it changed, nothing is written."""
+    store = HistoryStore(tmp_path)
+    answering, reply = story_being_written(store)
     other = store.load(answering.id)
     other.messages.append(user("And then?"))
     store.save(other)
@@ -337,12 +343,7 @@ def test_an_answer_whose_conversation_is_deleted_goes_into_the_bin_and_undo_brin
     """Found in Chromium: deleted mid-answer, its saves were refused, and Undo brought back the last
     periodic one (seconds short, still partial: "(interrupted)"). Anything else stays refused."""
     store = HistoryStore(tmp_path)
-    answering = store.new()
-    answering.messages.append(user("Tell me a story"))
-    store.save(answering)
-    reply = assistant("Once", partial=True)
-    answering.messages.append(reply)
-    store.save_answer(answering, reply)
+    answering, reply = story_being_written(store)
     store.rename(answering.id, "Stories")  # the bin's copy is newer: the answer merges into it
     store.delete(answering.id)
     reply.update(content="Once upon a time", partial=False)
